@@ -1,0 +1,61 @@
+"""Shared pytest fixtures.
+
+Test data lives outside the repository, in ``../shared`` beside the checkout (or wherever
+``SCALEFOLD_SHARED`` points).  Tests that need it request the ``shared_dir`` fixture (or one of
+the more specific ones) and are skipped with a clear reason when it is absent.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _shared_root() -> Path:
+    env = os.environ.get("SCALEFOLD_SHARED")
+    return Path(env) if env else REPO_ROOT.parent / "shared"
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> Path:
+    root = _shared_root()
+    if not root.is_dir():
+        pytest.skip(f"shared test data not found at {root} (set SCALEFOLD_SHARED)")
+    return root
+
+
+@pytest.fixture(scope="session")
+def reference_dir(shared_dir: Path) -> Path:
+    path = shared_dir / "reference"
+    if not path.is_dir():
+        pytest.skip(f"reference goldens not found at {path}")
+    return path
+
+
+@pytest.fixture(scope="session")
+def golden_small(reference_dir: Path) -> dict:
+    path = reference_dir / "golden_small.pt"
+    if not path.is_file():
+        pytest.skip(f"{path} not found")
+    return torch.load(path, weights_only=True)
+
+
+@pytest.fixture(scope="session")
+def golden_modules(reference_dir: Path) -> dict:
+    path = reference_dir / "golden_modules.pt"
+    if not path.is_file():
+        pytest.skip(f"{path} not found")
+    return torch.load(path, weights_only=True)
+
+
+@pytest.fixture(scope="session")
+def data_dir(shared_dir: Path) -> Path:
+    path = shared_dir / "data"
+    if not path.is_dir():
+        pytest.skip(f"shared PDB/alignment test data not found at {path}")
+    return path
