@@ -1,0 +1,97 @@
+"""Dispatch point for ScaleFold's fused kernels.
+
+Every fast path has a plain PyTorch reference beside it (``scalefold.kernels.reference``);
+``backend`` picks one:
+
+* ``"auto"``   -- the Triton kernel on CUDA tensors when Triton is available, else the reference;
+* ``"triton"`` -- force the kernel (on CPU it needs ``TRITON_INTERPRET=1``);
+* ``"torch"``  -- force the PyTorch reference.
+
+The environment variable ``SCALEFOLD_KERNELS`` (``auto``/``triton``/``torch``) overrides
+``"auto"`` globally, so a whole run can be pinned to either path.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from scalefold.kernels import reference
+
+_BACKENDS = ("auto", "triton", "torch")
+
+
+def resolve_backend(backend: str, *tensors: Optional[torch.Tensor]) -> str:
+    """Return ``"triton"`` or ``"torch"`` for a requested backend and the tensors involved."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; expected one of {_BACKENDS}")
+    if backend == "auto":
+        backend = os.environ.get("SCALEFOLD_KERNELS", "auto")
+        if backend not in _BACKENDS:
+            raise ValueError(f"SCALEFOLD_KERNELS={backend!r}; expected one of {_BACKENDS}")
+    if backend == "auto":
+        on_cuda = all(t is None or t.is_cuda for t in tensors)
+        return "triton" if on_cuda and _triton_available() else "torch"
+    return backend
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def _triton_module():
+    try:
+        from scalefold.kernels import triton_ops  # type: ignore[attr-defined]
+    except ImportError as exc:  # pragma: no cover - depends on the kernels issue
+        raise RuntimeError(
+            "backend='triton' requested but the Triton kernels are unavailable: " f"{exc}"
+        ) from exc
+    return triton_ops
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    mask: Optional[torch.Tensor] = None,
+    gate: Optional[torch.Tensor] = None,
+    *,
+    scale: Optional[float] = None,
+    inf: float = 1e9,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Gated multi-head attention with an additive pair bias.
+
+    ``o = sigmoid(gate) * softmax(q k^T * scale + bias + (mask - 1) * inf) v``
+
+    Shapes: ``q`` ``[*, H, Nq, D]``; ``k``/``v`` ``[*, H, Nk, D]``; ``bias`` broadcastable to
+    ``[*, H, Nq, Nk]``; ``mask`` (bool or 0/1 float, True/1 = attend) broadcastable to
+    ``[*, 1, 1, Nk]``; ``gate`` ``[*, H, Nq, D]`` (pre-sigmoid). ``scale`` defaults to
+    ``1/sqrt(D)``. Masked logits get the finite ``-inf`` offset of the reference model.
+    """
+    if resolve_backend(backend, q, k, v, bias, gate) == "triton":
+        return _triton_module().attention(q, k, v, bias=bias, mask=mask, gate=gate, scale=scale, inf=inf)
+    return reference.attention(q, k, v, bias=bias, mask=mask, gate=gate, scale=scale, inf=inf)
+
+
+def layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float = 1e-5,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """LayerNorm over the last dimension."""
+    if resolve_backend(backend, x, weight, bias) == "triton":
+        return _triton_module().layer_norm(x, weight, bias, eps)
+    return reference.layer_norm(x, weight, bias, eps)
+
+
+__all__ = ["attention", "layer_norm", "resolve_backend", "reference"]
