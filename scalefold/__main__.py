@@ -1,0 +1,7 @@
+"""``python -m scalefold`` is the ``scalefold`` command."""
+
+import sys
+
+from scalefold.cli import main
+
+sys.exit(main())
