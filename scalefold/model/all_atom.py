@@ -1,0 +1,185 @@
+"""From backbone frames and torsion angles to all-atom coordinates (Supplementary 1.8.4, Alg. 24).
+
+* :func:`torsion_angles_to_frames` -- the 8 rigid-group frames per residue (backbone, pre-omega,
+  phi, psi, chi1..chi4) in global coordinates (Alg. 24, lines 1-10);
+* :func:`frames_and_literature_positions_to_atom14_pos` -- idealised atom positions placed by
+  their group's frame (Alg. 24, line 11), atom14 layout;
+* :func:`atom14_to_atom37` -- compact atom14 layout -> the 37-atom-type layout;
+* :func:`pseudo_beta_fn` -- CB (CA for glycine) positions, used by recycling and distograms.
+
+The per-residue-type constant tables come from :mod:`scalefold.residue_constants`; they are
+float32 there (as in the reference) and converted to the compute dtype by
+:func:`rigid_group_constants`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Dict, NamedTuple, Optional, Tuple, Union
+
+import torch
+
+from scalefold import residue_constants as rc
+from scalefold.model.rigid import Rigid, Rotation
+
+
+class RigidGroupConstants(NamedTuple):
+    """Residue-type tables used by Alg. 24, as tensors (index 0 = ``restype_order``, 21 rows)."""
+
+    default_frames: torch.Tensor  # [21, 8, 4, 4] rigid group -> parent group
+    group_idx: torch.Tensor  # [21, 14] int64 rigid group of each atom14 slot
+    atom_mask: torch.Tensor  # [21, 14] 1 where the atom14 slot holds an atom
+    lit_positions: torch.Tensor  # [21, 14, 3] idealised positions in the group frame
+
+
+@functools.lru_cache(maxsize=None)
+def rigid_group_constants(dtype: torch.dtype, device: torch.device) -> RigidGroupConstants:
+    """The Alg. 24 constant tables in ``dtype`` on ``device`` (cached; never require grad).
+
+    Converted from the float32 numpy tables, so float64 gets exactly the reference's values.
+    Built outside inference mode so the cached tensors are usable by later autograd passes.
+    """
+    with torch.inference_mode(False):
+        return _make_rigid_group_constants(dtype, device)
+
+
+def _make_rigid_group_constants(dtype: torch.dtype, device: torch.device) -> RigidGroupConstants:
+    return RigidGroupConstants(
+        default_frames=torch.tensor(rc.restype_rigid_group_default_frame, dtype=dtype, device=device),
+        group_idx=torch.tensor(rc.restype_atom14_to_rigid_group, dtype=torch.long, device=device),
+        atom_mask=torch.tensor(rc.restype_atom14_mask, dtype=dtype, device=device),
+        lit_positions=torch.tensor(rc.restype_atom14_rigid_group_positions, dtype=dtype, device=device),
+    )
+
+
+def torsion_angles_to_frames(
+    backb_to_global: Rigid,
+    alpha: torch.Tensor,
+    aatype: torch.Tensor,
+    default_frames: torch.Tensor,
+) -> Rigid:
+    """Rigid-group frames from backbone frames and torsion angles (Alg. 24, lines 1-10).
+
+    Args:
+        backb_to_global: ``[*, N]`` backbone frames (Angstrom).
+        alpha: ``[*, N, 7, 2]`` (sin, cos) of pre-omega, phi, psi, chi1..chi4.
+        aatype: ``[*, N]`` residue types.
+        default_frames: ``[21, 8, 4, 4]`` group-to-parent literature frames.
+
+    Returns:
+        ``[*, N, 8]`` frames of all rigid groups in global coordinates.
+    """
+    # [*, N, 8] literature transforms group -> parent group
+    default_r = Rigid.from_tensor_4x4(default_frames[aatype, ...])
+
+    # The backbone group gets the identity "angle" (sin 0, cos 1): [*, N, 8, 2].
+    bb_rot = alpha.new_zeros((1,) * len(alpha.shape[:-1]) + (2,))
+    bb_rot[..., 1] = 1
+    alpha = torch.cat([bb_rot.expand(alpha.shape[:-2] + (-1, -1)), alpha], dim=-2)
+
+    # Rotations about the x-axis, as in the AlphaFold source (the supplement's indices differ):
+    #   [[1, 0, 0], [0, cos, -sin], [0, sin, cos]]          [*, N, 8, 3, 3]
+    sin, cos = alpha[..., 0], alpha[..., 1]
+    all_rots = alpha.new_zeros(alpha.shape[:-1] + (3, 3))
+    all_rots[..., 0, 0] = 1
+    all_rots[..., 1, 1] = cos
+    all_rots[..., 1, 2] = -sin
+    all_rots[..., 2, 1] = sin
+    all_rots[..., 2, 2] = cos
+    all_frames = default_r.compose(Rigid(Rotation(rot_mats=all_rots), None))
+
+    # chi2..chi4 frames are relative to the previous chi frame: chain them to the backbone.
+    chi1_frame_to_bb = all_frames[..., 4]
+    chi2_frame_to_bb = chi1_frame_to_bb.compose(all_frames[..., 5])
+    chi3_frame_to_bb = chi2_frame_to_bb.compose(all_frames[..., 6])
+    chi4_frame_to_bb = chi3_frame_to_bb.compose(all_frames[..., 7])
+    all_frames_to_bb = Rigid.cat(
+        [
+            all_frames[..., :5],
+            chi2_frame_to_bb.unsqueeze(-1),
+            chi3_frame_to_bb.unsqueeze(-1),
+            chi4_frame_to_bb.unsqueeze(-1),
+        ],
+        dim=-1,
+    )
+    # [*, N, 8]
+    return backb_to_global[..., None].compose(all_frames_to_bb)
+
+
+def frames_and_literature_positions_to_atom14_pos(
+    frames: Rigid,
+    aatype: torch.Tensor,
+    group_idx: torch.Tensor,
+    atom_mask: torch.Tensor,
+    lit_positions: torch.Tensor,
+) -> torch.Tensor:
+    """Place each atom's literature position with its rigid group's frame (Alg. 24, line 11).
+
+    Args:
+        frames: ``[*, N, 8]`` rigid-group frames in global coordinates.
+        aatype: ``[*, N]`` residue types.
+        group_idx: ``[21, 14]`` group of each atom14 slot.
+        atom_mask: ``[21, 14]`` atom14 existence per residue type.
+        lit_positions: ``[21, 14, 3]`` positions in the group frame.
+
+    Returns:
+        ``[*, N, 14, 3]`` atom positions (zero where the residue has no such atom).
+    """
+    # [*, N, 14] which of the 8 frames moves each atom
+    atom_group = group_idx[aatype, ...]
+    rot_mats = frames.get_rots().get_rot_mats()  # [*, N, 8, 3, 3]
+    trans = frames.get_trans()  # [*, N, 8, 3]
+    atom_rots = torch.gather(
+        rot_mats, -3, atom_group[..., None, None].expand(atom_group.shape + (3, 3))
+    )  # [*, N, 14, 3, 3]
+    atom_trans = torch.gather(trans, -2, atom_group[..., None].expand(atom_group.shape + (3,)))  # [*, N, 14, 3]
+    atoms_to_global = Rigid(Rotation(rot_mats=atom_rots), atom_trans)
+
+    # [*, N, 14, 3]
+    positions = atoms_to_global.apply(lit_positions[aatype, ...])
+    return positions * atom_mask[aatype, ...].unsqueeze(-1)
+
+
+def atom14_to_atom37(atom14: torch.Tensor, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+    """Scatter atom14 data ``[*, N, 14, ...]`` into the atom37 layout ``[*, N, 37, ...]``.
+
+    Uses the per-residue features ``residx_atom37_to_atom14`` ``[*, N, 37]`` (the atom14 slot of
+    each atom type) and ``atom37_atom_exists`` ``[*, N, 37]`` (zeroes atom types the residue
+    lacks).
+    """
+    index = batch["residx_atom37_to_atom14"].long()
+    exists = batch["atom37_atom_exists"]
+    extra_dims = atom14.shape[index.ndim :]  # e.g. (3,) for coordinates
+    index = index.reshape(index.shape + (1,) * len(extra_dims)).expand(index.shape + tuple(extra_dims))
+    atom37 = torch.gather(atom14, index.ndim - len(extra_dims) - 1, index)
+    return atom37 * exists.reshape(exists.shape + (1,) * len(extra_dims)).to(atom37.dtype)
+
+
+def pseudo_beta_fn(
+    aatype: torch.Tensor,
+    all_atom_positions: torch.Tensor,
+    all_atom_mask: Optional[torch.Tensor] = None,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """CB position (CA for glycine) from atom37 positions ``[*, N, 37, 3]`` -> ``[*, N, 3]``.
+
+    With ``all_atom_mask`` ``[*, N, 37]`` also returns the matching ``[*, N]`` mask.
+    """
+    is_gly = aatype == rc.restype_order["G"]
+    ca_idx, cb_idx = rc.atom_order["CA"], rc.atom_order["CB"]
+    pseudo_beta = torch.where(
+        is_gly[..., None], all_atom_positions[..., ca_idx, :], all_atom_positions[..., cb_idx, :]
+    )
+    if all_atom_mask is None:
+        return pseudo_beta
+    pseudo_beta_mask = torch.where(is_gly, all_atom_mask[..., ca_idx], all_atom_mask[..., cb_idx])
+    return pseudo_beta, pseudo_beta_mask
+
+
+__all__ = [
+    "RigidGroupConstants",
+    "rigid_group_constants",
+    "torsion_angles_to_frames",
+    "frames_and_literature_positions_to_atom14_pos",
+    "atom14_to_atom37",
+    "pseudo_beta_fn",
+]

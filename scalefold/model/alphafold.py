@@ -1,0 +1,258 @@
+"""The AlphaFold2 monomer model (Supplementary Algorithm 2), as trained by MLPerf HPC OpenFold.
+
+One forward pass runs the recycling iterations over the trailing dimension ``R`` of every batch
+tensor: iterations ``0 .. R-2`` without autograd, the last one with it (Algorithm 30/31 in
+training: only the final pass is differentiated). Each iteration:
+
+1. input embedding (Alg. 3-5) and recycling embedding of the previous first MSA row, pair
+   representation and pseudo-beta positions (Alg. 32, detached);
+2. template embedding (Alg. 2 lines 7-13): template pair features -> pair embedder -> template
+   pair stack (Alg. 16) -> pointwise attention (Alg. 17) added to the pair representation;
+   template torsion-angle features -> extra MSA rows appended to the cluster MSA;
+3. extra-MSA embedding and stack (Alg. 18), Evoformer (Alg. 6), structure module (Alg. 20);
+then the auxiliary heads run on the last iteration's outputs.
+
+Output keys (last iteration): ``msa`` (cluster rows only), ``pair``, ``single``, ``sm_*``,
+``final_atom_positions``, ``final_atom_mask``, ``final_affine_tensor`` and the heads' outputs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
+
+import torch
+import torch.nn as nn
+
+from scalefold.model import features as F
+from scalefold.model.config import AlphaFoldConfig
+from scalefold.model.embedders import (
+    ExtraMSAEmbedder,
+    InputEmbedder,
+    RecyclingEmbedder,
+    TemplateAngleEmbedder,
+    TemplatePairEmbedder,
+)
+from scalefold.model.evoformer import EvoformerStack
+from scalefold.model.extra_msa import ExtraMSAStack
+from scalefold.model.heads import AuxiliaryHeads
+from scalefold.model.structure_module import StructureModule
+from scalefold.model.template import TemplatePairStack, TemplatePointwiseAttention
+
+NUM_ATOM37 = 37
+
+Recycled = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (m0, z, atom37 positions)
+
+
+class AlphaFold(nn.Module):
+    """AlphaFold2 (Supplementary Algorithm 2) with the MLPerf reference's parameter names.
+
+    Args:
+        config: an :class:`AlphaFoldConfig` or the reference's plain config dict.
+        activation_checkpointing: recompute block activations in backward during training
+            (the reference does so for the differentiated iteration); numerics are unchanged.
+    """
+
+    def __init__(
+        self,
+        config: Union[AlphaFoldConfig, Mapping[str, Any]],
+        activation_checkpointing: bool = True,
+    ) -> None:
+        super().__init__()
+        if not isinstance(config, AlphaFoldConfig):
+            config = AlphaFoldConfig.from_dict(dict(config))
+        self.config = config
+        self.activation_checkpointing = activation_checkpointing
+        cfg = config.to_dict()
+        self.templates_enabled = config.templates_enabled
+        self.embed_template_torsion_angles = config.embed_template_torsion_angles
+
+        self.input_embedder = InputEmbedder(**cfg["input_embedder_config"])
+        self.recycling_embedder = RecyclingEmbedder(**cfg["recycling_embedder_config"])
+        if self.templates_enabled:
+            self.template_angle_embedder = TemplateAngleEmbedder(**cfg["template_angle_embedder_config"])
+            self.template_pair_embedder = TemplatePairEmbedder(**cfg["template_pair_embedder_config"])
+            self.template_pair_stack = TemplatePairStack(**cfg["template_pair_stack_config"])
+            self.template_pointwise_attention = TemplatePointwiseAttention(
+                **cfg["template_pointwise_attention_config"]
+            )
+        self.extra_msa_embedder = ExtraMSAEmbedder(**cfg["extra_msa_embedder_config"])
+        self.extra_msa_stack = ExtraMSAStack(**cfg["extra_msa_stack_config"])
+        self.evoformer_stack = EvoformerStack(**cfg["evoformer_stack_config"])
+        self.structure_module = StructureModule(**cfg["structure_module_config"])
+        self.auxiliary_heads = AuxiliaryHeads(**cfg["auxiliary_heads_config"])
+
+        self._model_features = F.required_features("model", templates_enabled=self.templates_enabled)
+        self._feature_symbols = {
+            "tf_dim": config.input_embedder_config.tf_dim,
+            "msa_dim": config.input_embedder_config.msa_dim,
+        }
+
+    # ------------------------------------------------------------------------------------------
+
+    def validate_batch(self, batch: Mapping[str, torch.Tensor]) -> Dict[str, int]:
+        """Raise ``ValueError`` naming the feature if a model input is missing or malformed."""
+        return F.validate_batch(batch, self._model_features, symbols=self._feature_symbols)
+
+    def forward(self, batch: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """``batch``: feature dict with leading batch and trailing recycling dimensions.
+
+        Returns the last iteration's outputs (see module docstring).
+        """
+        self.validate_batch(batch)
+        num_iters = batch["aatype"].shape[-1]
+        grad_enabled = torch.is_grad_enabled()
+        recycled: Optional[Recycled] = None
+        outputs: Dict[str, torch.Tensor] = {}
+        for it in range(num_iters):
+            is_last = it == num_iters - 1
+            feats = {name: batch[name][..., it] for name in self._model_features}
+            if is_last and torch.is_autocast_enabled():
+                # Weight casts cached under no_grad would carry no grad (pytorch/pytorch#65766).
+                torch.clear_autocast_cache()
+            with torch.set_grad_enabled(grad_enabled and is_last):
+                outputs, recycled = self.iteration(
+                    feats,
+                    recycled,
+                    gradient_checkpointing=self.training and self.activation_checkpointing and is_last,
+                )
+            if not is_last:
+                recycled = tuple(t.detach() for t in recycled)  # type: ignore[assignment]
+        outputs.update(self.auxiliary_heads(outputs))
+        return outputs
+
+    def iteration(
+        self,
+        feats: Mapping[str, torch.Tensor],
+        recycled: Optional[Recycled],
+        gradient_checkpointing: bool = False,
+    ) -> Tuple[Dict[str, torch.Tensor], Recycled]:
+        """One pass of Algorithm 2 on one recycling slice of the batch (no trailing ``R``).
+
+        ``recycled`` is ``(m0_prev, z_prev, x_prev)`` from the previous pass, ``None`` at first.
+        """
+        seq_mask = feats["seq_mask"]
+        pair_mask = seq_mask.unsqueeze(-1) * seq_mask.unsqueeze(-2)
+        # pair_mask: [B, N_res, N_res]
+        msa_mask = feats["msa_mask"]
+        # msa_mask: [B, N_clust, N_res]
+        n_clust = feats["msa_feat"].shape[-3]
+
+        m, z = self.input_embedder(feats["target_feat"], feats["residue_index"], feats["msa_feat"])
+        # m: [B, N_clust, N_res, C_m], z: [B, N_res, N_res, C_z]
+
+        # Recycling (Alg. 32): zeros at the first pass.
+        if recycled is None:
+            batch_size, n_res = feats["aatype"].shape
+            m0_prev = m.new_zeros(m.shape[:-3] + m.shape[-2:])
+            z_prev = torch.zeros_like(z)
+            x_prev = z.new_zeros((batch_size, n_res, NUM_ATOM37, 3))
+        else:
+            m0_prev, z_prev, x_prev = recycled
+        x_prev = F.pseudo_beta(feats["aatype"], x_prev).to(z.dtype)
+        # x_prev: [B, N_res, 3]
+        m0_update, z_update = self.recycling_embedder(m0_prev, z_prev, x_prev)
+        m = torch.cat([m[..., :1, :, :] + m0_update.unsqueeze(-3), m[..., 1:, :, :]], dim=-3)
+        z = z + z_update
+
+        # Templates (Alg. 2 lines 7-13).
+        if self.templates_enabled:
+            z = z + self.embed_template_pair(feats, z, pair_mask, gradient_checkpointing)
+            if self.embed_template_torsion_angles:
+                angle_feat = F.build_template_angle_feat(
+                    feats["template_aatype"],
+                    feats["template_torsion_angles_sin_cos"],
+                    feats["template_alt_torsion_angles_sin_cos"],
+                    feats["template_torsion_angles_mask"],
+                )
+                a = self.template_angle_embedder(angle_feat)
+                # a: [B, N_templ, N_res, C_m]
+                m = torch.cat([m, a], dim=-3)
+                template_row_mask = feats["template_torsion_angles_mask"][..., F.PSI_TORSION_INDEX]
+                msa_mask = torch.cat([msa_mask, template_row_mask], dim=-2)
+                # m: [B, N_seq, N_res, C_m], N_seq = N_clust + N_templ
+
+        # Extra MSA stack (Alg. 18): updates z only.
+        extra_feat = F.build_extra_msa_feat(
+            feats["extra_msa"], feats["extra_has_deletion"], feats["extra_deletion_value"]
+        )
+        e = self.extra_msa_embedder(extra_feat)
+        # e: [B, N_extra_seq, N_res, C_e]
+        z = self.extra_msa_stack(
+            e,
+            z,
+            msa_mask=feats["extra_msa_mask"].to(m.dtype),
+            pair_mask=pair_mask.to(m.dtype),
+            gradient_checkpointing=gradient_checkpointing,
+        )
+
+        # Evoformer (Alg. 6).
+        m, z, s = self.evoformer_stack(
+            m,
+            z,
+            msa_mask=msa_mask.to(m.dtype),
+            pair_mask=pair_mask.to(z.dtype),
+            gradient_checkpointing=gradient_checkpointing,
+        )
+        # m: [B, N_seq, N_res, C_m], z: [B, N_res, N_res, C_z], s: [B, N_res, C_s]
+
+        outputs: Dict[str, torch.Tensor] = {"msa": m[..., :n_clust, :, :], "pair": z, "single": s}
+
+        # Structure module (Alg. 20).
+        outputs.update(self.structure_module(s=s, z=z, aatype=feats["aatype"], mask=seq_mask.to(s.dtype)))
+        final_positions = atom14_to_atom37(
+            outputs["sm_positions"][:, -1], feats["residx_atom37_to_atom14"], feats["atom37_atom_exists"]
+        )
+        outputs["final_atom_positions"] = final_positions
+        outputs["final_atom_mask"] = feats["atom37_atom_exists"]
+        outputs["final_affine_tensor"] = outputs["sm_frames"][:, -1]
+        return outputs, (m[..., 0, :, :], z, final_positions)
+
+    def embed_template_pair(
+        self,
+        feats: Mapping[str, torch.Tensor],
+        z: torch.Tensor,
+        pair_mask: torch.Tensor,
+        gradient_checkpointing: bool = False,
+    ) -> torch.Tensor:
+        """Template pair features -> embedder -> pair stack -> pointwise attention.
+
+        Returns the pair update ``[B, N_res, N_res, C_z]``, zero for samples without templates.
+        """
+        cfg = self.config
+        t = F.build_template_pair_feat(
+            feats["template_aatype"],
+            feats["template_pseudo_beta"],
+            feats["template_pseudo_beta_mask"],
+            feats["template_all_atom_positions"],
+            feats["template_all_atom_mask"],
+            min_bin=cfg.template_pair_feat_distogram_min_bin,
+            max_bin=cfg.template_pair_feat_distogram_max_bin,
+            num_bins=cfg.template_pair_feat_distogram_num_bins,
+            use_unit_vector=cfg.template_pair_feat_use_unit_vector,
+            inf=cfg.template_pair_feat_inf,
+            eps=cfg.template_pair_feat_eps,
+        ).to(z.dtype)
+        # t: [B, N_templ, N_res, N_res, tp_dim]
+        t = self.template_pair_embedder(t)
+        t = self.template_pair_stack(t, mask=pair_mask.to(z.dtype), gradient_checkpointing=gradient_checkpointing)
+        # t: [B, N_templ, N_res, N_res, C_t]
+        template_mask = feats["template_mask"]
+        t = self.template_pointwise_attention(t, z, template_mask=template_mask.to(z.dtype))
+        # t: [B, N_res, N_res, C_z]
+        has_template = (torch.sum(template_mask, dim=-1) > 0).to(t.dtype)
+        return t * has_template.view(has_template.shape + (1, 1, 1))
+
+
+def atom14_to_atom37(
+    atom14_positions: torch.Tensor,
+    residx_atom37_to_atom14: torch.Tensor,
+    atom37_atom_exists: torch.Tensor,
+) -> torch.Tensor:
+    """Scatter atom14 positions ``[*, N_res, 14, 3]`` into atom37 ``[*, N_res, 37, 3]`` using the
+    batch's per-residue index table, zeroing atoms that do not exist."""
+    index = residx_atom37_to_atom14.unsqueeze(-1).expand(residx_atom37_to_atom14.shape + (3,))
+    positions = torch.gather(atom14_positions, -2, index)
+    return positions * atom37_atom_exists.unsqueeze(-1).to(positions.dtype)
+
+
+__all__ = ["AlphaFold", "atom14_to_atom37"]

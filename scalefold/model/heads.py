@@ -1,0 +1,215 @@
+"""Auxiliary heads (Supplementary 1.9.6-1.9.10): pLDDT, distogram, masked MSA,
+experimentally resolved and the optional predicted-TM / aligned-error head.
+
+Output keys (as the reference): ``lddt_logits``, ``plddt``, ``distogram_logits``,
+``masked_msa_logits``, ``experimentally_resolved_logits`` and, with the TM head,
+``tm_logits``, ``predicted_tm_score``, ``aligned_confidence_probs``,
+``predicted_aligned_error``, ``max_predicted_aligned_error``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping, Optional
+
+import torch
+import torch.nn as nn
+
+from scalefold.model.primitives import LayerNorm, Linear
+
+PLDDT_SCALE = 100.0
+TM_MIN_NUM_RES = 19  # d0 of the TM-score is clipped at N = 19 residues
+
+
+class PerResidueLDDTCaPredictor(nn.Module):
+    """Algorithm 29: per-residue lDDT-Ca logits from the structure module's single repr."""
+
+    def __init__(self, c_s: int, c_hidden: int, num_bins: int) -> None:
+        super().__init__()
+        self.layer_norm = LayerNorm(c_s)
+        self.linear_1 = Linear(c_s, c_hidden, init="relu")
+        self.linear_2 = Linear(c_hidden, c_hidden, init="relu")
+        self.linear_3 = Linear(c_hidden, num_bins, init="final")
+
+    def forward(self, s: torch.Tensor) -> torch.Tensor:
+        """``[*, N_res, c_s]`` -> ``[*, N_res, num_bins]``."""
+        s = self.layer_norm(s)
+        s = torch.relu(self.linear_1(s))
+        s = torch.relu(self.linear_2(s))
+        return self.linear_3(s)
+
+
+class DistogramHead(nn.Module):
+    """Section 1.9.8: symmetrised distogram logits from the pair representation."""
+
+    def __init__(self, c_z: int, num_bins: int) -> None:
+        super().__init__()
+        self.linear = Linear(c_z, num_bins, init="final")
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        """``[*, N_res, N_res, c_z]`` -> ``[*, N_res, N_res, num_bins]``."""
+        if _autocast_fp16(z):  # the symmetrised sum can overflow in fp16
+            with torch.autocast(device_type=z.device.type, enabled=False):
+                return self._logits(z.float())
+        return self._logits(z)
+
+    def _logits(self, z: torch.Tensor) -> torch.Tensor:
+        logits = self.linear(z)
+        return logits + logits.transpose(-2, -3)
+
+
+class MaskedMSAHead(nn.Module):
+    """Section 1.9.9: logits over the 23 MSA classes for every cluster row."""
+
+    def __init__(self, c_m: int, c_out: int) -> None:
+        super().__init__()
+        self.linear = Linear(c_m, c_out, init="final")
+
+    def forward(self, m: torch.Tensor) -> torch.Tensor:
+        """``[*, N_clust, N_res, c_m]`` -> ``[*, N_clust, N_res, c_out]``."""
+        return self.linear(m)
+
+
+class ExperimentallyResolvedHead(nn.Module):
+    """Section 1.9.10: per-atom (atom37) logits of being experimentally resolved."""
+
+    def __init__(self, c_s: int, c_out: int) -> None:
+        super().__init__()
+        self.linear = Linear(c_s, c_out, init="final")
+
+    def forward(self, s: torch.Tensor) -> torch.Tensor:
+        """``[*, N_res, c_s]`` -> ``[*, N_res, c_out]``."""
+        return self.linear(s)
+
+
+class TMScoreHead(nn.Module):
+    """Section 1.9.7: aligned-error logits for the predicted TM-score."""
+
+    def __init__(self, c_z: int, num_bins: int, max_bin: int) -> None:
+        super().__init__()
+        self.num_bins = num_bins
+        self.max_bin = max_bin
+        self.linear = Linear(c_z, num_bins, init="final")
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        """``[*, N_res, N_res, c_z]`` -> ``[*, N_res, N_res, num_bins]``."""
+        return self.linear(z)
+
+
+class AuxiliaryHeads(nn.Module):
+    """All auxiliary heads. Constructed as ``AuxiliaryHeads(**cfg["auxiliary_heads_config"])``."""
+
+    def __init__(
+        self,
+        per_residue_lddt_ca_predictor_config: Mapping[str, Any],
+        distogram_head_config: Mapping[str, Any],
+        masked_msa_head_config: Mapping[str, Any],
+        experimentally_resolved_head_config: Mapping[str, Any],
+        tm_score_head_config: Optional[Mapping[str, Any]] = None,
+        tm_score_head_enabled: bool = False,
+    ) -> None:
+        super().__init__()
+        self.plddt = PerResidueLDDTCaPredictor(**per_residue_lddt_ca_predictor_config)
+        self.distogram = DistogramHead(**distogram_head_config)
+        self.masked_msa = MaskedMSAHead(**masked_msa_head_config)
+        self.experimentally_resolved = ExperimentallyResolvedHead(**experimentally_resolved_head_config)
+        self.tm_score_head_enabled = tm_score_head_enabled
+        if tm_score_head_enabled:
+            if tm_score_head_config is None:
+                raise ValueError("tm_score_head_enabled=True needs tm_score_head_config")
+            self.tm = TMScoreHead(**tm_score_head_config)
+
+    def forward(self, outputs: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Reads ``sm_single``, ``pair``, ``msa`` and ``single`` from the trunk outputs."""
+        aux: Dict[str, torch.Tensor] = {}
+        aux["lddt_logits"] = self.plddt(outputs["sm_single"])
+        aux["plddt"] = compute_plddt(aux["lddt_logits"])
+        aux["distogram_logits"] = self.distogram(outputs["pair"])
+        aux["masked_msa_logits"] = self.masked_msa(outputs["msa"])
+        aux["experimentally_resolved_logits"] = self.experimentally_resolved(outputs["single"])
+        if self.tm_score_head_enabled:
+            aux["tm_logits"] = self.tm(outputs["pair"])
+            aux["predicted_tm_score"] = compute_tm(aux["tm_logits"], max_bin=self.tm.max_bin, num_bins=self.tm.num_bins)
+            aux.update(
+                compute_predicted_aligned_error(aux["tm_logits"], max_bin=self.tm.max_bin, num_bins=self.tm.num_bins)
+            )
+        return aux
+
+
+# --------------------------------------------------------------------------------------------
+# Confidence metrics from logits
+# --------------------------------------------------------------------------------------------
+# Bin centres / edges are built in the default dtype (float32) and promoted, exactly as the
+# reference does, so float64 runs agree with it to rounding.
+
+
+def compute_plddt(logits: torch.Tensor) -> torch.Tensor:
+    """Expected per-residue lDDT-Ca (x100) from ``[*, N_res, num_bins]`` logits."""
+    num_bins = logits.shape[-1]
+    width = 1.0 / num_bins
+    centres = torch.arange(0.5 * width, 1.0, width, device=logits.device)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.sum(probs * centres, dim=-1) * PLDDT_SCALE
+
+
+def _bin_centres(edges: torch.Tensor) -> torch.Tensor:
+    step = edges[1] - edges[0]
+    centres = edges + step / 2
+    return torch.cat([centres, (centres[-1] + step).unsqueeze(-1)], dim=0)
+
+
+def compute_predicted_aligned_error(
+    logits: torch.Tensor, max_bin: int = 31, num_bins: int = 64
+) -> Dict[str, torch.Tensor]:
+    """Aligned-error probabilities, expected aligned error ``[*, N_res, N_res]`` and its maximum."""
+    edges = torch.linspace(0, max_bin, steps=num_bins - 1, device=logits.device)
+    centres = _bin_centres(edges)
+    probs = torch.softmax(logits, dim=-1)
+    return {
+        "aligned_confidence_probs": probs,
+        "predicted_aligned_error": torch.sum(probs * centres, dim=-1),
+        "max_predicted_aligned_error": centres[-1],
+    }
+
+
+def compute_tm(
+    logits: torch.Tensor,
+    residue_weights: Optional[torch.Tensor] = None,
+    max_bin: int = 31,
+    num_bins: int = 64,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """Predicted TM-score (Supplementary 1.9.7, eq. 40): the best per-alignment score."""
+    if residue_weights is None:
+        residue_weights = logits.new_ones(logits.shape[-2])
+    edges = torch.linspace(0, max_bin, steps=num_bins - 1, device=logits.device)
+    centres = _bin_centres(edges)
+    n = max(logits.shape[-2], TM_MIN_NUM_RES)
+    d0 = 1.24 * (n - 15) ** (1.0 / 3) - 1.8
+    probs = torch.softmax(logits, dim=-1)
+    tm_per_bin = 1.0 / (1 + centres**2 / d0**2)
+    predicted_tm_term = torch.sum(probs * tm_per_bin, dim=-1)
+    normed_weights = residue_weights / (eps + residue_weights.sum())
+    per_alignment = torch.sum(predicted_tm_term * normed_weights, dim=-1)
+    weighted = per_alignment * residue_weights
+    argmax = (weighted == torch.max(weighted)).nonzero()[0]
+    return per_alignment[tuple(argmax)]
+
+
+def _autocast_fp16(x: torch.Tensor) -> bool:
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return False
+    return torch.get_autocast_dtype(device) == torch.float16
+
+
+__all__ = [
+    "AuxiliaryHeads",
+    "PerResidueLDDTCaPredictor",
+    "DistogramHead",
+    "MaskedMSAHead",
+    "ExperimentallyResolvedHead",
+    "TMScoreHead",
+    "compute_plddt",
+    "compute_tm",
+    "compute_predicted_aligned_error",
+]

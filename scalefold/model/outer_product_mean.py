@@ -1,0 +1,73 @@
+"""Outer product mean (Supplementary Alg. 10): the MSA -> pair communication of every block."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from scalefold.model.msa_attention import chunked
+from scalefold.model.primitives import LayerNorm, Linear
+
+
+class OuterProductMean(nn.Module):
+    """Pair update from the mean over MSA rows of the outer product of two projections.
+
+    ``z_ij = Linear(flatten(sum_s a_si (x) b_sj)) / (sum_s mask_si mask_sj + eps)``
+
+    Note the reference order: ``linear_out`` (with its bias) is applied to the *sum*, and the
+    result is then divided by the number of valid row pairs plus ``eps``.
+
+    ``chunk_size`` splits the first residue axis ``i`` (the left projection), which is also the
+    axis DAP shards; the right projection is used whole.
+    """
+
+    def __init__(
+        self,
+        c_m: int,
+        c_z: int,
+        c_hidden: int,
+        eps: float = 1e-3,
+        chunk_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.c_hidden = c_hidden
+        self.eps = eps
+        self.chunk_size = chunk_size
+        self.layer_norm = LayerNorm(c_m)
+        self.linear_1 = Linear(c_m, c_hidden, bias=True, init="default")
+        self.linear_2 = Linear(c_m, c_hidden, bias=True, init="default")
+        self.linear_out = Linear(c_hidden * c_hidden, c_z, bias=True, init="final")
+
+    def forward(self, m: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``m`` ``[*, N_seq, N_res, c_m]``, ``mask`` ``[*, N_seq, N_res]``.
+        Returns the pair update ``[*, N_res, N_res, c_z]``."""
+        if mask is None:
+            mask = m.new_ones(m.shape[:-1])
+        mask = mask.to(m.dtype).unsqueeze(-1)
+        # mask: [*, N_seq, N_res, 1]
+
+        m = self.layer_norm(m)
+        a = self.linear_1(m) * mask
+        b = self.linear_2(m) * mask
+        # a, b: [*, N_seq, N_res, C]
+        a = a.transpose(-2, -3)
+        b = b.transpose(-2, -3)
+        # a, b: [*, N_res, N_seq, C]
+
+        outer = chunked(lambda a_: self._project_outer(a_, b), self.chunk_size, [a], dims=[-3], out_dim=-3)
+        # outer: [*, N_res, N_res, c_z]
+
+        norm = torch.einsum("...abc,...adc->...bdc", mask, mask)
+        # norm: [*, N_res, N_res, 1] -- number of rows valid at both i and j
+        return outer / (norm + self.eps)
+
+    def _project_outer(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        # a: [*, I, N_seq, C], b: [*, J, N_seq, C]
+        outer = torch.einsum("...bac,...dae->...bdce", a, b)
+        # outer: [*, I, J, C, C]
+        outer = outer.reshape(outer.shape[:-2] + (self.c_hidden * self.c_hidden,))
+        return self.linear_out(outer)
+        # [*, I, J, c_z]
+
+
+__all__ = ["OuterProductMean"]

@@ -1,0 +1,162 @@
+"""The template pair stack and template pointwise attention (Supplementary 1.7.1, Alg. 16, 17).
+
+Each template's pair features ``t`` ``[*, N_templ, N_res, N_res, c_t]`` go through a small
+pair stack (Alg. 16) -- in the reference's order: triangle attention starting node, ending node,
+triangle multiplication outgoing, incoming, pair transition -- followed by a final LayerNorm.
+The templates are then merged into the pair representation by attention of each ``z_ij`` over
+the ``N_templ`` template entries at ``(i, j)`` (Alg. 17).
+
+The template stack masks with the *pair* mask ``[*, N_res, N_res]`` (shared by all templates,
+as in the reference); ``template_mask`` ``[*, N_templ]`` is used only by the pointwise
+attention. All templates are processed at once (the reference loops over them: identical
+results; with dropout active, each template still gets its own masks, drawn in one call).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from scalefold.model.dropout import DropoutColumnwise, DropoutRowwise
+from scalefold.model.evoformer import run_block, use_checkpointing
+from scalefold.model.msa_attention import chunked
+from scalefold.model.primitives import Attention, LayerNorm
+from scalefold.model.transitions import PairTransition
+from scalefold.model.triangle import (
+    TriangleAttentionEndingNode,
+    TriangleAttentionStartingNode,
+    TriangleMultiplicationIncoming,
+    TriangleMultiplicationOutgoing,
+)
+
+
+class TemplatePairBlock(nn.Module):
+    """One block of the template pair stack (Supplementary Alg. 16, one iteration)."""
+
+    def __init__(
+        self,
+        c_t: int,
+        c_hidden_tri_att: int,
+        c_hidden_tri_mul: int,
+        num_heads_tri: int,
+        pair_transition_n: int,
+        dropout_rate: float,
+        inf: float = 1e9,
+        chunk_size_tri_att: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.tri_att_start = TriangleAttentionStartingNode(
+            c_t, c_hidden_tri_att, num_heads_tri, inf=inf, chunk_size=chunk_size_tri_att
+        )
+        self.tri_att_end = TriangleAttentionEndingNode(
+            c_t, c_hidden_tri_att, num_heads_tri, inf=inf, chunk_size=chunk_size_tri_att
+        )
+        self.tri_mul_out = TriangleMultiplicationOutgoing(c_t, c_hidden_tri_mul)
+        self.tri_mul_in = TriangleMultiplicationIncoming(c_t, c_hidden_tri_mul)
+        self.pair_transition = PairTransition(c_t, pair_transition_n)
+        self.dropout_rowwise = DropoutRowwise(dropout_rate)
+        self.dropout_columnwise = DropoutColumnwise(dropout_rate)
+
+    def forward(self, t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``t`` ``[*, N_templ, N_res, N_res, c_t]``, ``mask`` ``[*, N_res, N_res]`` (pair mask)
+        -> updated ``t``."""
+        mask = mask.unsqueeze(-3)
+        # mask: [*, 1, N_res, N_res], shared by all templates
+        t = t + self.dropout_rowwise(self.tri_att_start(t, mask=mask))
+        t = t + self.dropout_columnwise(self.tri_att_end(t, mask=mask))
+        t = t + self.dropout_rowwise(self.tri_mul_out(t, mask=mask))
+        t = t + self.dropout_rowwise(self.tri_mul_in(t, mask=mask))
+        t = t + self.pair_transition(t, mask=mask)
+        return t
+
+
+class TemplatePairStack(nn.Module):
+    """``num_blocks`` template pair blocks and a final LayerNorm (Supplementary Alg. 16).
+
+    Built from the reference config dict: ``TemplatePairStack(**cfg["template_pair_stack_config"])``.
+    ``checkpointing`` recomputes each block's activations in backward (training with grad only).
+    """
+
+    def __init__(
+        self,
+        c_t: int,
+        c_hidden_tri_att: int,
+        c_hidden_tri_mul: int,
+        num_blocks: int,
+        num_heads_tri: int,
+        pair_transition_n: int,
+        dropout_rate: float,
+        inf: float = 1e9,
+        chunk_size_tri_att: int | None = None,
+        checkpointing: bool = False,
+    ) -> None:
+        super().__init__()
+        self.checkpointing = checkpointing
+        self.blocks = nn.ModuleList(
+            TemplatePairBlock(
+                c_t=c_t,
+                c_hidden_tri_att=c_hidden_tri_att,
+                c_hidden_tri_mul=c_hidden_tri_mul,
+                num_heads_tri=num_heads_tri,
+                pair_transition_n=pair_transition_n,
+                dropout_rate=dropout_rate,
+                inf=inf,
+                chunk_size_tri_att=chunk_size_tri_att,
+            )
+            for _ in range(num_blocks)
+        )
+        self.layer_norm = LayerNorm(c_t)
+
+    def forward(self, t: torch.Tensor, mask: torch.Tensor, gradient_checkpointing: bool | None = None) -> torch.Tensor:
+        """``t`` ``[*, N_templ, N_res, N_res, c_t]``, ``mask`` ``[*, N_res, N_res]`` (pair mask)
+        -> ``t`` of the same shape. ``gradient_checkpointing`` (the reference's forward argument)
+        overrides the constructor's ``checkpointing`` when given."""
+        requested = self.checkpointing if gradient_checkpointing is None else gradient_checkpointing
+        with_checkpoint = use_checkpointing(self, requested)
+        for block in self.blocks:
+            t = run_block(block, with_checkpoint, t, mask=mask)
+        return self.layer_norm(t)
+
+
+class TemplatePointwiseAttention(nn.Module):
+    """Template pointwise attention (Supplementary Alg. 17): ``z_ij`` (query) attends over the
+    templates' ``t_ij`` (keys/values); ungated; masked by ``template_mask``.
+
+    ``chunk_size`` splits the first residue axis.
+    """
+
+    def __init__(
+        self,
+        c_t: int,
+        c_z: int,
+        c_hidden: int,
+        num_heads: int,
+        inf: float = 1e5,
+        chunk_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.chunk_size = chunk_size
+        self.mha = Attention(c_z, c_t, c_t, c_hidden, num_heads, gating=False, inf=inf)
+
+    def forward(self, t: torch.Tensor, z: torch.Tensor, template_mask: torch.Tensor) -> torch.Tensor:
+        """``t`` ``[*, N_templ, N_res, N_res, c_t]``, ``z`` ``[*, N_res, N_res, c_z]``,
+        ``template_mask`` ``[*, N_templ]``. Returns the pair update ``[*, N_res, N_res, c_z]``
+        (the caller zeroes it when a sample has no valid template, as the reference does)."""
+        t = t.movedim(-4, -2)
+        # t: [*, N_res, N_res, N_templ, c_t]
+        z = z.unsqueeze(-2)
+        # z: [*, N_res, N_res, 1, c_z]
+        mask = template_mask.to(z.dtype)[..., None, None, None, None, :]
+        # mask: [*, 1, 1, 1, 1, N_templ]
+        z = chunked(
+            lambda z_, t_: self.mha(z_, t_, mask=mask),
+            self.chunk_size,
+            [z, t],
+            dims=[-4, -4],
+            out_dim=-4,
+        )
+        # z: [*, N_res, N_res, 1, c_z]
+        return z.squeeze(-2)
+
+
+__all__ = ["TemplatePairBlock", "TemplatePairStack", "TemplatePointwiseAttention"]

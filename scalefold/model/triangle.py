@@ -1,0 +1,165 @@
+"""Triangle updates of the pair representation (Supplementary 1.6.5 and 1.6.6).
+
+* :class:`TriangleMultiplicationOutgoing` -- Alg. 11, ``x_ij = sum_k a_ik * b_jk``;
+* :class:`TriangleMultiplicationIncoming` -- Alg. 12, ``x_ij = sum_k a_ki * b_kj``;
+* :class:`TriangleAttentionStartingNode`  -- Alg. 13, row ``i`` attends over ``j`` with bias ``b_jk``;
+* :class:`TriangleAttentionEndingNode`    -- Alg. 14, the same on the transposed pair.
+
+Inputs are ``z`` ``[*, N_res, N_res, c_z]`` and a 0/1 pair mask that broadcasts to
+``[*, N_res, N_res]`` (the template stack passes ``[*, 1, N_res, N_res]`` for ``[*, N_templ, ...]``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from scalefold.model.msa_attention import chunked
+from scalefold.model.primitives import Attention, LayerNorm, Linear
+
+
+def _pair_mask(mask: torch.Tensor | None, z: torch.Tensor) -> torch.Tensor:
+    return z.new_ones(z.shape[:-1]) if mask is None else mask.to(z.dtype)
+
+
+class TriangleMultiplicativeUpdate(nn.Module):
+    """Triangular multiplicative update (Supplementary Alg. 11 / 12).
+
+    ``a = sigmoid(Linear_a_g(z)) * mask * Linear_a_p(z)`` (same for ``b``), combined over the
+    third edge ``k``, then ``sigmoid(Linear_g(z)) * Linear_z(LayerNorm(x))``.
+    """
+
+    def __init__(self, c_z: int, c_hidden: int, outgoing: bool = True) -> None:
+        super().__init__()
+        self.outgoing = outgoing
+        self.linear_a_p = Linear(c_z, c_hidden, bias=True, init="default")
+        self.linear_a_g = Linear(c_z, c_hidden, bias=True, init="gating")
+        self.linear_b_p = Linear(c_z, c_hidden, bias=True, init="default")
+        self.linear_b_g = Linear(c_z, c_hidden, bias=True, init="gating")
+        self.linear_g = Linear(c_z, c_z, bias=True, init="gating")
+        self.linear_z = Linear(c_hidden, c_z, bias=True, init="final")
+        self.layer_norm_in = LayerNorm(c_z)
+        self.layer_norm_out = LayerNorm(c_hidden)
+
+    def forward(self, z: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``z`` ``[*, N_res, N_res, c_z]``, ``mask`` ``[*, N_res, N_res]`` -> update like ``z``."""
+        mask = _pair_mask(mask, z).unsqueeze(-1)
+        # mask: [*, N_res, N_res, 1]
+        z = self.layer_norm_in(z)
+
+        a = torch.sigmoid(self.linear_a_g(z)) * mask
+        a = a * self.linear_a_p(z)
+        b = torch.sigmoid(self.linear_b_g(z)) * mask
+        b = b * self.linear_b_p(z)
+        # a, b: [*, N_res, N_res, C]
+
+        x = self._combine(a, b)
+        # x: [*, N_res, N_res, C]
+        x = self.linear_z(self.layer_norm_out(x))
+        # x: [*, N_res, N_res, c_z]
+        return x * torch.sigmoid(self.linear_g(z))
+
+    def _combine(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """Channel-wise matrix product over the shared edge ``k``."""
+        if self.outgoing:
+            a = a.movedim(-1, -3)  # a_ik: [*, C, i, k]
+            b = b.swapdims(-1, -3)  # b_jk -> [*, C, k, j]
+        else:
+            a = a.swapdims(-1, -3)  # a_ki -> [*, C, i, k]
+            b = b.movedim(-1, -3)  # b_kj: [*, C, k, j]
+        return torch.matmul(a, b).movedim(-3, -1)
+        # [*, i, j, C]
+
+
+class TriangleMultiplicationOutgoing(TriangleMultiplicativeUpdate):
+    """Triangular multiplicative update using "outgoing" edges (Supplementary Alg. 11)."""
+
+    def __init__(self, c_z: int, c_hidden: int) -> None:
+        super().__init__(c_z, c_hidden, outgoing=True)
+
+
+class TriangleMultiplicationIncoming(TriangleMultiplicativeUpdate):
+    """Triangular multiplicative update using "incoming" edges (Supplementary Alg. 12)."""
+
+    def __init__(self, c_z: int, c_hidden: int) -> None:
+        super().__init__(c_z, c_hidden, outgoing=False)
+
+
+class TriangleAttention(nn.Module):
+    """Triangular gated self-attention (Supplementary Alg. 13 / 14).
+
+    Around the starting node, ``z_ij`` attends over ``z_ik`` (keys along the row) with the
+    bias ``Linear(LayerNorm(z))_jk``; around the ending node the same runs on the transposed
+    pair and mask. ``chunk_size`` splits the query rows.
+    """
+
+    def __init__(
+        self,
+        c_z: int,
+        c_hidden: int,
+        num_heads: int,
+        starting: bool = True,
+        inf: float = 1e9,
+        chunk_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.starting = starting
+        self.chunk_size = chunk_size
+        self.layer_norm = LayerNorm(c_z)
+        self.linear = Linear(c_z, num_heads, bias=False, init="normal")
+        self.mha = Attention(c_z, c_z, c_z, c_hidden, num_heads, gating=True, inf=inf)
+
+    def forward(self, z: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``z`` ``[*, N_res, N_res, c_z]``, ``mask`` ``[*, N_res, N_res]`` -> update like ``z``."""
+        mask = _pair_mask(mask, z)
+        if not self.starting:
+            z = z.transpose(-2, -3)
+            mask = mask.transpose(-1, -2)
+
+        z = self.layer_norm(z)
+        # Row i is a batch of queries z_ij attending over keys z_ik.
+        mask = mask[..., :, None, None, :]
+        # mask: [*, N_i, 1, 1, N_k]
+        bias = self.linear(z).movedim(-1, -3).unsqueeze(-4)
+        # bias: [*, 1, H, N_j, N_k] (shared by every row i)
+
+        z = chunked(
+            lambda z_, mask_: self.mha(z_, z_, mask=mask_, bias=bias),
+            self.chunk_size,
+            [z, mask],
+            dims=[-3, -4],
+            out_dim=-3,
+        )
+        # z: [*, N_i, N_j, c_z]
+
+        if not self.starting:
+            z = z.transpose(-2, -3)
+        return z
+
+
+class TriangleAttentionStartingNode(TriangleAttention):
+    """Triangular gated self-attention around the starting node (Supplementary Alg. 13)."""
+
+    def __init__(
+        self, c_z: int, c_hidden: int, num_heads: int, inf: float = 1e9, chunk_size: int | None = None
+    ) -> None:
+        super().__init__(c_z, c_hidden, num_heads, starting=True, inf=inf, chunk_size=chunk_size)
+
+
+class TriangleAttentionEndingNode(TriangleAttention):
+    """Triangular gated self-attention around the ending node (Supplementary Alg. 14)."""
+
+    def __init__(
+        self, c_z: int, c_hidden: int, num_heads: int, inf: float = 1e9, chunk_size: int | None = None
+    ) -> None:
+        super().__init__(c_z, c_hidden, num_heads, starting=False, inf=inf, chunk_size=chunk_size)
+
+
+__all__ = [
+    "TriangleMultiplicativeUpdate",
+    "TriangleMultiplicationOutgoing",
+    "TriangleMultiplicationIncoming",
+    "TriangleAttention",
+    "TriangleAttentionStartingNode",
+    "TriangleAttentionEndingNode",
+]
