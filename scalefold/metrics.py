@@ -11,7 +11,7 @@ Numerics follow the MLPerf reference (``openfold/loss.py::lddt``) exactly, inclu
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -56,9 +56,7 @@ def lddt(
 
     # [*, N, N] pairs that are scored: true distance inside the cutoff, both atoms known, i != j.
     not_self = 1.0 - torch.eye(n, device=all_atom_mask.device, dtype=all_atom_mask.dtype)
-    dists_to_score = (
-        (dmat_true < cutoff) * all_atom_mask * torch.swapdims(all_atom_mask, -2, -1) * not_self
-    )
+    dists_to_score = (dmat_true < cutoff) * all_atom_mask * torch.swapdims(all_atom_mask, -2, -1) * not_self
 
     dist_l1 = torch.abs(dmat_true - dmat_pred)
     score = sum((dist_l1 < t).to(dist_l1.dtype) for t in thresholds)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from typing import Dict, List, Mapping, Sequence, Tuple
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -33,34 +33,34 @@ import numpy as np
 
 # Standard residue order when coding the amino-acid type as a number: the 3-letter codes sorted
 # alphabetically (ALA, ARG, ASN, ASP, ...).
-restypes: List[str] = [
+restypes: list[str] = [
     "A", "R", "N", "D", "C", "Q", "E", "G", "H", "I",
     "L", "K", "M", "F", "P", "S", "T", "W", "Y", "V",
 ]  # fmt: skip
-restype_order: Dict[str, int] = {restype: i for i, restype in enumerate(restypes)}
+restype_order: dict[str, int] = {restype: i for i, restype in enumerate(restypes)}
 restype_num: int = len(restypes)  # 20
 unk_restype_index: int = restype_num  # catch-all index for unknown residue types
 
-restypes_with_x: List[str] = restypes + ["X"]
-restype_order_with_x: Dict[str, int] = {restype: i for i, restype in enumerate(restypes_with_x)}
-restypes_with_x_and_gap: List[str] = restypes_with_x + ["-"]
+restypes_with_x: list[str] = restypes + ["X"]
+restype_order_with_x: dict[str, int] = {restype: i for i, restype in enumerate(restypes_with_x)}
+restypes_with_x_and_gap: list[str] = restypes_with_x + ["-"]
 
-restype_1to3: Dict[str, str] = {
+restype_1to3: dict[str, str] = {
     "A": "ALA", "R": "ARG", "N": "ASN", "D": "ASP", "C": "CYS",
     "Q": "GLN", "E": "GLU", "G": "GLY", "H": "HIS", "I": "ILE",
     "L": "LEU", "K": "LYS", "M": "MET", "F": "PHE", "P": "PRO",
     "S": "SER", "T": "THR", "W": "TRP", "Y": "TYR", "V": "VAL",
 }  # fmt: skip
 # A strict 1-to-1 inverse (unlike Bio.PDB's protein_letters_3to1, which maps many rare names).
-restype_3to1: Dict[str, str] = {v: k for k, v in restype_1to3.items()}
+restype_3to1: dict[str, str] = {v: k for k, v in restype_1to3.items()}
 
 unk_restype: str = "UNK"
-resnames: List[str] = [restype_1to3[r] for r in restypes] + [unk_restype]
-resname_to_idx: Dict[str, int] = {resname: i for i, resname in enumerate(resnames)}
+resnames: list[str] = [restype_1to3[r] for r in restypes] + [unk_restype]
+resname_to_idx: dict[str, int] = {resname: i for i, resname in enumerate(resnames)}
 
 # HHblits alphabet: B -> D, J and O -> X, U -> C, Z -> E; the 20 standard amino acids in
 # alphabetical one-letter order, then X (any) = 20 and the gap "-" = 21.
-HHBLITS_AA_TO_ID: Dict[str, int] = {
+HHBLITS_AA_TO_ID: dict[str, int] = {
     "A": 0, "B": 2, "C": 1, "D": 2, "E": 3, "F": 4, "G": 5, "H": 6, "I": 7,
     "J": 20, "K": 8, "L": 9, "M": 10, "N": 11, "O": 20, "P": 12, "Q": 13,
     "R": 14, "S": 15, "T": 16, "U": 1, "V": 17, "W": 18, "X": 20, "Y": 19,
@@ -68,21 +68,19 @@ HHBLITS_AA_TO_ID: Dict[str, int] = {
 }  # fmt: skip
 
 # Partial inverse of HHBLITS_AA_TO_ID (1 also stands for U, 2 for B, 3 for Z, 20 for J and O).
-ID_TO_HHBLITS_AA: Dict[int, str] = {
+ID_TO_HHBLITS_AA: dict[int, str] = {
     0: "A", 1: "C", 2: "D", 3: "E", 4: "F", 5: "G", 6: "H", 7: "I", 8: "K", 9: "L",
     10: "M", 11: "N", 12: "P", 13: "Q", 14: "R", 15: "S", 16: "T", 17: "V", 18: "W",
     19: "Y", 20: "X", 21: "-",
 }  # fmt: skip
 
 # HHblits id -> our id (``restypes_with_x_and_gap`` order).
-MAP_HHBLITS_AATYPE_TO_OUR_AATYPE: Tuple[int, ...] = tuple(
+MAP_HHBLITS_AATYPE_TO_OUR_AATYPE: tuple[int, ...] = tuple(
     restypes_with_x_and_gap.index(ID_TO_HHBLITS_AA[i]) for i in range(len(restypes_with_x_and_gap))
 )
 
 
-def sequence_to_onehot(
-    sequence: str, mapping: Mapping[str, int], map_unknown_to_x: bool = False
-) -> np.ndarray:
+def sequence_to_onehot(sequence: str, mapping: Mapping[str, int], map_unknown_to_x: bool = False) -> np.ndarray:
     """One-hot encode ``sequence`` with ``mapping`` -> int32 array ``[len(sequence), num_classes]``.
 
     ``mapping`` must use every value 0..num_classes-1. With ``map_unknown_to_x`` letters missing
@@ -91,8 +89,7 @@ def sequence_to_onehot(
     num_entries = max(mapping.values()) + 1
     if sorted(set(mapping.values())) != list(range(num_entries)):
         raise ValueError(
-            "The mapping must have values from 0 to num_unique_aas-1 without any gaps. "
-            f"Got: {sorted(mapping.values())}"
+            f"The mapping must have values from 0 to num_unique_aas-1 without any gaps. Got: {sorted(mapping.values())}"
         )
     one_hot = np.zeros((len(sequence), num_entries), dtype=np.int32)
     for i, aa in enumerate(sequence):
@@ -119,16 +116,16 @@ def aatype_to_str_sequence(aatype: Sequence[int]) -> str:
 ca_ca: float = 3.80209737096
 
 # The 37 heavy-atom types (atom37 layout).
-atom_types: List[str] = [
+atom_types: list[str] = [
     "N", "CA", "C", "CB", "O", "CG", "CG1", "CG2", "OG", "OG1", "SG", "CD", "CD1",
     "CD2", "ND1", "ND2", "OD1", "OD2", "SD", "CE", "CE1", "CE2", "CE3", "NE", "NE1",
     "NE2", "OE1", "OE2", "CH2", "NH1", "NH2", "OH", "CZ", "CZ2", "CZ3", "NZ", "OXT",
 ]  # fmt: skip
-atom_order: Dict[str, int] = {atom_type: i for i, atom_type in enumerate(atom_types)}
+atom_order: dict[str, int] = {atom_type: i for i, atom_type in enumerate(atom_types)}
 atom_type_num: int = len(atom_types)  # 37
 
 # Heavy atoms of each residue type (PDB naming).
-residue_atoms: Dict[str, List[str]] = {
+residue_atoms: dict[str, list[str]] = {
     "ALA": ["C", "CA", "CB", "N", "O"],
     "ARG": ["C", "CA", "CB", "CG", "CD", "CZ", "N", "NE", "O", "NH1", "NH2"],
     "ASP": ["C", "CA", "CB", "CG", "N", "O", "OD1", "OD2"],
@@ -153,7 +150,7 @@ residue_atoms: Dict[str, List[str]] = {
 
 # Compact 14-column atom layout ("" = no atom in that slot).
 # fmt: off
-restype_name_to_atom14_names: Dict[str, List[str]] = {
+restype_name_to_atom14_names: dict[str, list[str]] = {
     "ALA": ["N", "CA", "C", "O", "CB", "", "", "", "", "", "", "", "", ""],
     "ARG": ["N", "CA", "C", "O", "CB", "CG", "CD", "NE", "CZ", "NH1", "NH2", "", "", ""],
     "ASN": ["N", "CA", "C", "O", "CB", "CG", "OD1", "ND2", "", "", "", "", "", ""],
@@ -180,7 +177,7 @@ restype_name_to_atom14_names: Dict[str, List[str]] = {
 atom14_num: int = 14
 
 
-def _make_atom14_atom37_maps() -> Tuple[np.ndarray, np.ndarray]:
+def _make_atom14_atom37_maps() -> tuple[np.ndarray, np.ndarray]:
     """``[21, 14]`` atom14 -> atom37 index and ``[21, 37]`` atom37 -> atom14 index (0 where absent)."""
     to_atom37, to_atom14 = [], []
     for resname in resnames:
@@ -207,7 +204,7 @@ STANDARD_ATOM_MASK: np.ndarray = _make_standard_atom_mask()
 
 # Ambiguous atom names: symmetric side chains whose atom naming can be swapped without changing
 # the structure (the lDDT paper lists 7, the ambiguity in LEU, VAL and ARG resolves from geometry).
-residue_atom_renaming_swaps: Dict[str, Dict[str, str]] = {
+residue_atom_renaming_swaps: dict[str, dict[str, str]] = {
     "ASP": {"OD1": "OD2"},
     "GLU": {"OE1": "OE2"},
     "PHE": {"CD1": "CD2", "CE1": "CE2"},
@@ -215,7 +212,7 @@ residue_atom_renaming_swaps: Dict[str, Dict[str, str]] = {
 }
 
 
-def _make_atom14_ambiguity_feats() -> Tuple[np.ndarray, np.ndarray]:
+def _make_atom14_ambiguity_feats() -> tuple[np.ndarray, np.ndarray]:
     """``[21, 14]`` float32 ambiguous-atom mask and int64 index of each atom's swap partner."""
     ambiguous = np.zeros((21, 14), dtype=np.float32)
     swap_idx = np.tile(np.arange(14, dtype=np.int64), reps=(21, 1))
@@ -236,7 +233,7 @@ restype_atom14_ambiguous_atoms, restype_atom14_ambiguous_atoms_swap_idx = _make_
 # ---------------------------------------------------------------------------------------------
 
 # chi1..chi4 defining atoms per residue type (chi5 of ARG is always 0 +- 5 deg: ignored).
-chi_angles_atoms: Dict[str, List[List[str]]] = {
+chi_angles_atoms: dict[str, list[list[str]]] = {
     "ALA": [],
     "ARG": [["N", "CA", "CB", "CG"], ["CA", "CB", "CG", "CD"], ["CB", "CG", "CD", "NE"], ["CG", "CD", "NE", "CZ"]],
     "ASN": [["N", "CA", "CB", "CG"], ["CA", "CB", "CG", "OD1"]],
@@ -260,7 +257,7 @@ chi_angles_atoms: Dict[str, List[List[str]]] = {
 }
 
 # Which of chi1..chi4 exist, per residue type in ``restype_order`` (20 rows).
-chi_angles_mask: List[List[float]] = [
+chi_angles_mask: list[list[float]] = [
     [0.0, 0.0, 0.0, 0.0],  # ALA
     [1.0, 1.0, 1.0, 1.0],  # ARG
     [1.0, 1.0, 0.0, 0.0],  # ASN
@@ -284,7 +281,7 @@ chi_angles_mask: List[List[float]] = [
 ]
 
 # chi angles that are pi-periodic (rotating by pi leaves the structure unchanged); 21 rows.
-chi_pi_periodic: List[List[float]] = [
+chi_pi_periodic: list[list[float]] = [
     [0.0, 0.0, 0.0, 0.0],  # ALA
     [0.0, 0.0, 0.0, 0.0],  # ARG
     [0.0, 0.0, 0.0, 0.0],  # ASN
@@ -313,7 +310,7 @@ chi_pi_periodic: List[List[float]] = [
 # hydrogens: empty), 3 psi, 4..7 chi1..chi4. Positions are relative to the axis-end atom of the
 # group's rotation axis; x points along the axis and the dihedral-defining atom (last entry of
 # ``chi_angles_atoms``) lies in the xy-plane with positive y.
-rigid_group_atom_positions: Dict[str, List[list]] = {
+rigid_group_atom_positions: dict[str, list[list]] = {
     "ALA": [
         ["N", 0, (-0.525, 1.363, 0.000)],
         ["CA", 0, (0.000, 0.000, 0.000)],
@@ -550,7 +547,7 @@ chi_angles_atom_indices: np.ndarray = np.array(
 )
 
 # (resname, atom_name) -> [(chi_group_index, index_of_atom_within_that_chi), ...]
-chi_groups_for_atom: Dict[Tuple[str, str], List[Tuple[int, int]]] = collections.defaultdict(list)
+chi_groups_for_atom: dict[tuple[str, str], list[tuple[int, int]]] = collections.defaultdict(list)
 for _resname, _chis in chi_angles_atoms.items():
     for _chi_idx, _chi_atoms in enumerate(_chis):
         for _atom_idx, _atom in enumerate(_chi_atoms):
@@ -568,7 +565,7 @@ def _make_rigid_transformation_4x4(ex: np.ndarray, ey: np.ndarray, translation: 
     return np.concatenate([m, [[0.0, 0.0, 0.0, 1.0]]], axis=0)
 
 
-def _make_rigid_group_constants() -> Dict[str, np.ndarray]:
+def _make_rigid_group_constants() -> dict[str, np.ndarray]:
     """Per-residue-type atom -> rigid group tables and the default frames (Alg. 24 constants).
 
     The frames map each group to its parent: psi, phi and chi1 to the backbone, chi(k+1) to
@@ -625,30 +622,34 @@ def _make_rigid_group_constants() -> Dict[str, np.ndarray]:
 _rigid_group_tables = _make_rigid_group_constants()
 restype_atom37_to_rigid_group: np.ndarray = _rigid_group_tables["restype_atom37_to_rigid_group"]  # [21, 37]
 restype_atom37_mask: np.ndarray = _rigid_group_tables["restype_atom37_mask"]  # [21, 37]
-restype_atom37_rigid_group_positions: np.ndarray = _rigid_group_tables["restype_atom37_rigid_group_positions"]  # [21, 37, 3]
+restype_atom37_rigid_group_positions: np.ndarray = _rigid_group_tables[
+    "restype_atom37_rigid_group_positions"
+]  # [21, 37, 3]
 restype_atom14_to_rigid_group: np.ndarray = _rigid_group_tables["restype_atom14_to_rigid_group"]  # [21, 14]
 restype_atom14_mask: np.ndarray = _rigid_group_tables["restype_atom14_mask"]  # [21, 14]
-restype_atom14_rigid_group_positions: np.ndarray = _rigid_group_tables["restype_atom14_rigid_group_positions"]  # [21, 14, 3]
-restype_rigid_group_default_frame: np.ndarray = _rigid_group_tables["restype_rigid_group_default_frame"]  # [21, 8, 4, 4]
+restype_atom14_rigid_group_positions: np.ndarray = _rigid_group_tables[
+    "restype_atom14_rigid_group_positions"
+]  # [21, 14, 3]
+restype_rigid_group_default_frame: np.ndarray = _rigid_group_tables[
+    "restype_rigid_group_default_frame"
+]  # [21, 8, 4, 4]
 
 # ---------------------------------------------------------------------------------------------
 # 4. Stereochemistry (violation loss, Supplementary 1.9.11)
 # ---------------------------------------------------------------------------------------------
 
 # Van der Waals radii [Angstrom] of the heavy elements (from Wikipedia).
-van_der_waals_radius: Dict[str, float] = {"C": 1.7, "N": 1.55, "O": 1.52, "S": 1.8}
+van_der_waals_radius: dict[str, float] = {"C": 1.7, "N": 1.55, "O": 1.52, "S": 1.8}
 
 # Between-residue peptide bond C(i)-N(i+1): [general, proline].
-between_res_bond_length_c_n: List[float] = [1.329, 1.341]
-between_res_bond_length_stddev_c_n: List[float] = [0.014, 0.016]
+between_res_bond_length_c_n: list[float] = [1.329, 1.341]
+between_res_bond_length_stddev_c_n: list[float] = [0.014, 0.016]
 # Between-residue angles as [mean cos, stddev of cos].
-between_res_cos_angles_c_n_ca: List[float] = [-0.5203, 0.0353]  # 121.352 +- 2.315 degrees
-between_res_cos_angles_ca_c_n: List[float] = [-0.4473, 0.0311]  # 116.568 +- 1.995 degrees
+between_res_cos_angles_c_n_ca: list[float] = [-0.5203, 0.0353]  # 121.352 +- 2.315 degrees
+between_res_cos_angles_ca_c_n: list[float] = [-0.4473, 0.0311]  # 116.568 +- 1.995 degrees
 
 Bond = collections.namedtuple("Bond", ["atom1_name", "atom2_name", "length", "stddev"])
-BondAngle = collections.namedtuple(
-    "BondAngle", ["atom1_name", "atom2_name", "atom3name", "angle_rad", "stddev"]
-)
+BondAngle = collections.namedtuple("BondAngle", ["atom1_name", "atom2_name", "atom3name", "angle_rad", "stddev"])
 
 # Literature bond lengths [Angstrom] and angles [degrees] (Engh & Huber), the
 # ``stereo_chemical_props.txt`` of OpenStructure used by AlphaFold; sections end with "-".
@@ -1001,9 +1002,9 @@ S-S 2.03 1.0
 """
 
 
-@functools.lru_cache(maxsize=None)
-def load_stereo_chemical_props() -> Tuple[
-    Mapping[str, List[Bond]], Mapping[str, List[Bond]], Mapping[str, List[BondAngle]]
+@functools.cache
+def load_stereo_chemical_props() -> tuple[
+    Mapping[str, list[Bond]], Mapping[str, list[Bond]], Mapping[str, list[BondAngle]]
 ]:
     """Parse :data:`STEREO_CHEMICAL_PROPS` into bonds, "virtual bonds" and bond angles per residue.
 
@@ -1015,7 +1016,7 @@ def load_stereo_chemical_props() -> Tuple[
     """
     lines = iter(STEREO_CHEMICAL_PROPS.splitlines())
 
-    residue_bonds: Dict[str, List[Bond]] = {}
+    residue_bonds: dict[str, list[Bond]] = {}
     next(lines)  # header
     for line in lines:
         if line.strip() == "-":
@@ -1025,7 +1026,7 @@ def load_stereo_chemical_props() -> Tuple[
         residue_bonds.setdefault(resname, []).append(Bond(atom1, atom2, float(length), float(stddev)))
     residue_bonds["UNK"] = []
 
-    residue_bond_angles: Dict[str, List[BondAngle]] = {}
+    residue_bond_angles: dict[str, list[BondAngle]] = {}
     next(lines)  # empty line
     next(lines)  # header
     for line in lines:
@@ -1047,7 +1048,7 @@ def load_stereo_chemical_props() -> Tuple[
     def bond_key(atom1_name: str, atom2_name: str) -> str:
         return "-".join(sorted([atom1_name, atom2_name]))
 
-    residue_virtual_bonds: Dict[str, List[Bond]] = {}
+    residue_virtual_bonds: dict[str, list[Bond]] = {}
     for resname, bond_angles in residue_bond_angles.items():
         bond_cache = {bond_key(b.atom1_name, b.atom2_name): b for b in residue_bonds[resname]}
         residue_virtual_bonds[resname] = []
@@ -1056,17 +1057,13 @@ def load_stereo_chemical_props() -> Tuple[
             bond2 = bond_cache[bond_key(ba.atom2_name, ba.atom3name)]
             # Law of cosines: c^2 = a^2 + b^2 - 2ab cos(gamma).
             gamma = ba.angle_rad
-            length = np.sqrt(
-                bond1.length**2 + bond2.length**2 - 2 * bond1.length * bond2.length * np.cos(gamma)
-            )
+            length = np.sqrt(bond1.length**2 + bond2.length**2 - 2 * bond1.length * bond2.length * np.cos(gamma))
             # Propagation of uncertainty assuming uncorrelated errors.
             dl_outer = 0.5 / length
             dl_dgamma = (2 * bond1.length * bond2.length * np.sin(gamma)) * dl_outer
             dl_db1 = (2 * bond1.length - 2 * bond2.length * np.cos(gamma)) * dl_outer
             dl_db2 = (2 * bond2.length - 2 * bond1.length * np.cos(gamma)) * dl_outer
-            stddev = np.sqrt(
-                (dl_dgamma * ba.stddev) ** 2 + (dl_db1 * bond1.stddev) ** 2 + (dl_db2 * bond2.stddev) ** 2
-            )
+            stddev = np.sqrt((dl_dgamma * ba.stddev) ** 2 + (dl_db1 * bond1.stddev) ** 2 + (dl_db2 * bond2.stddev) ** 2)
             residue_virtual_bonds[resname].append(Bond(ba.atom1_name, ba.atom3name, length, stddev))
 
     return residue_bonds, residue_virtual_bonds, residue_bond_angles
@@ -1075,7 +1072,7 @@ def load_stereo_chemical_props() -> Tuple[
 def make_atom14_dists_bounds(
     overlap_tolerance: float = 1.5,
     bond_length_tolerance_factor: float = 15.0,
-) -> Dict[str, np.ndarray]:
+) -> dict[str, np.ndarray]:
     """Lower/upper bounds and stddev of intra-residue atom14 pair distances, ``[21, 14, 14]`` each.
 
     Non-bonded pairs: lower bound = sum of van der Waals radii - ``overlap_tolerance``, upper

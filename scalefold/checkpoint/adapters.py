@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Union
 
 import torch
 import torch.nn as nn
 
-StateDict = Dict[str, torch.Tensor]
+StateDict = dict[str, torch.Tensor]
 PathOrObj = Union[str, "os.PathLike[str]", Mapping[str, Any]]
 
 MODEL_KEY = "alphafold_state_dict"
@@ -46,7 +47,7 @@ class CheckpointError(ValueError):
 class StateDictMismatchError(CheckpointError):
     """Names or shapes of a state dict disagree with the model; see :class:`LoadReport`."""
 
-    def __init__(self, report: "LoadReport") -> None:
+    def __init__(self, report: LoadReport) -> None:
         self.report = report
         super().__init__(report.describe())
 
@@ -55,9 +56,9 @@ class StateDictMismatchError(CheckpointError):
 class LoadReport:
     """Which names were missing from the state dict, unexpected in it, or of the wrong shape."""
 
-    missing: List[str] = field(default_factory=list)
-    unexpected: List[str] = field(default_factory=list)
-    mismatched: List[Tuple[str, Tuple[int, ...], Tuple[int, ...]]] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -113,13 +114,11 @@ def extract_model_state_dict(obj: Mapping[str, Any]) -> StateDict:
             f"(top-level keys: {list(obj)[:MAX_LISTED_NAMES]})"
         )
     if sd and all(k.startswith(DDP_PREFIX) for k in sd):
-        sd = {k[len(DDP_PREFIX):]: v for k, v in sd.items()}
+        sd = {k[len(DDP_PREFIX) :]: v for k, v in sd.items()}
     return dict(sd)
 
 
-def load_reference_state_dict(
-    model: nn.Module, state_dict: Mapping[str, Any], strict: bool = True
-) -> LoadReport:
+def load_reference_state_dict(model: nn.Module, state_dict: Mapping[str, Any], strict: bool = True) -> LoadReport:
     """Load reference-named weights (a raw state dict or a checkpoint with ``alphafold_state_dict``).
 
     ``strict``: any missing, unexpected or mis-shaped name raises :class:`StateDictMismatchError`
@@ -162,7 +161,7 @@ def read_checkpoint(path_or_obj: PathOrObj, map_location: Union[str, torch.devic
 def load_reference_checkpoint(
     path_or_obj: PathOrObj,
     model: nn.Module,
-    optimizer: Optional[torch.optim.Optimizer] = None,
+    optimizer: torch.optim.Optimizer | None = None,
     map_location: Union[str, torch.device] = "cpu",
 ) -> int:
     """Load the reference's resumable checkpoint into ``model`` (strict) and ``optimizer``.
@@ -171,7 +170,9 @@ def load_reference_checkpoint(
     the parameter shapes before loading. Returns the stored ``iteration``.
     """
     ckpt = read_checkpoint(path_or_obj, map_location)
-    missing = [k for k in (MODEL_KEY, ITERATION_KEY) + ((OPTIMIZER_KEY,) if optimizer is not None else ()) if k not in ckpt]
+    missing = [
+        k for k in (MODEL_KEY, ITERATION_KEY) + ((OPTIMIZER_KEY,) if optimizer is not None else ()) if k not in ckpt
+    ]
     if missing:
         raise CheckpointError(
             f"not a reference checkpoint: missing {missing}; found keys {sorted(ckpt)[:MAX_LISTED_NAMES]} "
@@ -185,7 +186,7 @@ def load_reference_checkpoint(
 
 
 def save_reference_checkpoint(
-    path: Union[str, "os.PathLike[str]"],
+    path: Union[str, os.PathLike[str]],
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     iteration: int,
@@ -202,9 +203,7 @@ def _check_adam_state(opt_state: Any, params: Sequence[torch.Tensor]) -> None:
         raise CheckpointError("optimizer_state_dict is not a torch.optim state dict (needs 'state' and 'param_groups')")
     indices = [i for g in opt_state["param_groups"] for i in g.get("params", [])]
     if len(indices) != len(params):
-        raise CheckpointError(
-            f"optimizer_state_dict covers {len(indices)} parameters, the model has {len(params)}"
-        )
+        raise CheckpointError(f"optimizer_state_dict covers {len(indices)} parameters, the model has {len(params)}")
     bad = []
     for index, param in zip(indices, params):
         state = opt_state["state"].get(index, {})
@@ -217,18 +216,18 @@ def _check_adam_state(opt_state: Any, params: Sequence[torch.Tensor]) -> None:
         raise CheckpointError("Adam state does not match the parameters: " + "; ".join(bad[:MAX_LISTED_NAMES]) + more)
 
 
-def swa_state_dict(model: nn.Module, n_averaged: int) -> Dict[str, torch.Tensor]:
+def swa_state_dict(model: nn.Module, n_averaged: int) -> dict[str, torch.Tensor]:
     """The reference SWA file layout for the averaged weights held in ``model``."""
-    sd: Dict[str, torch.Tensor] = {SWA_N_AVERAGED: torch.tensor(int(n_averaged), dtype=torch.long)}
+    sd: dict[str, torch.Tensor] = {SWA_N_AVERAGED: torch.tensor(int(n_averaged), dtype=torch.long)}
     sd.update({SWA_MODULE_PREFIX + k: v for k, v in model.state_dict().items()})
     return sd
 
 
 def load_swa_checkpoint(
     path_or_obj: PathOrObj,
-    model: Optional[nn.Module] = None,
+    model: nn.Module | None = None,
     map_location: Union[str, torch.device] = "cpu",
-) -> Tuple[StateDict, int]:
+) -> tuple[StateDict, int]:
     """Read the reference SWA file; load its weights into ``model`` (strict) when given.
 
     Returns ``(weights with reference names, n_averaged)``.
@@ -241,7 +240,7 @@ def load_swa_checkpoint(
     others = [k for k in obj if k != SWA_N_AVERAGED and not k.startswith(SWA_MODULE_PREFIX)]
     if others:
         raise CheckpointError(f"unexpected entries in SWA checkpoint: {others[:MAX_LISTED_NAMES]}")
-    weights = {k[len(SWA_MODULE_PREFIX):]: v for k, v in obj.items() if k.startswith(SWA_MODULE_PREFIX)}
+    weights = {k[len(SWA_MODULE_PREFIX) :]: v for k, v in obj.items() if k.startswith(SWA_MODULE_PREFIX)}
     n_averaged = int(obj[SWA_N_AVERAGED])
     if model is not None:
         load_reference_state_dict(model, weights, strict=True)
@@ -254,18 +253,34 @@ def load_swa_checkpoint(
 # (reference pattern, upstream pattern); groups are carried over. Applied in order, all that match.
 _BLOCK = r"(evoformer|extra_msa_stack)\.blocks\.(\d+)\."
 _PAIR_OPS = r"(tri_mul_out|tri_mul_in|tri_att_start|tri_att_end|pair_transition)"
-_RENAMES: List[Tuple[str, str, str, str]] = [
+_RENAMES: list[tuple[str, str, str, str]] = [
     # (reference regex, reference replacement, upstream regex, upstream replacement)
     (r"^evoformer_stack\.", "evoformer_stack.", r"^evoformer\.", "evoformer."),
     (r"^auxiliary_heads\.", "auxiliary_heads.", r"^aux_heads\.", "aux_heads."),
-    (r"^template_angle_embedder\.", "template_angle_embedder.",
-     r"^template_embedder\.template_single_embedder\.", "template_embedder.template_single_embedder."),
-    (r"^template_pair_embedder\.", "template_pair_embedder.",
-     r"^template_embedder\.template_pair_embedder\.", "template_embedder.template_pair_embedder."),
-    (r"^template_pair_stack\.", "template_pair_stack.",
-     r"^template_embedder\.template_pair_stack\.", "template_embedder.template_pair_stack."),
-    (r"^template_pointwise_attention\.", "template_pointwise_attention.",
-     r"^template_embedder\.template_pointwise_att\.", "template_embedder.template_pointwise_att."),
+    (
+        r"^template_angle_embedder\.",
+        "template_angle_embedder.",
+        r"^template_embedder\.template_single_embedder\.",
+        "template_embedder.template_single_embedder.",
+    ),
+    (
+        r"^template_pair_embedder\.",
+        "template_pair_embedder.",
+        r"^template_embedder\.template_pair_embedder\.",
+        "template_embedder.template_pair_embedder.",
+    ),
+    (
+        r"^template_pair_stack\.",
+        "template_pair_stack.",
+        r"^template_embedder\.template_pair_stack\.",
+        "template_embedder.template_pair_stack.",
+    ),
+    (
+        r"^template_pointwise_attention\.",
+        "template_pointwise_attention.",
+        r"^template_embedder\.template_pointwise_att\.",
+        "template_embedder.template_pointwise_att.",
+    ),
 ]
 
 
@@ -277,7 +292,9 @@ def _ref_to_up(name: str) -> str:
     name = re.sub(r"^" + _BLOCK + r"core\.(msa_transition|outer_product_mean)\.", r"\1.blocks.\2.\3.", name)
     name = re.sub(r"^" + _BLOCK + r"core\." + _PAIR_OPS + r"\.", r"\1.blocks.\2.pair_stack.\3.", name)
     name = re.sub(r"^evoformer\.blocks\.(\d+)\.msa_att_col\.", r"evoformer.blocks.\1.msa_att_col._msa_att.", name)
-    name = re.sub(r"^structure_module\.ipa\.(linear_q_points|linear_kv_points)\.", r"structure_module.ipa.\1.linear.", name)
+    name = re.sub(
+        r"^structure_module\.ipa\.(linear_q_points|linear_kv_points)\.", r"structure_module.ipa.\1.linear.", name
+    )
     name = re.sub(r"^structure_module\.transition\.(linear_\d)\.", r"structure_module.transition.layers.0.\1.", name)
     return name
 
@@ -287,14 +304,22 @@ def _up_to_ref(name: str) -> str:
         if re.match(up_re, name):
             name = re.sub(up_re, ref_rep, name, count=1)
             break
-    name = re.sub(r"^(evoformer_stack|extra_msa_stack)\.blocks\.(\d+)\.(msa_transition|outer_product_mean)\.",
-                  r"\1.blocks.\2.core.\3.", name)
-    name = re.sub(r"^(evoformer_stack|extra_msa_stack)\.blocks\.(\d+)\.pair_stack\." + _PAIR_OPS + r"\.",
-                  r"\1.blocks.\2.core.\3.", name)
-    name = re.sub(r"^evoformer_stack\.blocks\.(\d+)\.msa_att_col\._msa_att\.",
-                  r"evoformer_stack.blocks.\1.msa_att_col.", name)
-    name = re.sub(r"^structure_module\.ipa\.(linear_q_points|linear_kv_points)\.linear\.",
-                  r"structure_module.ipa.\1.", name)
+    name = re.sub(
+        r"^(evoformer_stack|extra_msa_stack)\.blocks\.(\d+)\.(msa_transition|outer_product_mean)\.",
+        r"\1.blocks.\2.core.\3.",
+        name,
+    )
+    name = re.sub(
+        r"^(evoformer_stack|extra_msa_stack)\.blocks\.(\d+)\.pair_stack\." + _PAIR_OPS + r"\.",
+        r"\1.blocks.\2.core.\3.",
+        name,
+    )
+    name = re.sub(
+        r"^evoformer_stack\.blocks\.(\d+)\.msa_att_col\._msa_att\.", r"evoformer_stack.blocks.\1.msa_att_col.", name
+    )
+    name = re.sub(
+        r"^structure_module\.ipa\.(linear_q_points|linear_kv_points)\.linear\.", r"structure_module.ipa.\1.", name
+    )
     match = re.match(r"^structure_module\.transition\.layers\.(\d+)\.", name)
     if match:
         if match.group(1) != "0":

@@ -27,15 +27,16 @@ import datetime
 import math
 import random
 from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, Mapping, Optional, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from scalefold.data import transforms as T
 from scalefold.data.transforms.msa import Features
-from scalefold.data.transforms.schema import FEATURE_SCHEMA, INTEGER_FEATURES
+from scalefold.data.transforms.schema import INTEGER_FEATURES
 
 TRAIN, EVAL = "train", "eval"
 
@@ -69,18 +70,19 @@ class FeatureConfig:
     msa_randomize_num_blocks: bool = True
 
     @classmethod
-    def mlperf(cls) -> "FeatureConfig":
+    def mlperf(cls) -> FeatureConfig:
         """The MLPerf HPC closed-division values (crop 256, 124 clusters, 1024 extra, 4 templates)."""
         return cls()
 
     @classmethod
-    def tiny(cls) -> "FeatureConfig":
+    def tiny(cls) -> FeatureConfig:
         """A laptop-sized configuration for tests and demos."""
-        return cls(train_sequence_crop_size=24, max_msa_clusters=8, max_extra_msa=16, max_templates=2,
-                   num_recycling_iters=1)
+        return cls(
+            train_sequence_crop_size=24, max_msa_clusters=8, max_extra_msa=16, max_templates=2, num_recycling_iters=1
+        )
 
     @classmethod
-    def from_reference_config(cls, config: Mapping[str, Any], **overrides: Any) -> "FeatureConfig":
+    def from_reference_config(cls, config: Mapping[str, Any], **overrides: Any) -> FeatureConfig:
         """Pick this dataclass's fields out of a reference ``AlphaFoldConfig`` dict."""
         names = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in config.items() if k in names}
@@ -179,8 +181,11 @@ def _nonensembled(feats: Features, cfg: FeatureConfig, mode: str) -> Features:
         feats["template_pseudo_beta"] = templ["template_pseudo_beta"]
         feats["template_pseudo_beta_mask"] = templ["template_pseudo_beta_mask"]
         if cfg.embed_template_torsion_angles:
-            for key in ("template_torsion_angles_sin_cos", "template_alt_torsion_angles_sin_cos",
-                        "template_torsion_angles_mask"):
+            for key in (
+                "template_torsion_angles_sin_cos",
+                "template_alt_torsion_angles_sin_cos",
+                "template_torsion_angles_mask",
+            ):
                 feats[key] = templ[key]
     feats.update(T.atom14_masks(feats["aatype"]))
     if mode in (TRAIN, EVAL):
@@ -194,17 +199,26 @@ def _ensemble(feats: Features, cfg: FeatureConfig, mode: str, seed: int, iterati
     ensemble_seed = seed + iteration
     if cfg.msa_block_deletion and mode == TRAIN:
         feats = T.block_delete_msa(
-            feats, cfg.msa_fraction_per_block, cfg.msa_num_blocks, cfg.msa_randomize_num_blocks,
+            feats,
+            cfg.msa_fraction_per_block,
+            cfg.msa_num_blocks,
+            cfg.msa_randomize_num_blocks,
             T.make_generator(ensemble_seed),
         )
     if mode == TRAIN and float(feats["is_distillation"]) == 1.0:
-        feats = T.sample_msa(feats, cfg.max_distillation_msa_clusters, T.make_generator(ensemble_seed), keep_extra=False)
+        feats = T.sample_msa(
+            feats, cfg.max_distillation_msa_clusters, T.make_generator(ensemble_seed), keep_extra=False
+        )
     feats = T.sample_msa(feats, cfg.max_msa_clusters, T.make_generator(ensemble_seed), keep_extra=True)
     if cfg.masked_msa_enabled:
         # Masking comes before clustering so cluster profiles do not leak the masked residues.
         feats = T.make_masked_msa(
-            feats, cfg.masked_msa_profile_prob, cfg.masked_msa_same_prob, cfg.masked_msa_uniform_prob,
-            cfg.masked_msa_replace_fraction, T.make_generator(ensemble_seed),
+            feats,
+            cfg.masked_msa_profile_prob,
+            cfg.masked_msa_same_prob,
+            cfg.masked_msa_uniform_prob,
+            cfg.masked_msa_replace_fraction,
+            T.make_generator(ensemble_seed),
         )
     if cfg.msa_cluster_features:
         feats = T.nearest_neighbor_clusters(feats, cfg.gap_agreement_weight)
@@ -278,7 +292,7 @@ class TrainingChainFilter:
     max_resolution: float = 9.0
     max_aa_frequency: float = 0.8
 
-    def keep(self, release_date: Any, resolution: Optional[float], sequence: str, cluster_id: Optional[int]) -> bool:
+    def keep(self, release_date: Any, resolution: float | None, sequence: str, cluster_id: int | None) -> bool:
         """True if one chain passes every filter."""
         date = _date_string(release_date)
         if not (self.min_release_date <= date <= self.max_release_date):
@@ -292,9 +306,9 @@ class TrainingChainFilter:
     def mask(
         self,
         release_dates: Sequence[Any],
-        resolutions: Sequence[Optional[float]],
+        resolutions: Sequence[float | None],
         sequences: Sequence[str],
-        cluster_ids: Sequence[Optional[int]],
+        cluster_ids: Sequence[int | None],
     ) -> np.ndarray:
         """Boolean keep-mask over a chain table given as columns."""
         return np.array(
@@ -317,7 +331,7 @@ def aa_frequency_acceptable(sequence: str, max_aa_frequency: float = 0.8) -> boo
     return Counter(sequence).most_common(1)[0][1] / len(sequence) <= max_aa_frequency
 
 
-def cluster_sizes(cluster_ids: Iterable[Optional[int]]) -> np.ndarray:
+def cluster_sizes(cluster_ids: Iterable[int | None]) -> np.ndarray:
     """Number of chains in each chain's cluster (within the given table); 0 for unknown clusters."""
     ids = [UNKNOWN_CLUSTER if c is None else int(c) for c in cluster_ids]
     counts = Counter(ids)
@@ -326,7 +340,7 @@ def cluster_sizes(cluster_ids: Iterable[Optional[int]]) -> np.ndarray:
 
 def sampling_weights(
     sequence_lengths: Sequence[int],
-    cluster_ids: Sequence[Optional[int]],
+    cluster_ids: Sequence[int | None],
     min_length: int = 256,
     max_length: int = 512,
 ) -> np.ndarray:

@@ -22,11 +22,11 @@ import os
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import numpy as np
 
-from scalefold.data.parsers import MsaError, ParseError
+from scalefold.data.parsers import HhrError, MsaError, ParseError
 from scalefold.data.parsers.hhr import parse_hhr
 from scalefold.data.parsers.mmcif import check_chain_usable, parse_mmcif
 from scalefold.data.parsers.msa import Msa, merge_msas, parse_msa_file, validate_msa
@@ -49,9 +49,9 @@ REPORT_EXAMPLES = 5
 class PreprocessOptions:
     """What a worker needs besides the file name (picklable)."""
 
-    alignments_dir: Optional[str] = None
+    alignments_dir: str | None = None
     require_alignments: bool = True
-    cluster_ids: Optional[dict[str, int]] = None  # "PDBID_ENTITY" (upper) → cluster id
+    cluster_ids: dict[str, int] | None = None  # "PDBID_ENTITY" (upper) → cluster id
 
 
 # ----------------------------------------------------------------------------------------------
@@ -84,7 +84,7 @@ def _msa_sort_key(path: Path) -> tuple[int, str]:
     return len(MSA_SOURCE_ORDER), name
 
 
-def load_chain_alignments(directory: PathLike, sequence: str) -> tuple[Optional[Msa], list]:
+def load_chain_alignments(directory: PathLike, sequence: str) -> tuple[Msa | None, list]:
     """Merged, validated MSA and template hits of one chain's alignment directory.
 
     Raises :class:`MsaError` / :class:`HhrError` naming the offending file.
@@ -101,7 +101,15 @@ def load_chain_alignments(directory: PathLike, sequence: str) -> tuple[Optional[
         msas.append(msa)
     hits = []
     for path in sorted(p for p in directory.iterdir() if p.suffix.lower() == TEMPLATE_SUFFIX):
-        hits.extend(parse_hhr(path.read_text(), path=str(path)))
+        for hit in parse_hhr(path.read_text(), path=str(path)):
+            if max(hit.indices_query, default=-1) >= len(sequence):
+                raise HhrError(
+                    "hhr_query_length_mismatch",
+                    f"hit {hit.index} ({hit.name.split()[0]}) aligns query residue {max(hit.indices_query) + 1} "
+                    f"but the chain has {len(sequence)} residues",
+                    str(path),
+                )
+            hits.append(hit)
     if not msa_files:
         raise MsaError("missing_alignment", "no .a3m/.sto file in alignment directory", str(directory))
     return merge_msas(msas), hits
@@ -111,7 +119,7 @@ def load_chain_alignments(directory: PathLike, sequence: str) -> tuple[Optional[
 # worker
 
 
-def _skip(file: str, chain: Optional[str], error: Exception) -> dict[str, str]:
+def _skip(file: str, chain: str | None, error: Exception) -> dict[str, str]:
     reason = error.reason if isinstance(error, ParseError) else type(error).__name__
     return {"file": file, "chain": chain or "", "reason": reason, "message": str(error)}
 
@@ -172,12 +180,12 @@ def report_path(store_path: PathLike) -> Path:
 
 def preprocess(
     mmcif_dir: PathLike,
-    alignments_dir: Optional[PathLike],
+    alignments_dir: PathLike | None,
     out: PathLike,
     workers: int = 1,
     *,
     require_alignments: bool = True,
-    cluster_file: Optional[PathLike] = None,
+    cluster_file: PathLike | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Build a store from a directory of mmCIF files; returns (and writes) the report.
@@ -209,19 +217,32 @@ def preprocess(
     written = 0
     tasks = [(f, options) for f in files]
 
-    pool = multiprocessing.get_context("spawn").Pool(workers) if workers > 1 else None
+    # Workers are forked before the store is opened (no HDF5 handle crosses the fork); "spawn" where
+    # fork does not exist.
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    pool = multiprocessing.get_context(method).Pool(workers) if workers > 1 else None
     try:
         results = pool.imap(_process_star, tasks, chunksize=1) if pool else map(_process_star, tasks)
         with Store.create(out) as writer:
             for records, skips in tqdm(results, total=len(tasks), desc="preprocess", unit="file", disable=not progress):
                 for skip in skips:
-                    logger.warning("skipped %s%s: %s", skip["file"], f" chain {skip['chain']}" if skip["chain"] else "", skip["message"])
+                    logger.warning(
+                        "skipped %s%s: %s",
+                        skip["file"],
+                        f" chain {skip['chain']}" if skip["chain"] else "",
+                        skip["message"],
+                    )
                 skipped.extend(skips)
                 for record in records:
                     chain_id = record.pop("chain_id")
                     if chain_id in writer:  # the same entry in two files
                         skipped.append(
-                            {"file": "", "chain": chain_id, "reason": "duplicate_chain", "message": f"{chain_id} seen before"}
+                            {
+                                "file": "",
+                                "chain": chain_id,
+                                "reason": "duplicate_chain",
+                                "message": f"{chain_id} seen before",
+                            }
                         )
                         continue
                     writer.add_chain(chain_id, **record)

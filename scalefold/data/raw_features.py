@@ -32,8 +32,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Union
 
 import numpy as np
 
@@ -53,20 +54,20 @@ class MsaSource:
     """One MSA database: candidate file names in an alignment directory and AlphaFold's row cap."""
 
     name: str
-    filenames: Tuple[str, ...]
-    max_sequences: Optional[int] = None
+    filenames: tuple[str, ...]
+    max_sequences: int | None = None
 
 
 # AlphaFold's DataPipeline order (uniref90, bfd, mgnify) and caps (uniref_max_hits, mgnify_max_hits).
-DEFAULT_MSA_SOURCES: Tuple[MsaSource, ...] = (
+DEFAULT_MSA_SOURCES: tuple[MsaSource, ...] = (
     MsaSource("uniref90", ("uniref90_hits.sto", "uniref90_hits.a3m"), max_sequences=10_000),
     MsaSource("bfd", ("bfd_uniclust_hits.a3m", "bfd_uniref_hits.a3m", "small_bfd_hits.sto", "small_bfd_hits.a3m")),
     MsaSource("mgnify", ("mgnify_hits.sto", "mgnify_hits.a3m"), max_sequences=501),
 )
-TEMPLATE_HITS_FILENAMES: Tuple[str, ...] = ("pdb70_hits.hhr", "hhsearch_output.hhr")
+TEMPLATE_HITS_FILENAMES: tuple[str, ...] = ("pdb70_hits.hhr", "hhsearch_output.hhr")
 
 
-def make_sequence_features(sequence: str, description: str, num_res: int) -> Dict[str, np.ndarray]:
+def make_sequence_features(sequence: str, description: str, num_res: int) -> dict[str, np.ndarray]:
     """Sequence features (AlphaFold's ``make_sequence_features``); unknown letters become X."""
     if len(sequence) != num_res:
         raise ValueError(f"sequence has {len(sequence)} residues, num_res is {num_res}")
@@ -80,7 +81,7 @@ def make_sequence_features(sequence: str, description: str, num_res: int) -> Dic
     }
 
 
-def make_msa_features(msas: Sequence[Msa]) -> Dict[str, np.ndarray]:
+def make_msa_features(msas: Sequence[Msa]) -> dict[str, np.ndarray]:
     """MSA features (AlphaFold's ``make_msa_features``) from MSAs whose first row is the query.
 
     Rows are deduplicated across ``msas`` in the order given; ``msa`` holds HHblits ids.
@@ -112,9 +113,9 @@ def build_raw_features(
     description: str,
     msas: Sequence[Msa],
     template_hits: Sequence[TemplateHit] = (),
-    template_featurizer: Optional[TemplateHitFeaturizer] = None,
-    query_pdb_id: Optional[str] = None,
-) -> Dict[str, np.ndarray]:
+    template_featurizer: TemplateHitFeaturizer | None = None,
+    query_pdb_id: str | None = None,
+) -> dict[str, np.ndarray]:
     """Sequence + MSA + template features of one query.
 
     MSAs are validated against the query length. Without ``template_featurizer`` (or without hits)
@@ -142,21 +143,21 @@ def build_raw_features(
 
 def read_alignment_dir(
     alignment_dir: PathLike, sources: Sequence[MsaSource] = DEFAULT_MSA_SOURCES
-) -> Tuple[List[Msa], List[TemplateHit]]:
+) -> tuple[list[Msa], list[TemplateHit]]:
     """The MSAs (in ``sources`` order, capped) and HHsearch hits found in an alignment directory.
 
     For each source the first existing file among its ``filenames`` is used; absent sources are
     skipped. Hits come from the first existing ``.hhr`` in :data:`TEMPLATE_HITS_FILENAMES` (none: ``[]``).
     """
     alignment_dir = Path(alignment_dir)
-    msas: List[Msa] = []
+    msas: list[Msa] = []
     for source in sources:
         path = next((alignment_dir / f for f in source.filenames if (alignment_dir / f).is_file()), None)
         if path is None:
             logger.debug("no %s MSA in %s", source.name, alignment_dir)
             continue
         msas.append(parse_msa_file(path, max_sequences=source.max_sequences))
-    hits: List[TemplateHit] = []
+    hits: list[TemplateHit] = []
     for name in TEMPLATE_HITS_FILENAMES:
         path = alignment_dir / name
         if path.is_file():
@@ -167,11 +168,11 @@ def read_alignment_dir(
 
 def build_raw_features_from_alignment_dir(
     alignment_dir: PathLike,
-    template_featurizer: Optional[TemplateHitFeaturizer] = None,
-    sequence: Optional[str] = None,
-    description: Optional[str] = None,
-    query_pdb_id: Optional[str] = None,
-) -> Dict[str, np.ndarray]:
+    template_featurizer: TemplateHitFeaturizer | None = None,
+    sequence: str | None = None,
+    description: str | None = None,
+    query_pdb_id: str | None = None,
+) -> dict[str, np.ndarray]:
     """:func:`build_raw_features` for an alignment directory (AlphaFold / OpenProteinSet layout).
 
     The query sequence defaults to the first entry of a ``*.fasta`` file in the directory, else to

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Union
 
 import h5py
 import numpy as np
@@ -114,13 +115,13 @@ class StoreWriter:
         sequence: str,
         all_atom_positions: np.ndarray,
         all_atom_mask: np.ndarray,
-        pdb_id: Optional[str] = None,
-        release_date: Optional[str] = None,
-        resolution: Optional[float] = None,
+        pdb_id: str | None = None,
+        release_date: str | None = None,
+        resolution: float | None = None,
         cluster_id: int = -1,
         method: str = "",
-        msa: Optional[np.ndarray] = None,
-        deletion_matrix: Optional[np.ndarray] = None,
+        msa: np.ndarray | None = None,
+        deletion_matrix: np.ndarray | None = None,
         template_hits: Sequence[TemplateHit] = (),
     ) -> None:
         """Queue one chain. ``msa`` holds HHblits ids ``[N_seq, N_res]``; ``deletion_matrix`` the same shape."""
@@ -262,11 +263,11 @@ class Store:
 
     def __init__(self, path: PathLike) -> None:
         self.path = Path(path)
-        self._handle: Optional[h5py.File] = None
-        self._pid: Optional[int] = None
-        self._index: Optional[dict[str, int]] = None
-        self._chain_ids: Optional[list[str]] = None
-        self._offsets: Optional[dict[str, np.ndarray]] = None
+        self._handle: h5py.File | None = None
+        self._pid: int | None = None
+        self._index: dict[str, int] | None = None
+        self._chain_ids: list[str] | None = None
+        self._offsets: dict[str, np.ndarray] | None = None
         if not self.path.is_file():
             raise FileNotFoundError(f"store not found: {self.path}")
         self._check_schema()

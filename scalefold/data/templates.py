@@ -19,24 +19,25 @@ key                                       dtype       meaning
 Semantics follow DeepMind's ``alphafold/data/templates.py`` (``HhsearchHitFeaturizer``), which the
 MLPerf reference (``openfold/data/templates.py``) copies:
 
-1. hits are sorted by ``sum_probs`` (descending, stable) and featurised in that order until
-   ``max_hits`` templates were produced;
-2. *prefilter* (no mmCIF needed): release date after the cutoff, the query's own PDB entry,
-   too small an aligned fraction (``aligned_cols / N_res <= min_align_ratio``), a near-duplicate of the
-   query (hit sequence is a substring of the query covering ``> max_subsequence_ratio`` of it), or a
-   hit shorter than ``min_template_length`` residues;
-3. the template chain is located in the mmCIF by chain id and (sub)sequence, then sequence only,
+1. every hit is *prefiltered* (no mmCIF needed), the survivors are sorted by ``sum_probs``
+   (descending, stable; in training the MLPerf reference shuffles the top ``k``) and featurised
+   in that order until ``max_hits`` templates were produced. The prefilter drops hits released
+   after the cutoff, from the query's own PDB entry, with too small an aligned fraction
+   (``aligned_cols / N_res <= min_align_ratio``), near-duplicates of the query (hit sequence is a
+   substring of the query covering ``> max_subsequence_ratio`` of it), and hits shorter than
+   ``min_template_length`` residues;
+2. the template chain is located in the mmCIF by chain id and (sub)sequence, then sequence only,
    then a fuzzy match with ``X`` as wildcard; when none matches (PDB70 holds another version of
    the sequence) the hit sequence is *realigned* to the chain's SEQRES sequence and accepted only
    with ``>= min_realign_identity`` identity over the shorter sequence;
-4. templates whose mapped residues have fewer than ``min_atoms`` resolved atoms, or whose
+3. templates whose mapped residues have fewer than ``min_atoms`` resolved atoms, or whose
    consecutive resolved Cα atoms are more than ``max_ca_ca_distance`` apart, are skipped.
 
 Realignment runs ``kalign`` when it is on ``PATH`` (as the reference does). Otherwise a pure-Python
 fallback, :class:`OverlapAligner` (affine-gap global alignment with free end gaps), runs; the aligner
 that was chosen is logged once when the featurizer is built and named in every realignment warning.
-The two can differ on ambiguous alignments; on near-identical sequences (the only ones that pass
-the identity threshold) they agree.
+The two may place gaps differently where an alignment is ambiguous; on the near-identical
+sequences that pass the identity threshold they agreed in every case tested.
 
 Deliberate differences from the reference (both documented where they happen):
 
@@ -57,21 +58,24 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, Union
+from typing import Protocol, Union
 
 import numpy as np
 
 from scalefold import residue_constants as rc
 from scalefold.data.parsers import ParseError
+from scalefold.data.parsers.hhr import TemplateHit
 from scalefold.data.parsers.mmcif import MmcifEntry, parse_mmcif
+from scalefold.data.parsers.msa import parse_fasta
 
 logger = logging.getLogger(__name__)
 
 PathLike = Union[str, os.PathLike]
 
 # Output dtype of each raw template feature (AlphaFold's ``TEMPLATE_FEATURES``).
-TEMPLATE_FEATURE_DTYPES: Dict[str, type] = {
+TEMPLATE_FEATURE_DTYPES: dict[str, type] = {
     "template_aatype": np.float32,
     "template_all_atom_positions": np.float32,
     "template_all_atom_masks": np.float32,
@@ -82,19 +86,6 @@ TEMPLATE_FEATURE_DTYPES: Dict[str, type] = {
 
 # HHsearch hit names start with "<4-character PDB id>_<chain id>", chain id "." when unknown.
 _HIT_NAME_PATTERN = re.compile(r"[a-zA-Z\d]{4}_[a-zA-Z0-9.]+")
-
-
-class TemplateHit(Protocol):
-    """What this module reads from one parsed ``.hhr`` hit (see ``scalefold.data.parsers.hhr``)."""
-
-    index: int
-    name: str
-    aligned_cols: int
-    sum_probs: Optional[float]
-    query: str
-    hit_sequence: str
-    indices_query: Sequence[int]
-    indices_hit: Sequence[int]
 
 
 class TemplateError(Exception):
@@ -120,9 +111,9 @@ class SkippedHit:
 class TemplateSearchResult:
     """Raw template features plus the hits that were skipped and realignment warnings."""
 
-    features: Dict[str, np.ndarray]
-    skipped: List[SkippedHit]
-    warnings: List[str]
+    features: dict[str, np.ndarray]
+    skipped: list[SkippedHit]
+    warnings: list[str]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -132,7 +123,7 @@ class TemplateSearchResult:
 class SequenceAligner(Protocol):
     name: str
 
-    def align(self, first: str, second: str) -> Tuple[str, str]:
+    def align(self, first: str, second: str) -> tuple[str, str]:
         """Globally align two sequences; returns both with ``-`` gaps, equal length."""
 
 
@@ -149,12 +140,10 @@ class KalignAligner:
         self.timeout_s = timeout_s
         self.min_length = min_length
 
-    def align(self, first: str, second: str) -> Tuple[str, str]:
+    def align(self, first: str, second: str) -> tuple[str, str]:
         for sequence in (first, second):
             if len(sequence) < self.min_length:
-                raise ValueError(
-                    f"kalign needs sequences of at least {self.min_length} residues, got {sequence!r}"
-                )
+                raise ValueError(f"kalign needs sequences of at least {self.min_length} residues, got {sequence!r}")
         with tempfile.TemporaryDirectory(prefix="scalefold_kalign_") as tmp:
             input_path = Path(tmp) / "input.fasta"
             output_path = Path(tmp) / "output.fasta"
@@ -163,7 +152,7 @@ class KalignAligner:
             completed = subprocess.run(command, capture_output=True, text=True, timeout=self.timeout_s)
             if completed.returncode != 0:
                 raise RuntimeError(f"kalign failed ({completed.returncode}): {completed.stderr.strip()}")
-            aligned = _read_fasta_sequences(output_path.read_text())
+            aligned, _ = parse_fasta(output_path.read_text())
         if len(aligned) != 2 or len(aligned[0]) != len(aligned[1]):
             raise RuntimeError(f"unexpected kalign output: {aligned!r}")
         return aligned[0], aligned[1]
@@ -193,7 +182,7 @@ class OverlapAligner:
         self.gap_open = gap_open
         self.gap_extend = gap_extend
 
-    def align(self, first: str, second: str) -> Tuple[str, str]:
+    def align(self, first: str, second: str) -> tuple[str, str]:
         n, m = len(first), len(second)
         neg = float("-inf")
         # Three states per cell: "M" ends in first[i-1]~second[j-1], "U" ends in first[i-1]~gap,
@@ -222,8 +211,8 @@ class OverlapAligner:
                 score["L"][i][j], back["L"][i][j] = best, state
 
         state, _ = _best_of(score, n, m, _STATES)
-        out_first: List[str] = []
-        out_second: List[str] = []
+        out_first: list[str] = []
+        out_second: list[str] = []
         i, j = n, m
         while i > 0 or j > 0:
             previous = back[state][i][j]
@@ -246,7 +235,7 @@ class OverlapAligner:
 _STATES = ("M", "U", "L")
 
 
-def _best_of(score, i: int, j: int, states: Sequence[str]) -> Tuple[str, float]:
+def _best_of(score, i: int, j: int, states: Sequence[str]) -> tuple[str, float]:
     """Highest-scoring state at cell (i, j); ties go to the earlier state in ``states``."""
     best_state, best = states[0], score[states[0]][i][j]
     for state in states[1:]:
@@ -266,7 +255,7 @@ def _best_gap_step(score, i: int, j: int, gap_state: str, open_cost: float, exte
     return best_state, best
 
 
-def make_aligner(kalign_binary_path: Optional[str] = None) -> SequenceAligner:
+def make_aligner(kalign_binary_path: str | None = None) -> SequenceAligner:
     """``kalign`` when given or found on ``PATH``, else the pure-Python :class:`OverlapAligner`."""
     path = kalign_binary_path or shutil.which("kalign")
     if path:
@@ -277,19 +266,6 @@ def make_aligner(kalign_binary_path: Optional[str] = None) -> SequenceAligner:
         OverlapAligner.name,
     )
     return OverlapAligner()
-
-
-def _read_fasta_sequences(text: str) -> List[str]:
-    sequences: List[str] = []
-    for line in text.splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        if line.startswith(">"):
-            sequences.append("")
-        elif sequences:
-            sequences[-1] += line
-    return sequences
 
 
 # ----------------------------------------------------------------------------------------------
@@ -319,6 +295,8 @@ class TemplateHitFeaturizer:
         release_dates: optional ``pdb_id -> release date`` for the cheap prefilter; the release
             date inside each mmCIF is checked again after parsing.
         obsolete_pdbs: optional ``obsolete pdb_id -> replacement pdb_id`` (``None`` = withdrawn).
+        allowed_chain_ids: optional set of ``"{pdb_id}_{chain}"`` that may serve as templates
+            (the MLPerf reference's ``template_pdb_chain_ids``: chains present in its PDB copy).
         kalign_binary_path: ``kalign`` to use for realignment (default: look it up on ``PATH``).
         aligner: explicit realignment backend (overrides ``kalign_binary_path``).
         load_structure: ``pdb_id -> MmcifEntry`` (default: parse from ``mmcif_dir``); must raise
@@ -328,14 +306,15 @@ class TemplateHitFeaturizer:
 
     def __init__(
         self,
-        mmcif_dir: Optional[PathLike],
+        mmcif_dir: PathLike | None,
         max_template_date: Union[str, datetime.date],
         max_hits: int = 20,
-        release_dates: Optional[Mapping[str, Union[str, datetime.date]]] = None,
-        obsolete_pdbs: Optional[Mapping[str, Optional[str]]] = None,
-        kalign_binary_path: Optional[str] = None,
-        aligner: Optional[SequenceAligner] = None,
-        load_structure: Optional[Callable[[str], MmcifEntry]] = None,
+        release_dates: Mapping[str, Union[str, datetime.date]] | None = None,
+        obsolete_pdbs: Mapping[str, str | None] | None = None,
+        allowed_chain_ids: Collection[str] | None = None,
+        kalign_binary_path: str | None = None,
+        aligner: SequenceAligner | None = None,
+        load_structure: Callable[[str], MmcifEntry] | None = None,
         filters: TemplateFilter = TemplateFilter(),
     ) -> None:
         if mmcif_dir is None and load_structure is None:
@@ -345,6 +324,7 @@ class TemplateHitFeaturizer:
         self.max_hits = max_hits
         self.release_dates = {k.lower(): _to_date(v) for k, v in (release_dates or {}).items()}
         self.obsolete_pdbs = {k.lower(): v for k, v in (obsolete_pdbs or {}).items()}
+        self.allowed_chain_ids = None if allowed_chain_ids is None else frozenset(allowed_chain_ids)
         self.aligner = aligner if aligner is not None else make_aligner(kalign_binary_path)
         self.load_structure = load_structure if load_structure is not None else self._load_from_dir
         self.filters = filters
@@ -355,10 +335,10 @@ class TemplateHitFeaturizer:
         self,
         query_sequence: str,
         hits: Sequence[TemplateHit],
-        query_pdb_id: Optional[str] = None,
-        max_template_date: Optional[Union[str, datetime.date]] = None,
-        shuffle_top_k: Optional[int] = None,
-        shuffling_seed: Optional[int] = None,
+        query_pdb_id: str | None = None,
+        max_template_date: Union[str, datetime.date] | None = None,
+        shuffle_top_k: int | None = None,
+        shuffling_seed: int | None = None,
     ) -> TemplateSearchResult:
         """Featurise ``hits`` for ``query_sequence``, best ``sum_probs`` first.
 
@@ -370,12 +350,12 @@ class TemplateHitFeaturizer:
                 sorting, the top ``shuffle_top_k`` hits are shuffled with ``random.Random(seed)``.
         """
         cutoff = self.max_template_date if max_template_date is None else _to_date(max_template_date)
-        skipped: List[SkippedHit] = []
+        skipped: list[SkippedHit] = []
         candidates = []
         for hit in hits:
             try:
                 pdb_id, chain_id = self._resolve_pdb_id(hit)
-                self._prefilter(hit, pdb_id, query_sequence, query_pdb_id, cutoff)
+                self._prefilter(hit, pdb_id, chain_id, query_sequence, query_pdb_id, cutoff)
             except TemplateError as exc:
                 skipped.append(SkippedHit(hit.name, "prefilter", exc.reason, exc.detail))
                 logger.debug("template hit %s skipped by prefilter: %s", _short_name(hit), exc)
@@ -387,8 +367,8 @@ class TemplateHitFeaturizer:
             random.Random(shuffling_seed).shuffle(top)
             candidates = top + candidates[shuffle_top_k:]
 
-        collected: Dict[str, list] = {key: [] for key in TEMPLATE_FEATURE_DTYPES}
-        warnings: List[str] = []
+        collected: dict[str, list] = {key: [] for key in TEMPLATE_FEATURE_DTYPES}
+        warnings: list[str] = []
         for hit, pdb_id, chain_id in candidates:
             if len(collected["template_domain_names"]) >= self.max_hits:
                 break
@@ -407,7 +387,7 @@ class TemplateHitFeaturizer:
 
     # -- steps --------------------------------------------------------------------------------
 
-    def _resolve_pdb_id(self, hit: TemplateHit) -> Tuple[str, str]:
+    def _resolve_pdb_id(self, hit: TemplateHit) -> tuple[str, str]:
         """``(pdb_id, chain_id)`` of a hit, with obsolete ids replaced by their successor."""
         match = _HIT_NAME_PATTERN.match(hit.name)
         if not match:
@@ -426,12 +406,15 @@ class TemplateHitFeaturizer:
         self,
         hit: TemplateHit,
         pdb_id: str,
+        chain_id: str,
         query_sequence: str,
-        query_pdb_id: Optional[str],
+        query_pdb_id: str | None,
         cutoff: datetime.date,
     ) -> None:
-        """AlphaFold's ``_assess_hhsearch_hit`` (+ the reference's query-id check)."""
+        """AlphaFold's ``_assess_hhsearch_hit`` (+ the reference's allowed-chain and query-id checks)."""
         f = self.filters
+        if self.allowed_chain_ids is not None and f"{pdb_id}_{chain_id}" not in self.allowed_chain_ids:
+            raise TemplateError("not_in_template_set", f"{pdb_id}_{chain_id} is not an allowed template chain")
         if query_pdb_id is not None and pdb_id == query_pdb_id.lower():
             raise TemplateError("template_is_query", f"{pdb_id} is the query's own entry")
         release_date = self.release_dates.get(pdb_id)
@@ -443,17 +426,13 @@ class TemplateHitFeaturizer:
         template_sequence = hit.hit_sequence.replace("-", "")
         length_ratio = len(template_sequence) / len(query_sequence)
         if template_sequence in query_sequence and length_ratio > f.max_subsequence_ratio:
-            raise TemplateError(
-                "duplicate_of_query", f"hit is a sub-sequence of the query covering {length_ratio:.3f}"
-            )
+            raise TemplateError("duplicate_of_query", f"hit is a sub-sequence of the query covering {length_ratio:.3f}")
         if len(template_sequence) < f.min_template_length:
-            raise TemplateError(
-                "too_short", f"{len(template_sequence)} residues < {f.min_template_length}"
-            )
+            raise TemplateError("too_short", f"{len(template_sequence)} residues < {f.min_template_length}")
 
     def _featurize_hit(
         self, hit: TemplateHit, pdb_id: str, chain_id: str, query_sequence: str, cutoff: datetime.date
-    ) -> Tuple[Dict[str, object], Optional[str]]:
+    ) -> tuple[dict[str, object], str | None]:
         """AlphaFold's ``_process_single_hit`` + ``_extract_template_features`` for one hit."""
         mapping = build_query_to_hit_mapping(
             hit.query, hit.hit_sequence, hit.indices_hit, hit.indices_query, query_sequence
@@ -521,14 +500,12 @@ class TemplateHitFeaturizer:
         chain_sequences: Mapping[str, str],
         old_mapping: Mapping[int, int],
         pdb_id: str,
-    ) -> Tuple[str, Dict[int, int], str]:
+    ) -> tuple[str, dict[int, int], str]:
         """Realign the hit sequence to the chain's SEQRES sequence and remap the query mapping."""
         new_sequence = chain_sequences.get(chain_id, "")
         if not new_sequence:
             if len(chain_sequences) != 1:
-                raise TemplateError(
-                    "chain_not_found", f"chain {chain_id!r} not among the protein chains of {pdb_id}"
-                )
+                raise TemplateError("chain_not_found", f"chain {chain_id!r} not among the protein chains of {pdb_id}")
             chain_id, new_sequence = next(iter(chain_sequences.items()))
         try:
             old_aligned, new_aligned = self.aligner.align(old_sequence, new_sequence)
@@ -557,16 +534,15 @@ class TemplateHitFeaturizer:
         raise FileNotFoundError(f"{pdb_id}.cif not in {self.mmcif_dir}")
 
     @staticmethod
-    def _stack(collected: Dict[str, list], num_res: int) -> Dict[str, np.ndarray]:
+    def _stack(collected: dict[str, list], num_res: int) -> dict[str, np.ndarray]:
         if collected["template_domain_names"]:
             return {
-                key: np.stack(values, axis=0).astype(TEMPLATE_FEATURE_DTYPES[key])
-                for key, values in collected.items()
+                key: np.stack(values, axis=0).astype(TEMPLATE_FEATURE_DTYPES[key]) for key, values in collected.items()
             }
         return empty_template_features(num_res)
 
 
-def empty_template_features(num_res: int) -> Dict[str, np.ndarray]:
+def empty_template_features(num_res: int) -> dict[str, np.ndarray]:
     """Zero templates, with the right trailing shapes (AlphaFold returns 1-D empty arrays)."""
     return {
         "template_aatype": np.zeros((0, num_res, len(rc.restypes_with_x_and_gap)), np.float32),
@@ -588,7 +564,7 @@ def build_query_to_hit_mapping(
     indices_hit: Sequence[int],
     indices_query: Sequence[int],
     query_sequence: str,
-) -> Dict[int, int]:
+) -> dict[int, int]:
     """Map query residue index -> index into the gap-free hit sequence (AlphaFold semantics).
 
     The ``.hhr`` alignment covers only a segment of the query; the segment's offset in the full
@@ -602,7 +578,7 @@ def build_query_to_hit_mapping(
     offset = query_sequence.find(segment)
     first_hit = min(x for x in indices_hit if x > -1)
     first_query = min(x for x in indices_query if x > -1)
-    mapping: Dict[int, int] = {}
+    mapping: dict[int, int] = {}
     for q, t in zip(indices_query, indices_hit):
         if q == -1 or t == -1:
             continue
@@ -615,7 +591,7 @@ def build_query_to_hit_mapping(
 
 def find_template_in_chains(
     template_sequence: str, chain_id: str, chain_sequences: Mapping[str, str]
-) -> Tuple[str, str, int]:
+) -> tuple[str, str, int]:
     """Locate the hit in the mmCIF: ``(chain sequence, chain id, offset of the hit in it)``.
 
     Tries, in order: the named chain containing the sequence; any chain containing it; any chain
@@ -635,9 +611,9 @@ def find_template_in_chains(
     raise TemplateError("sequence_not_in_template", f"{template_sequence!r} not found in any chain")
 
 
-def alignment_index_map(first_aligned: str, second_aligned: str) -> Tuple[Dict[int, int], int]:
+def alignment_index_map(first_aligned: str, second_aligned: str) -> tuple[dict[int, int], int]:
     """From two aligned rows: ``({index in first -> index in second}, number of identical pairs)``."""
-    mapping: Dict[int, int] = {}
+    mapping: dict[int, int] = {}
     first_index = second_index = -1
     identical = 0
     for a, b in zip(first_aligned, second_aligned):
@@ -651,9 +627,7 @@ def alignment_index_map(first_aligned: str, second_aligned: str) -> Tuple[Dict[i
     return mapping, identical
 
 
-def check_ca_ca_distances(
-    positions: np.ndarray, mask: np.ndarray, max_distance: float, name: str = "template"
-) -> None:
+def check_ca_ca_distances(positions: np.ndarray, mask: np.ndarray, max_distance: float, name: str = "template") -> None:
     """Raise when two consecutive residues with resolved Cα are more than ``max_distance`` apart."""
     ca = rc.atom_order["CA"]
     both = (mask[:-1, ca] > 0) & (mask[1:, ca] > 0)  # [N - 1]

@@ -66,7 +66,5 @@ def supervised_chi_loss(
     # Angle-norm penalty on all 7 torsions. [*, N_iter, N_res, 7]
     angle_norm = torch.sqrt(torch.sum(unnormalized_angles_sin_cos**2, dim=-1) + eps)
     norm_error = torch.abs(angle_norm - 1.0)
-    angle_norm_loss = masked_mean(
-        seq_mask[..., None, :, None], norm_error, dim=(-1, -2, -3), eps=mean_eps
-    )
+    angle_norm_loss = masked_mean(seq_mask[..., None, :, None], norm_error, dim=(-1, -2, -3), eps=mean_eps)
     return chi_weight * sq_chi_loss + angle_norm_weight * angle_norm_loss

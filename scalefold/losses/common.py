@@ -7,7 +7,8 @@ keeps the float64 results equal to the MLPerf reference to ~1e-14.
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from collections.abc import Sequence
+from typing import Union
 
 import torch
 import torch.nn.functional as F
@@ -48,9 +49,7 @@ def masked_mean(mask: torch.Tensor, value: torch.Tensor, dim: Dims, eps: float =
     return torch.sum(mask * value, dim=dim) / (eps + torch.sum(mask, dim=dim))
 
 
-def resolution_filter(
-    resolution: torch.Tensor, min_resolution: float, max_resolution: float
-) -> torch.Tensor:
+def resolution_filter(resolution: torch.Tensor, min_resolution: float, max_resolution: float) -> torch.Tensor:
     """Boolean ``[*]``: the structure's resolution lies in ``[min_resolution, max_resolution]``.
 
     Supplement 1.9.6 / 1.9.10: the pLDDT and experimentally-resolved losses are only applied to

@@ -11,9 +11,7 @@ import torch
 from scalefold.losses.common import one_hot_cross_entropy
 
 
-def distogram_bin_index(
-    pseudo_beta: torch.Tensor, min_bin: float, max_bin: float, num_bins: int
-) -> torch.Tensor:
+def distogram_bin_index(pseudo_beta: torch.Tensor, min_bin: float, max_bin: float, num_bins: int) -> torch.Tensor:
     """Bin index of every pairwise distance: the number of the ``num_bins - 1`` evenly spaced
     boundaries in ``[min_bin, max_bin]`` that the distance exceeds (compared in squared form).
 
@@ -25,9 +23,7 @@ def distogram_bin_index(
     boundaries = torch.linspace(min_bin, max_bin, num_bins - 1, device=pseudo_beta.device)
     boundaries = boundaries**2
     # [*, N_res, N_res, 1]
-    sq_dists = torch.sum(
-        (pseudo_beta[..., None, :] - pseudo_beta[..., None, :, :]) ** 2, dim=-1, keepdim=True
-    )
+    sq_dists = torch.sum((pseudo_beta[..., None, :] - pseudo_beta[..., None, :, :]) ** 2, dim=-1, keepdim=True)
     return torch.sum(sq_dists > boundaries, dim=-1)
 
 

@@ -12,8 +12,6 @@ averages the (optionally clamped) distance between the two. The AF2 loss uses it
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from scalefold.model.rigid import Rigid, Rotation
@@ -27,7 +25,7 @@ def compute_fape(
     target_positions: torch.Tensor,
     positions_mask: torch.Tensor,
     length_scale: float,
-    l1_clamp_distance: Optional[float] = None,
+    l1_clamp_distance: float | None = None,
     eps: float = 1e-8,
 ) -> torch.Tensor:
     """Algorithm 28.
@@ -70,7 +68,7 @@ def backbone_fape_loss(
     backbone_rigid_tensor: torch.Tensor,
     backbone_rigid_mask: torch.Tensor,
     traj: torch.Tensor,
-    use_clamped_fape: Optional[torch.Tensor] = None,
+    use_clamped_fape: torch.Tensor | None = None,
     clamp_distance: float = 10.0,
     loss_unit_distance: float = 10.0,
     eps: float = 1e-4,
@@ -93,7 +91,7 @@ def backbone_fape_loss(
     target = Rigid.from_tensor_4x4(backbone_rigid_tensor).unsqueeze(-2)
     mask = backbone_rigid_mask.unsqueeze(-2)
 
-    def fape(clamp: Optional[float]) -> torch.Tensor:
+    def fape(clamp: float | None) -> torch.Tensor:
         # [*, N_iter]
         return compute_fape(
             pred_frames=pred,

@@ -8,8 +8,6 @@ non-ambiguous atoms of the whole chain — and use it in all side-chain losses.
 
 from __future__ import annotations
 
-from typing import Dict
-
 import torch
 
 
@@ -21,10 +19,10 @@ def _atom14_distances(positions: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def compute_renamed_ground_truth(
-    batch: Dict[str, torch.Tensor],
+    batch: dict[str, torch.Tensor],
     atom14_pred_positions: torch.Tensor,
     eps: float = 1e-10,
-) -> Dict[str, torch.Tensor]:
+) -> dict[str, torch.Tensor]:
     """Pick, per residue, the ground-truth naming closest to the prediction.
 
     Args:
@@ -66,12 +64,8 @@ def compute_renamed_ground_truth(
     alt_naming_is_better = (alt_per_res_error < per_res_error).to(atom14_pred_positions.dtype)
 
     use_alt = alt_naming_is_better
-    renamed_positions = (1.0 - use_alt[..., None, None]) * gt_positions + use_alt[
-        ..., None, None
-    ] * alt_gt_positions
-    renamed_exists = (1.0 - use_alt[..., None]) * gt_exists + use_alt[..., None] * batch[
-        "atom14_alt_gt_exists"
-    ]
+    renamed_positions = (1.0 - use_alt[..., None, None]) * gt_positions + use_alt[..., None, None] * alt_gt_positions
+    renamed_exists = (1.0 - use_alt[..., None]) * gt_exists + use_alt[..., None] * batch["atom14_alt_gt_exists"]
     return {
         "alt_naming_is_better": alt_naming_is_better,
         "renamed_atom14_gt_positions": renamed_positions,

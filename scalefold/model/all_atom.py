@@ -15,7 +15,7 @@ float32 there (as in the reference) and converted to the compute dtype by
 from __future__ import annotations
 
 import functools
-from typing import Dict, NamedTuple, Optional, Tuple, Union
+from typing import NamedTuple, Union
 
 import torch
 
@@ -32,7 +32,7 @@ class RigidGroupConstants(NamedTuple):
     lit_positions: torch.Tensor  # [21, 14, 3] idealised positions in the group frame
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def rigid_group_constants(dtype: torch.dtype, device: torch.device) -> RigidGroupConstants:
     """The Alg. 24 constant tables in ``dtype`` on ``device`` (cached; never require grad).
 
@@ -140,7 +140,7 @@ def frames_and_literature_positions_to_atom14_pos(
     return positions * atom_mask[aatype, ...].unsqueeze(-1)
 
 
-def atom14_to_atom37(atom14: torch.Tensor, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+def atom14_to_atom37(atom14: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Scatter atom14 data ``[*, N, 14, ...]`` into the atom37 layout ``[*, N, 37, ...]``.
 
     Uses the per-residue features ``residx_atom37_to_atom14`` ``[*, N, 37]`` (the atom14 slot of
@@ -158,17 +158,15 @@ def atom14_to_atom37(atom14: torch.Tensor, batch: Dict[str, torch.Tensor]) -> to
 def pseudo_beta_fn(
     aatype: torch.Tensor,
     all_atom_positions: torch.Tensor,
-    all_atom_mask: Optional[torch.Tensor] = None,
-) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    all_atom_mask: torch.Tensor | None = None,
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """CB position (CA for glycine) from atom37 positions ``[*, N, 37, 3]`` -> ``[*, N, 3]``.
 
     With ``all_atom_mask`` ``[*, N, 37]`` also returns the matching ``[*, N]`` mask.
     """
     is_gly = aatype == rc.restype_order["G"]
     ca_idx, cb_idx = rc.atom_order["CA"], rc.atom_order["CB"]
-    pseudo_beta = torch.where(
-        is_gly[..., None], all_atom_positions[..., ca_idx, :], all_atom_positions[..., cb_idx, :]
-    )
+    pseudo_beta = torch.where(is_gly[..., None], all_atom_positions[..., ca_idx, :], all_atom_positions[..., cb_idx, :])
     if all_atom_mask is None:
         return pseudo_beta
     pseudo_beta_mask = torch.where(is_gly, all_atom_mask[..., ca_idx], all_atom_mask[..., cb_idx])

@@ -18,12 +18,14 @@ Output keys (last iteration): ``msa`` (cluster rows only), ``pair``, ``single``,
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional, Tuple, Union
+from collections.abc import Mapping
+from typing import Any, Union
 
 import torch
 import torch.nn as nn
 
-from scalefold.model import features as F
+from scalefold.model import features
+from scalefold.model.all_atom import atom14_to_atom37, pseudo_beta_fn
 from scalefold.model.config import AlphaFoldConfig
 from scalefold.model.embedders import (
     ExtraMSAEmbedder,
@@ -40,7 +42,7 @@ from scalefold.model.template import TemplatePairStack, TemplatePointwiseAttenti
 
 NUM_ATOM37 = 37
 
-Recycled = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (m0, z, atom37 positions)
+Recycled = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (m0, z, atom37 positions)
 
 
 class AlphaFold(nn.Module):
@@ -72,16 +74,14 @@ class AlphaFold(nn.Module):
             self.template_angle_embedder = TemplateAngleEmbedder(**cfg["template_angle_embedder_config"])
             self.template_pair_embedder = TemplatePairEmbedder(**cfg["template_pair_embedder_config"])
             self.template_pair_stack = TemplatePairStack(**cfg["template_pair_stack_config"])
-            self.template_pointwise_attention = TemplatePointwiseAttention(
-                **cfg["template_pointwise_attention_config"]
-            )
+            self.template_pointwise_attention = TemplatePointwiseAttention(**cfg["template_pointwise_attention_config"])
         self.extra_msa_embedder = ExtraMSAEmbedder(**cfg["extra_msa_embedder_config"])
         self.extra_msa_stack = ExtraMSAStack(**cfg["extra_msa_stack_config"])
         self.evoformer_stack = EvoformerStack(**cfg["evoformer_stack_config"])
         self.structure_module = StructureModule(**cfg["structure_module_config"])
         self.auxiliary_heads = AuxiliaryHeads(**cfg["auxiliary_heads_config"])
 
-        self._model_features = F.required_features("model", templates_enabled=self.templates_enabled)
+        self._model_features = features.required_features("model", templates_enabled=self.templates_enabled)
         self._feature_symbols = {
             "tf_dim": config.input_embedder_config.tf_dim,
             "msa_dim": config.input_embedder_config.msa_dim,
@@ -89,11 +89,11 @@ class AlphaFold(nn.Module):
 
     # ------------------------------------------------------------------------------------------
 
-    def validate_batch(self, batch: Mapping[str, torch.Tensor]) -> Dict[str, int]:
+    def validate_batch(self, batch: Mapping[str, torch.Tensor]) -> dict[str, int]:
         """Raise ``ValueError`` naming the feature if a model input is missing or malformed."""
-        return F.validate_batch(batch, self._model_features, symbols=self._feature_symbols)
+        return features.validate_batch(batch, self._model_features, symbols=self._feature_symbols)
 
-    def forward(self, batch: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    def forward(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``batch``: feature dict with leading batch and trailing recycling dimensions.
 
         Returns the last iteration's outputs (see module docstring).
@@ -101,8 +101,8 @@ class AlphaFold(nn.Module):
         self.validate_batch(batch)
         num_iters = batch["aatype"].shape[-1]
         grad_enabled = torch.is_grad_enabled()
-        recycled: Optional[Recycled] = None
-        outputs: Dict[str, torch.Tensor] = {}
+        recycled: Recycled | None = None
+        outputs: dict[str, torch.Tensor] = {}
         for it in range(num_iters):
             is_last = it == num_iters - 1
             feats = {name: batch[name][..., it] for name in self._model_features}
@@ -123,9 +123,9 @@ class AlphaFold(nn.Module):
     def iteration(
         self,
         feats: Mapping[str, torch.Tensor],
-        recycled: Optional[Recycled],
+        recycled: Recycled | None,
         gradient_checkpointing: bool = False,
-    ) -> Tuple[Dict[str, torch.Tensor], Recycled]:
+    ) -> tuple[dict[str, torch.Tensor], Recycled]:
         """One pass of Algorithm 2 on one recycling slice of the batch (no trailing ``R``).
 
         ``recycled`` is ``(m0_prev, z_prev, x_prev)`` from the previous pass, ``None`` at first.
@@ -148,7 +148,7 @@ class AlphaFold(nn.Module):
             x_prev = z.new_zeros((batch_size, n_res, NUM_ATOM37, 3))
         else:
             m0_prev, z_prev, x_prev = recycled
-        x_prev = F.pseudo_beta(feats["aatype"], x_prev).to(z.dtype)
+        x_prev = pseudo_beta_fn(feats["aatype"], x_prev).to(z.dtype)
         # x_prev: [B, N_res, 3]
         m0_update, z_update = self.recycling_embedder(m0_prev, z_prev, x_prev)
         m = torch.cat([m[..., :1, :, :] + m0_update.unsqueeze(-3), m[..., 1:, :, :]], dim=-3)
@@ -158,7 +158,7 @@ class AlphaFold(nn.Module):
         if self.templates_enabled:
             z = z + self.embed_template_pair(feats, z, pair_mask, gradient_checkpointing)
             if self.embed_template_torsion_angles:
-                angle_feat = F.build_template_angle_feat(
+                angle_feat = features.build_template_angle_feat(
                     feats["template_aatype"],
                     feats["template_torsion_angles_sin_cos"],
                     feats["template_alt_torsion_angles_sin_cos"],
@@ -167,12 +167,12 @@ class AlphaFold(nn.Module):
                 a = self.template_angle_embedder(angle_feat)
                 # a: [B, N_templ, N_res, C_m]
                 m = torch.cat([m, a], dim=-3)
-                template_row_mask = feats["template_torsion_angles_mask"][..., F.PSI_TORSION_INDEX]
+                template_row_mask = feats["template_torsion_angles_mask"][..., features.PSI_TORSION_INDEX]
                 msa_mask = torch.cat([msa_mask, template_row_mask], dim=-2)
                 # m: [B, N_seq, N_res, C_m], N_seq = N_clust + N_templ
 
         # Extra MSA stack (Alg. 18): updates z only.
-        extra_feat = F.build_extra_msa_feat(
+        extra_feat = features.build_extra_msa_feat(
             feats["extra_msa"], feats["extra_has_deletion"], feats["extra_deletion_value"]
         )
         e = self.extra_msa_embedder(extra_feat)
@@ -195,13 +195,11 @@ class AlphaFold(nn.Module):
         )
         # m: [B, N_seq, N_res, C_m], z: [B, N_res, N_res, C_z], s: [B, N_res, C_s]
 
-        outputs: Dict[str, torch.Tensor] = {"msa": m[..., :n_clust, :, :], "pair": z, "single": s}
+        outputs: dict[str, torch.Tensor] = {"msa": m[..., :n_clust, :, :], "pair": z, "single": s}
 
         # Structure module (Alg. 20).
         outputs.update(self.structure_module(s=s, z=z, aatype=feats["aatype"], mask=seq_mask.to(s.dtype)))
-        final_positions = atom14_to_atom37(
-            outputs["sm_positions"][:, -1], feats["residx_atom37_to_atom14"], feats["atom37_atom_exists"]
-        )
+        final_positions = atom14_to_atom37(outputs["sm_positions"][:, -1], feats)
         outputs["final_atom_positions"] = final_positions
         outputs["final_atom_mask"] = feats["atom37_atom_exists"]
         outputs["final_affine_tensor"] = outputs["sm_frames"][:, -1]
@@ -219,7 +217,7 @@ class AlphaFold(nn.Module):
         Returns the pair update ``[B, N_res, N_res, C_z]``, zero for samples without templates.
         """
         cfg = self.config
-        t = F.build_template_pair_feat(
+        t = features.build_template_pair_feat(
             feats["template_aatype"],
             feats["template_pseudo_beta"],
             feats["template_pseudo_beta_mask"],
@@ -243,16 +241,4 @@ class AlphaFold(nn.Module):
         return t * has_template.view(has_template.shape + (1, 1, 1))
 
 
-def atom14_to_atom37(
-    atom14_positions: torch.Tensor,
-    residx_atom37_to_atom14: torch.Tensor,
-    atom37_atom_exists: torch.Tensor,
-) -> torch.Tensor:
-    """Scatter atom14 positions ``[*, N_res, 14, 3]`` into atom37 ``[*, N_res, 37, 3]`` using the
-    batch's per-residue index table, zeroing atoms that do not exist."""
-    index = residx_atom37_to_atom14.unsqueeze(-1).expand(residx_atom37_to_atom14.shape + (3,))
-    positions = torch.gather(atom14_positions, -2, index)
-    return positions * atom37_atom_exists.unsqueeze(-1).to(positions.dtype)
-
-
-__all__ = ["AlphaFold", "atom14_to_atom37"]
+__all__ = ["AlphaFold"]

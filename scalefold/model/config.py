@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 # --------------------------------------------------------------------------------------------
 # Module configs
@@ -83,7 +84,7 @@ class TemplatePairStackConfig:
     pair_transition_n: int = 2
     dropout_rate: float = 0.25
     inf: float = 1e9
-    chunk_size_tri_att: Optional[int] = None
+    chunk_size_tri_att: int | None = None
 
 
 @dataclass
@@ -95,7 +96,7 @@ class TemplatePointwiseAttentionConfig:
     c_hidden: int = 16
     num_heads: int = 4
     inf: float = 1e5
-    chunk_size: Optional[int] = None
+    chunk_size: int | None = None
 
 
 @dataclass
@@ -125,9 +126,9 @@ class ExtraMSAStackConfig:
     inf: float = 1e9
     eps: float = 1e-8
     eps_opm: float = 1e-3
-    chunk_size_msa_att: Optional[int] = None
-    chunk_size_opm: Optional[int] = None
-    chunk_size_tri_att: Optional[int] = None
+    chunk_size_msa_att: int | None = None
+    chunk_size_opm: int | None = None
+    chunk_size_tri_att: int | None = None
 
 
 @dataclass
@@ -149,9 +150,9 @@ class EvoformerStackConfig:
     pair_dropout: float = 0.25
     inf: float = 1e9
     eps_opm: float = 1e-3
-    chunk_size_msa_att: Optional[int] = None
-    chunk_size_opm: Optional[int] = None
-    chunk_size_tri_att: Optional[int] = None
+    chunk_size_msa_att: int | None = None
+    chunk_size_opm: int | None = None
+    chunk_size_tri_att: int | None = None
 
 
 @dataclass
@@ -339,9 +340,7 @@ class AlphaFoldConfig:
     # Model modules.
     input_embedder_config: InputEmbedderConfig = field(default_factory=InputEmbedderConfig)
     recycling_embedder_config: RecyclingEmbedderConfig = field(default_factory=RecyclingEmbedderConfig)
-    template_angle_embedder_config: TemplateAngleEmbedderConfig = field(
-        default_factory=TemplateAngleEmbedderConfig
-    )
+    template_angle_embedder_config: TemplateAngleEmbedderConfig = field(default_factory=TemplateAngleEmbedderConfig)
     template_pair_embedder_config: TemplatePairEmbedderConfig = field(default_factory=TemplatePairEmbedderConfig)
     template_pair_stack_config: TemplatePairStackConfig = field(default_factory=TemplatePairStackConfig)
     template_pointwise_attention_config: TemplatePointwiseAttentionConfig = field(
@@ -369,7 +368,7 @@ class AlphaFoldConfig:
     num_recycling_iters: int = 3
 
     # MSA features.
-    primary_raw_feature_names: List[str] = _names(
+    primary_raw_feature_names: list[str] = _names(
         "aatype", "residue_index", "msa", "num_alignments", "seq_length", "between_segment_residues", "deletion_matrix"
     )
     max_msa_clusters: int = 124  # N_clust
@@ -393,12 +392,12 @@ class AlphaFoldConfig:
     template_pair_feat_use_unit_vector: bool = False
     template_pair_feat_inf: float = 1e5
     template_pair_feat_eps: float = 1e-6
-    template_raw_feature_names: List[str] = _names(
+    template_raw_feature_names: list[str] = _names(
         "template_all_atom_positions", "template_sum_probs", "template_aatype", "template_all_atom_mask"
     )
 
     # Supervised features.
-    supervised_raw_features_names: List[str] = _names(
+    supervised_raw_features_names: list[str] = _names(
         "all_atom_mask", "all_atom_positions", "resolution", "is_distillation"
     )
 
@@ -409,8 +408,8 @@ class AlphaFoldConfig:
         cls,
         name: str,
         precision: str = "tf32",
-        overrides: Optional[Dict[str, Any]] = None,
-    ) -> "AlphaFoldConfig":
+        overrides: dict[str, Any] | None = None,
+    ) -> AlphaFoldConfig:
         """Build a preset (``mlperf``/``initial_training``, ``demo``, ``tiny``).
 
         ``precision`` ``fp16``/``amp`` lowers the finite infinities as the reference does;
@@ -418,7 +417,7 @@ class AlphaFoldConfig:
         """
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
-        cfg: Dict[str, Any] = {"preset": f"{name}-{precision}"}
+        cfg: dict[str, Any] = {"preset": f"{name}-{precision}"}
         _merge(cfg, PRESETS[name]())
         if precision in ("fp16", "amp"):
             _merge(cfg, _half_precision_settings())
@@ -429,7 +428,7 @@ class AlphaFoldConfig:
         return cls.from_dict(cfg)
 
     @classmethod
-    def from_dict(cls, cfg: Dict[str, Any]) -> "AlphaFoldConfig":
+    def from_dict(cls, cfg: dict[str, Any]) -> AlphaFoldConfig:
         """Build from a plain (possibly partial) dict such as the reference's ``asdict(config)``.
 
         Missing keys keep their defaults; unknown keys or values of the wrong type raise a
@@ -437,11 +436,11 @@ class AlphaFoldConfig:
         """
         return _build(cls, cfg, path="")
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """Plain nested dict, identical in layout to the reference's ``asdict(config)``."""
         return dataclasses.asdict(self)
 
-    def model_dict(self) -> Dict[str, Any]:
+    def model_dict(self) -> dict[str, Any]:
         """Just the module sub-configs (the ``*_config`` entries the model is built from)."""
         d = self.to_dict()
         return {k: v for k, v in d.items() if k.endswith("_config") and k != "loss_config"}
@@ -452,7 +451,7 @@ class AlphaFoldConfig:
 # --------------------------------------------------------------------------------------------
 
 
-def _mlperf() -> Dict[str, Any]:
+def _mlperf() -> dict[str, Any]:
     """Reference ``initial_training``: the defaults above (crop 256, 124 clusters, 1024 extra)."""
     return {"train_sequence_crop_size": 256, "max_msa_clusters": 124, "max_extra_msa": 1024}
 
@@ -467,7 +466,7 @@ def _small(
     msa_dropout: float,
     pair_dropout: float,
     sm_dropout: float,
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     """A scaled-down AlphaFold with the reference's layout (shared by ``demo`` and ``tiny``)."""
     return {
         "input_embedder_config": {"c_z": c_z, "c_m": c_m},
@@ -530,23 +529,25 @@ def _small(
     }
 
 
-def _demo() -> Dict[str, Any]:
+def _demo() -> dict[str, Any]:
     """CPU-trainable: c_m 32, c_z 16, 2 Evoformer blocks, crop 64, reference dropout rates."""
-    cfg = _small(c_m=32, c_z=16, c_s=64, c_t=16, c_e=16, evoformer_blocks=2,
-                 msa_dropout=0.15, pair_dropout=0.25, sm_dropout=0.1)
+    cfg = _small(
+        c_m=32, c_z=16, c_s=64, c_t=16, c_e=16, evoformer_blocks=2, msa_dropout=0.15, pair_dropout=0.25, sm_dropout=0.1
+    )
     cfg.update({"train_sequence_crop_size": 64, "max_msa_clusters": 16, "max_extra_msa": 32, "max_templates": 2})
     return cfg
 
 
-def _tiny() -> Dict[str, Any]:
+def _tiny() -> dict[str, Any]:
     """The ``golden_small`` dimensions: crop 24, 8 clusters, 16 extra, 2 templates, no dropout."""
-    cfg = _small(c_m=32, c_z=16, c_s=32, c_t=16, c_e=16, evoformer_blocks=2,
-                 msa_dropout=0.0, pair_dropout=0.0, sm_dropout=0.0)
+    cfg = _small(
+        c_m=32, c_z=16, c_s=32, c_t=16, c_e=16, evoformer_blocks=2, msa_dropout=0.0, pair_dropout=0.0, sm_dropout=0.0
+    )
     cfg.update({"train_sequence_crop_size": 24, "max_msa_clusters": 8, "max_extra_msa": 16, "max_templates": 2})
     return cfg
 
 
-def _half_precision_settings() -> Dict[str, Any]:
+def _half_precision_settings() -> dict[str, Any]:
     """fp16 cannot hold 1e9: the reference lowers every finite infinity to 1e4."""
     inf = 1e4
     return {
@@ -573,7 +574,7 @@ PRESETS = {
 # --------------------------------------------------------------------------------------------
 
 
-def _merge(left: Dict[str, Any], right: Dict[str, Any]) -> Dict[str, Any]:
+def _merge(left: dict[str, Any], right: dict[str, Any]) -> dict[str, Any]:
     for key, value in right.items():
         if isinstance(value, dict) and isinstance(left.get(key), dict):
             _merge(left[key], value)
@@ -592,9 +593,7 @@ def _build(cls: type, data: Any, path: str) -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(data) - set(names))
     if unknown:
-        raise ValueError(
-            f"config {where}: unknown key(s) {unknown} for {cls.__name__}; valid keys: {names}"
-        )
+        raise ValueError(f"config {where}: unknown key(s) {unknown} for {cls.__name__}; valid keys: {names}")
     kwargs = {}
     for name, value in data.items():
         key = f"{path}.{name}" if path else name
@@ -606,12 +605,12 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, key)
-    if origin is typing.Union:  # Optional[X]
+    if origin in (typing.Union, types.UnionType):  # Optional[X] / X | None
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
         return _convert(args[0], value, key)
-    if origin in (list, List):
+    if origin is list:
         (item_tp,) = typing.get_args(tp)
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"config {key}: expected a list, got {value!r}")

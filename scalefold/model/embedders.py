@@ -7,8 +7,6 @@ reference checkpoints load strictly. The features these modules consume are buil
 
 from __future__ import annotations
 
-from typing import Tuple
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -54,7 +52,7 @@ class InputEmbedder(nn.Module):
         target_feat: torch.Tensor,
         residue_index: torch.Tensor,
         msa_feat: torch.Tensor,
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``target_feat`` ``[*, N_res, tf_dim]``, ``residue_index`` ``[*, N_res]``,
         ``msa_feat`` ``[*, N_clust, N_res, msa_dim]`` -> ``m`` ``[*, N_clust, N_res, c_m]``,
         ``z`` ``[*, N_res, N_res, c_z]``."""
@@ -96,7 +94,7 @@ class RecyclingEmbedder(nn.Module):
         m0_prev: torch.Tensor,
         z_prev: torch.Tensor,
         x_prev: torch.Tensor,
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``m0_prev`` ``[*, N_res, c_m]``, ``z_prev`` ``[*, N_res, N_res, c_z]``, ``x_prev``
         (pseudo-beta positions) ``[*, N_res, 3]`` -> updates for ``m[..., 0, :, :]`` and ``z``."""
         bins = torch.linspace(self.min_bin, self.max_bin, self.num_bins, dtype=x_prev.dtype, device=x_prev.device)

@@ -3,7 +3,6 @@
 * :data:`FEATURES` / :func:`validate_batch` -- every tensor of a training batch with its shape
   (after the leading batch dimension ``B`` and before the trailing recycling dimension ``R``),
   dtype and consumer, as produced by the reference data pipeline (``feature_shapes.tsv``).
-* :func:`pseudo_beta` -- CB position (CA for glycine), used by the recycling embedder.
 * :func:`build_extra_msa_feat` -- Algorithm 2 line 15 input (one-hot, has-deletion, deletion value).
 * :func:`build_template_angle_feat` -- Table 1 ``template_angle_feat`` (57 channels).
 * :func:`build_template_pair_feat` -- Table 1 ``template_pair_feat`` (88 channels): pseudo-beta
@@ -12,8 +11,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Dict, Iterable, Mapping, Optional, Tuple, Union
+from typing import Union
 
 import torch
 import torch.nn.functional as F
@@ -21,8 +21,7 @@ import torch.nn.functional as F
 # Residue / atom constants used here (AlphaFold's residue_constants ordering).
 NUM_RESTYPES_WITH_X_AND_GAP = 22  # 20 amino acids + unknown + gap
 NUM_MSA_CLASSES = 23  # + mask token
-GLYCINE_INDEX = 7  # "ARNDCQEGHILKMFPSTWYV".index("G")
-ATOM_N, ATOM_CA, ATOM_C, ATOM_CB = 0, 1, 2, 3  # atom37 order: N, CA, C, CB, O, ...
+ATOM_N, ATOM_CA, ATOM_C = 0, 1, 2  # atom37 order: N, CA, C, CB, O, ...
 PSI_TORSION_INDEX = 2  # torsion order: pre-omega, phi, psi, chi1..chi4
 
 Dim = Union[int, str]
@@ -32,21 +31,21 @@ Dim = Union[int, str]
 class FeatureSpec:
     """Shape (without leading ``B`` and trailing ``R``), dtype kind and consumer of one feature."""
 
-    shape: Tuple[Dim, ...]
+    shape: tuple[Dim, ...]
     dtype: str  # "int" (int64 indices) or "float"
     consumer: str  # "model", "loss", "model+loss", "unused"
 
 
-def _f(shape: Tuple[Dim, ...], consumer: str) -> FeatureSpec:
+def _f(shape: tuple[Dim, ...], consumer: str) -> FeatureSpec:
     return FeatureSpec(shape, "float", consumer)
 
 
-def _i(shape: Tuple[Dim, ...], consumer: str) -> FeatureSpec:
+def _i(shape: tuple[Dim, ...], consumer: str) -> FeatureSpec:
     return FeatureSpec(shape, "int", consumer)
 
 
 # Symbols: N_res, N_clust, N_extra_seq, N_templ are bound by the batch; tf_dim / msa_dim by the config.
-FEATURES: Dict[str, FeatureSpec] = {
+FEATURES: dict[str, FeatureSpec] = {
     "aatype": _i(("N_res",), "model+loss"),
     "all_atom_mask": _f(("N_res", 37), "loss"),
     "all_atom_positions": _f(("N_res", 37, 3), "loss"),
@@ -100,7 +99,7 @@ FEATURES: Dict[str, FeatureSpec] = {
 }
 
 
-def required_features(consumer: str, templates_enabled: bool = True) -> Tuple[str, ...]:
+def required_features(consumer: str, templates_enabled: bool = True) -> tuple[str, ...]:
     """Names of the features ``consumer`` (``"model"`` or ``"loss"``) reads."""
     names = [n for n, spec in FEATURES.items() if consumer in spec.consumer.split("+")]
     if not templates_enabled:
@@ -111,9 +110,9 @@ def required_features(consumer: str, templates_enabled: bool = True) -> Tuple[st
 def validate_batch(
     batch: Mapping[str, torch.Tensor],
     names: Iterable[str],
-    symbols: Optional[Mapping[str, int]] = None,
+    symbols: Mapping[str, int] | None = None,
     recycling_dim: bool = True,
-) -> Dict[str, int]:
+) -> dict[str, int]:
     """Check that ``batch`` holds every feature in ``names`` with the right rank, shape and dtype.
 
     Every feature is ``[B, *spec.shape, R]`` (``R`` only when ``recycling_dim``); ``B``, ``R`` and
@@ -121,8 +120,8 @@ def validate_batch(
     pre-binds sizes (e.g. ``tf_dim``/``msa_dim`` from the config). Raises ``ValueError`` naming
     the offending feature; returns the bound sizes.
     """
-    bound: Dict[str, int] = dict(symbols or {})
-    first: Dict[str, str] = {k: "the model config" for k in bound}
+    bound: dict[str, int] = dict(symbols or {})
+    first: dict[str, str] = {k: "the model config" for k in bound}
     for name in names:
         spec = FEATURES[name]
         if name not in batch:
@@ -130,7 +129,7 @@ def validate_batch(
         t = batch[name]
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"feature {name!r} must be a torch.Tensor, got {type(t).__name__}")
-        dims: Tuple[Dim, ...] = ("B",) + spec.shape + (("R",) if recycling_dim else ())
+        dims: tuple[Dim, ...] = ("B",) + spec.shape + (("R",) if recycling_dim else ())
         if t.dim() != len(dims):
             raise ValueError(
                 f"feature {name!r} has rank {t.dim()} (shape {tuple(t.shape)}); "
@@ -164,13 +163,6 @@ def _describe(spec: FeatureSpec, recycling_dim: bool) -> str:
 # --------------------------------------------------------------------------------------------
 # Feature builders
 # --------------------------------------------------------------------------------------------
-
-
-def pseudo_beta(aatype: torch.Tensor, all_atom_positions: torch.Tensor) -> torch.Tensor:
-    """CB position, or CA for glycine. ``aatype`` ``[*, N_res]``, positions ``[*, N_res, 37, 3]``."""
-    is_gly = (aatype == GLYCINE_INDEX).unsqueeze(-1)
-    # [*, N_res, 3]
-    return torch.where(is_gly, all_atom_positions[..., ATOM_CA, :], all_atom_positions[..., ATOM_CB, :])
 
 
 def build_extra_msa_feat(
@@ -210,7 +202,7 @@ def build_template_angle_feat(
 
 def backbone_frames_from_reference(
     n_xyz: torch.Tensor, ca_xyz: torch.Tensor, c_xyz: torch.Tensor, eps: float
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotation ``R`` and origin (CA) of the backbone frame: x along CA->C, N in the xy-plane.
 
     Built as AlphaFold's ``make_transform_from_reference``: two rotations carry C onto the
@@ -300,7 +292,14 @@ def build_template_pair_feat(
         unit_vector = dgram.new_zeros(dgram.shape[:-1] + (3,))
 
     t = torch.cat(
-        [dgram, pb_mask_2d.unsqueeze(-1).to(dtype), aatype_j, aatype_i, unit_vector, bb_mask_2d.unsqueeze(-1).to(dtype)],
+        [
+            dgram,
+            pb_mask_2d.unsqueeze(-1).to(dtype),
+            aatype_j,
+            aatype_i,
+            unit_vector,
+            bb_mask_2d.unsqueeze(-1).to(dtype),
+        ],
         dim=-1,
     )
     return t * bb_mask_2d.unsqueeze(-1).to(dtype)
@@ -331,17 +330,23 @@ def make_synthetic_batch(
     msa_dim: int = 49,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
-    device: Optional[torch.device] = None,
-) -> Dict[str, torch.Tensor]:
+    device: torch.device | None = None,
+) -> dict[str, torch.Tensor]:
     """A random batch with every feature of :data:`FEATURES` in its pipeline layout
     ``[B, ..., R]`` (``R = num_recycling_iters + 1``). Values are plausible, not physical:
     masks are 1, positions are Gaussian (10 A), frames are translations, angles unit vectors.
     """
     g = torch.Generator().manual_seed(seed)
-    sizes = {"N_res": n_res, "N_clust": n_clust, "N_extra_seq": n_extra_seq, "N_templ": n_templ,
-             "tf_dim": tf_dim, "msa_dim": msa_dim}
+    sizes = {
+        "N_res": n_res,
+        "N_clust": n_clust,
+        "N_extra_seq": n_extra_seq,
+        "N_templ": n_templ,
+        "tf_dim": tf_dim,
+        "msa_dim": msa_dim,
+    }
     r = num_recycling_iters + 1
-    batch: Dict[str, torch.Tensor] = {}
+    batch: dict[str, torch.Tensor] = {}
     for name, spec in FEATURES.items():
         shape = (batch_size,) + tuple(sizes[d] if isinstance(d, str) else d for d in spec.shape) + (r,)
         if name == "residue_index":
@@ -376,7 +381,6 @@ __all__ = [
     "FeatureSpec",
     "required_features",
     "validate_batch",
-    "pseudo_beta",
     "build_extra_msa_feat",
     "build_template_angle_feat",
     "build_template_pair_feat",

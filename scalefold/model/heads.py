@@ -9,7 +9,8 @@ Output keys (as the reference): ``lddt_logits``, ``plddt``, ``distogram_logits``
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -104,7 +105,7 @@ class AuxiliaryHeads(nn.Module):
         distogram_head_config: Mapping[str, Any],
         masked_msa_head_config: Mapping[str, Any],
         experimentally_resolved_head_config: Mapping[str, Any],
-        tm_score_head_config: Optional[Mapping[str, Any]] = None,
+        tm_score_head_config: Mapping[str, Any] | None = None,
         tm_score_head_enabled: bool = False,
     ) -> None:
         super().__init__()
@@ -118,9 +119,9 @@ class AuxiliaryHeads(nn.Module):
                 raise ValueError("tm_score_head_enabled=True needs tm_score_head_config")
             self.tm = TMScoreHead(**tm_score_head_config)
 
-    def forward(self, outputs: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    def forward(self, outputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Reads ``sm_single``, ``pair``, ``msa`` and ``single`` from the trunk outputs."""
-        aux: Dict[str, torch.Tensor] = {}
+        aux: dict[str, torch.Tensor] = {}
         aux["lddt_logits"] = self.plddt(outputs["sm_single"])
         aux["plddt"] = compute_plddt(aux["lddt_logits"])
         aux["distogram_logits"] = self.distogram(outputs["pair"])
@@ -159,7 +160,7 @@ def _bin_centres(edges: torch.Tensor) -> torch.Tensor:
 
 def compute_predicted_aligned_error(
     logits: torch.Tensor, max_bin: int = 31, num_bins: int = 64
-) -> Dict[str, torch.Tensor]:
+) -> dict[str, torch.Tensor]:
     """Aligned-error probabilities, expected aligned error ``[*, N_res, N_res]`` and its maximum."""
     edges = torch.linspace(0, max_bin, steps=num_bins - 1, device=logits.device)
     centres = _bin_centres(edges)
@@ -173,7 +174,7 @@ def compute_predicted_aligned_error(
 
 def compute_tm(
     logits: torch.Tensor,
-    residue_weights: Optional[torch.Tensor] = None,
+    residue_weights: torch.Tensor | None = None,
     max_bin: int = 31,
     num_bins: int = 64,
     eps: float = 1e-8,

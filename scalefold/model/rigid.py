@@ -16,7 +16,8 @@ The API follows OpenFold's ``rigid_utils`` so code written against it reads the 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -31,7 +32,10 @@ def rot_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     for i in range(3):
         rows.append(
             torch.stack(
-                [a[..., i, 0] * b[..., 0, j] + a[..., i, 1] * b[..., 1, j] + a[..., i, 2] * b[..., 2, j] for j in range(3)],
+                [
+                    a[..., i, 0] * b[..., 0, j] + a[..., i, 1] * b[..., 1, j] + a[..., i, 2] * b[..., 2, j]
+                    for j in range(3)
+                ],
                 dim=-1,
             )
         )
@@ -74,6 +78,7 @@ def rot_to_quat(rot: torch.Tensor) -> torch.Tensor:
 
     The quaternion is the top eigenvector of the symmetric 4x4 matrix K built from ``rot``
     (Bar-Itzhack's method), so the sign is arbitrary (q and -q are the same rotation).
+    Half-precision inputs are decomposed in float32 (``eigh`` has no bf16/fp16 kernels).
     """
     if rot.shape[-2:] != (3, 3):
         raise ValueError("Input rotation is incorrectly shaped")
@@ -85,6 +90,9 @@ def rot_to_quat(rot: torch.Tensor) -> torch.Tensor:
         [yx - xy, xz + zx, yz + zy, zz - xx - yy],
     ]
     k = (1.0 / 3.0) * torch.stack([torch.stack(row, dim=-1) for row in k], dim=-2)
+    if k.dtype in (torch.bfloat16, torch.float16):
+        _, vectors = torch.linalg.eigh(k.float())
+        return vectors[..., -1].to(rot.dtype)
     _, vectors = torch.linalg.eigh(k)
     return vectors[..., -1]
 
@@ -126,9 +134,9 @@ def invert_quat(quat: torch.Tensor) -> torch.Tensor:
 
 
 def identity_rot_mats(
-    batch_dims: Tuple[int, ...],
-    dtype: Optional[torch.dtype] = None,
-    device: Optional[torch.device] = None,
+    batch_dims: tuple[int, ...],
+    dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
     requires_grad: bool = True,
 ) -> torch.Tensor:
     """``[*batch_dims, 3, 3]`` identity matrices."""
@@ -138,9 +146,9 @@ def identity_rot_mats(
 
 
 def identity_trans(
-    batch_dims: Tuple[int, ...],
-    dtype: Optional[torch.dtype] = None,
-    device: Optional[torch.device] = None,
+    batch_dims: tuple[int, ...],
+    dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
     requires_grad: bool = True,
 ) -> torch.Tensor:
     """``[*batch_dims, 3]`` zero translations."""
@@ -148,9 +156,9 @@ def identity_trans(
 
 
 def identity_quats(
-    batch_dims: Tuple[int, ...],
-    dtype: Optional[torch.dtype] = None,
-    device: Optional[torch.device] = None,
+    batch_dims: tuple[int, ...],
+    dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
     requires_grad: bool = True,
 ) -> torch.Tensor:
     """``[*batch_dims, 4]`` identity quaternions ``(1, 0, 0, 0)``."""
@@ -173,8 +181,8 @@ class Rotation:
 
     def __init__(
         self,
-        rot_mats: Optional[torch.Tensor] = None,
-        quats: Optional[torch.Tensor] = None,
+        rot_mats: torch.Tensor | None = None,
+        quats: torch.Tensor | None = None,
         normalize_quats: bool = True,
     ) -> None:
         if (rot_mats is None) == (quats is None):
@@ -190,12 +198,12 @@ class Rotation:
 
     @staticmethod
     def identity(
-        shape: Tuple[int, ...],
-        dtype: Optional[torch.dtype] = None,
-        device: Optional[torch.device] = None,
+        shape: tuple[int, ...],
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
         requires_grad: bool = True,
         fmt: str = "quat",
-    ) -> "Rotation":
+    ) -> Rotation:
         """Identity rotations of batch shape ``shape``; ``fmt`` is ``"quat"`` or ``"rot_mat"``."""
         if fmt == "rot_mat":
             return Rotation(rot_mats=identity_rot_mats(shape, dtype, device, requires_grad))
@@ -205,17 +213,17 @@ class Rotation:
 
     # -- tensor-like behaviour ----------------------------------------------------------------
 
-    def _wrap(self, rot_mats: Optional[torch.Tensor] = None, quats: Optional[torch.Tensor] = None) -> "Rotation":
+    def _wrap(self, rot_mats: torch.Tensor | None = None, quats: torch.Tensor | None = None) -> Rotation:
         return Rotation(rot_mats=rot_mats) if rot_mats is not None else Rotation(quats=quats, normalize_quats=False)
 
-    def __getitem__(self, index: Any) -> "Rotation":
+    def __getitem__(self, index: Any) -> Rotation:
         if not isinstance(index, tuple):
             index = (index,)
         if self._rot_mats is not None:
             return self._wrap(rot_mats=self._rot_mats[index + (slice(None), slice(None))])
         return self._wrap(quats=self._quats[index + (slice(None),)])
 
-    def __mul__(self, right: torch.Tensor) -> "Rotation":
+    def __mul__(self, right: torch.Tensor) -> Rotation:
         """Pointwise multiplication with a ``[*]`` tensor (e.g. a mask)."""
         if not isinstance(right, torch.Tensor):
             raise TypeError("The other multiplicand must be a Tensor")
@@ -223,7 +231,7 @@ class Rotation:
             return self._wrap(rot_mats=self._rot_mats * right[..., None, None])
         return self._wrap(quats=self._quats * right[..., None])
 
-    def __rmul__(self, left: torch.Tensor) -> "Rotation":
+    def __rmul__(self, left: torch.Tensor) -> Rotation:
         return self.__mul__(left)
 
     @property
@@ -255,21 +263,21 @@ class Rotation:
         """Rotations as ``[*, 4]`` quaternions (an eigen-decomposition if stored as matrices)."""
         return self._quats if self._quats is not None else rot_to_quat(self._rot_mats)
 
-    def unsqueeze(self, dim: int) -> "Rotation":
+    def unsqueeze(self, dim: int) -> Rotation:
         """Like ``torch.unsqueeze`` over the batch dims."""
-        if dim >= len(self.shape):
+        if dim > len(self.shape):
             raise ValueError("Invalid dimension")
         if self._rot_mats is not None:
             return self._wrap(rot_mats=self._rot_mats.unsqueeze(dim if dim >= 0 else dim - 2))
         return self._wrap(quats=self._quats.unsqueeze(dim if dim >= 0 else dim - 1))
 
     @staticmethod
-    def cat(rs: Sequence["Rotation"], dim: int) -> "Rotation":
+    def cat(rs: Sequence[Rotation], dim: int) -> Rotation:
         """Concatenate along a batch dim; the result is always in matrix format."""
         rot_mats = torch.cat([r.get_rot_mats() for r in rs], dim=dim if dim >= 0 else dim - 2)
         return Rotation(rot_mats=rot_mats)
 
-    def map_tensor_fn(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Rotation":
+    def map_tensor_fn(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Rotation:
         """Apply ``fn`` to each of the 9 (matrix) or 4 (quaternion) component tensors ``[*]``."""
         if self._rot_mats is not None:
             flat = self._rot_mats.reshape(self._rot_mats.shape[:-2] + (9,))
@@ -278,12 +286,12 @@ class Rotation:
         quats = torch.stack([fn(c) for c in torch.unbind(self._quats, dim=-1)], dim=-1)
         return self._wrap(quats=quats)
 
-    def to(self, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> "Rotation":
+    def to(self, device: torch.device | None = None, dtype: torch.dtype | None = None) -> Rotation:
         if self._rot_mats is not None:
             return self._wrap(rot_mats=self._rot_mats.to(device=device, dtype=dtype))
         return self._wrap(quats=self._quats.to(device=device, dtype=dtype))
 
-    def detach(self) -> "Rotation":
+    def detach(self) -> Rotation:
         """Same rotation, cut from the autograd graph."""
         if self._rot_mats is not None:
             return self._wrap(rot_mats=self._rot_mats.detach())
@@ -291,7 +299,7 @@ class Rotation:
 
     # -- rotation algebra ---------------------------------------------------------------------
 
-    def compose_q_update_vec(self, q_update_vec: torch.Tensor, normalize_quats: bool = True) -> "Rotation":
+    def compose_q_update_vec(self, q_update_vec: torch.Tensor, normalize_quats: bool = True) -> Rotation:
         """Compose with the (non-unit) quaternion update ``(1, x, y, z)``, ``q_update_vec`` ``[*, 3]``.
 
         ``q_new = q + q * (0, x, y, z) = q * (1, x, y, z)``, normalised (Alg. 23, line 3).
@@ -300,11 +308,11 @@ class Rotation:
         new_quats = quats + quat_multiply_by_vec(quats, q_update_vec)
         return Rotation(quats=new_quats, normalize_quats=normalize_quats)
 
-    def compose_r(self, r: "Rotation") -> "Rotation":
+    def compose_r(self, r: Rotation) -> Rotation:
         """``self * r`` by matrix product."""
         return Rotation(rot_mats=rot_matmul(self.get_rot_mats(), r.get_rot_mats()))
 
-    def compose_q(self, r: "Rotation", normalize_quats: bool = True) -> "Rotation":
+    def compose_q(self, r: Rotation, normalize_quats: bool = True) -> Rotation:
         """``self * r`` by quaternion product."""
         return Rotation(quats=quat_multiply(self.get_quats(), r.get_quats()), normalize_quats=normalize_quats)
 
@@ -316,7 +324,7 @@ class Rotation:
         """Rotate ``[*, 3]`` points by the inverse rotation."""
         return rot_vec_mul(invert_rot_mat(self.get_rot_mats()), pts)
 
-    def invert(self) -> "Rotation":
+    def invert(self) -> Rotation:
         if self._rot_mats is not None:
             return self._wrap(rot_mats=invert_rot_mat(self._rot_mats))
         return self._wrap(quats=invert_quat(self._quats))
@@ -330,7 +338,7 @@ class Rotation:
 class Rigid:
     """A batch of rigid transformations ``T = (R, t)``, ``T x = R x + t``; shape ``[*]``."""
 
-    def __init__(self, rots: Optional[Rotation], trans: Optional[torch.Tensor]) -> None:
+    def __init__(self, rots: Rotation | None, trans: torch.Tensor | None) -> None:
         if trans is not None:
             batch_dims, dtype, device, requires_grad = trans.shape[:-1], trans.dtype, trans.device, trans.requires_grad
         elif rots is not None:
@@ -348,12 +356,12 @@ class Rigid:
 
     @staticmethod
     def identity(
-        shape: Tuple[int, ...],
-        dtype: Optional[torch.dtype] = None,
-        device: Optional[torch.device] = None,
+        shape: tuple[int, ...],
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
         requires_grad: bool = True,
         fmt: str = "quat",
-    ) -> "Rigid":
+    ) -> Rigid:
         """Identity transformations of batch shape ``shape``."""
         return Rigid(
             Rotation.identity(shape, dtype, device, requires_grad, fmt=fmt),
@@ -362,18 +370,18 @@ class Rigid:
 
     # -- tensor-like behaviour ----------------------------------------------------------------
 
-    def __getitem__(self, index: Any) -> "Rigid":
+    def __getitem__(self, index: Any) -> Rigid:
         if not isinstance(index, tuple):
             index = (index,)
         return Rigid(self._rots[index], self._trans[index + (slice(None),)])
 
-    def __mul__(self, right: torch.Tensor) -> "Rigid":
+    def __mul__(self, right: torch.Tensor) -> Rigid:
         """Pointwise multiplication of rotation and translation with a ``[*]`` tensor (masking)."""
         if not isinstance(right, torch.Tensor):
             raise TypeError("The other multiplicand must be a Tensor")
         return Rigid(self._rots * right, self._trans * right[..., None])
 
-    def __rmul__(self, left: torch.Tensor) -> "Rigid":
+    def __rmul__(self, left: torch.Tensor) -> Rigid:
         return self.__mul__(left)
 
     @property
@@ -394,44 +402,44 @@ class Rigid:
     def get_trans(self) -> torch.Tensor:
         return self._trans
 
-    def unsqueeze(self, dim: int) -> "Rigid":
+    def unsqueeze(self, dim: int) -> Rigid:
         """Like ``torch.unsqueeze`` over the batch dims."""
-        if dim >= len(self.shape):
+        if dim > len(self.shape):
             raise ValueError("Invalid dimension")
         return Rigid(self._rots.unsqueeze(dim), self._trans.unsqueeze(dim if dim >= 0 else dim - 1))
 
     @staticmethod
-    def cat(ts: Sequence["Rigid"], dim: int) -> "Rigid":
+    def cat(ts: Sequence[Rigid], dim: int) -> Rigid:
         """Concatenate along a batch dim (rotations end up in matrix format)."""
         rots = Rotation.cat([t._rots for t in ts], dim)
         trans = torch.cat([t._trans for t in ts], dim=dim if dim >= 0 else dim - 1)
         return Rigid(rots, trans)
 
-    def map_tensor_fn(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Rigid":
+    def map_tensor_fn(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Rigid:
         """Apply ``fn`` to every ``[*]`` component tensor of rotation and translation."""
         new_trans = torch.stack([fn(c) for c in torch.unbind(self._trans, dim=-1)], dim=-1)
         return Rigid(self._rots.map_tensor_fn(fn), new_trans)
 
-    def apply_rot_fn(self, fn: Callable[[Rotation], Rotation]) -> "Rigid":
+    def apply_rot_fn(self, fn: Callable[[Rotation], Rotation]) -> Rigid:
         return Rigid(fn(self._rots), self._trans)
 
-    def apply_trans_fn(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Rigid":
+    def apply_trans_fn(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Rigid:
         return Rigid(self._rots, fn(self._trans))
 
-    def scale_translation(self, trans_scale_factor: float) -> "Rigid":
+    def scale_translation(self, trans_scale_factor: float) -> Rigid:
         """Multiply the translation by a constant (nm <-> Angstrom in the structure module)."""
         return self.apply_trans_fn(lambda t: t * trans_scale_factor)
 
-    def stop_rot_gradient(self) -> "Rigid":
+    def stop_rot_gradient(self) -> Rigid:
         """Detach the rotation (Alg. 20, line 20: no gradient through rotations between blocks)."""
         return self.apply_rot_fn(lambda r: r.detach())
 
-    def to(self, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> "Rigid":
+    def to(self, device: torch.device | None = None, dtype: torch.dtype | None = None) -> Rigid:
         return Rigid(self._rots.to(device=device, dtype=dtype), self._trans.to(device=device, dtype=dtype))
 
     # -- transformation algebra ---------------------------------------------------------------
 
-    def compose_q_update_vec(self, q_update_vec: torch.Tensor) -> "Rigid":
+    def compose_q_update_vec(self, q_update_vec: torch.Tensor) -> Rigid:
         """Compose with a ``[*, 6]`` update ``(x, y, z, t_x, t_y, t_z)`` (Alg. 23).
 
         The rotation becomes ``q * (1, x, y, z)`` (normalised) and the translation
@@ -442,7 +450,7 @@ class Rigid:
         new_trans = self._trans + self._rots.apply(t_vec)
         return Rigid(new_rots, new_trans)
 
-    def compose(self, r: "Rigid") -> "Rigid":
+    def compose(self, r: Rigid) -> Rigid:
         """``self o r``: ``x -> R_self (R_r x + t_r) + t_self``."""
         new_rots = self._rots.compose_r(r._rots)
         new_trans = self._rots.apply(r._trans) + self._trans
@@ -456,7 +464,7 @@ class Rigid:
         """``R^T (x - t)`` for ``[*, 3]`` points."""
         return self._rots.invert_apply(pts - self._trans)
 
-    def invert(self) -> "Rigid":
+    def invert(self) -> Rigid:
         """``(R^T, -R^T t)``."""
         rot_inv = self._rots.invert()
         return Rigid(rot_inv, -1 * rot_inv.apply(self._trans))
@@ -472,7 +480,7 @@ class Rigid:
         return tensor
 
     @staticmethod
-    def from_tensor_4x4(t: torch.Tensor) -> "Rigid":
+    def from_tensor_4x4(t: torch.Tensor) -> Rigid:
         """From ``[*, 4, 4]`` homogeneous matrices (matrix format)."""
         if t.shape[-2:] != (4, 4):
             raise ValueError("Incorrectly shaped input tensor")
@@ -486,7 +494,7 @@ class Rigid:
         return tensor
 
     @staticmethod
-    def from_tensor_7(t: torch.Tensor, normalize_quats: bool = False) -> "Rigid":
+    def from_tensor_7(t: torch.Tensor, normalize_quats: bool = False) -> Rigid:
         """From ``[*, 7]`` (quaternion, translation)."""
         if t.shape[-1] != 7:
             raise ValueError("Incorrectly shaped input tensor")
@@ -499,7 +507,7 @@ class Rigid:
         origin: torch.Tensor,
         p_xy_plane: torch.Tensor,
         eps: float = 1e-8,
-    ) -> "Rigid":
+    ) -> Rigid:
         """Frames from three points by Gram-Schmidt (Alg. 21), all inputs ``[*, 3]``.
 
         x-axis along ``origin - p_neg_x_axis``, y-axis in the plane of ``p_xy_plane``; the
@@ -531,7 +539,7 @@ class Rigid:
     @staticmethod
     def make_transform_from_reference(
         n_xyz: torch.Tensor, ca_xyz: torch.Tensor, c_xyz: torch.Tensor, eps: float = 1e-20
-    ) -> "Rigid":
+    ) -> Rigid:
         """Backbone frames from N, CA, C ``[*, 3]`` by successive rotations (AlphaFold's
         ``make_transform_from_reference``): CA at the origin, C on +x, N in the xy-plane (y > 0).
 
@@ -566,9 +574,7 @@ class Rigid:
         n_y, n_z = n_xyz[..., 1], n_xyz[..., 2]
         norm = torch.sqrt(eps + n_y**2 + n_z**2)
         sin_n, cos_n = -n_z / norm, n_y / norm
-        n_rots = rot_from_entries(
-            sin_c2, {(0, 0): 1, (1, 1): cos_n, (1, 2): -1 * sin_n, (2, 1): sin_n, (2, 2): cos_n}
-        )
+        n_rots = rot_from_entries(sin_c2, {(0, 0): 1, (1, 1): cos_n, (1, 2): -1 * sin_n, (2, 1): sin_n, (2, 2): cos_n})
 
         rots = rot_matmul(n_rots, c_rots).transpose(-1, -2)
         return Rigid(Rotation(rot_mats=rots), -1 * translation)

@@ -23,7 +23,6 @@ to the originals). Outputs are then float32.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Tuple
 
 import torch
 import torch.nn as nn
@@ -81,9 +80,7 @@ class InvariantPointAttention(nn.Module):
         self.linear_q = Linear(c_s, hc, bias=True, init="default")
         self.linear_kv = Linear(c_s, 2 * hc, bias=True, init="default")
         self.linear_q_points = Linear(c_s, num_heads * num_qk_points * 3, bias=True, init="default")
-        self.linear_kv_points = Linear(
-            c_s, num_heads * (num_qk_points + num_v_points) * 3, bias=True, init="default"
-        )
+        self.linear_kv_points = Linear(c_s, num_heads * (num_qk_points + num_v_points) * 3, bias=True, init="default")
         self.linear_b = Linear(c_z, num_heads, bias=True, init="default")
         self.head_weights = nn.Parameter(torch.full((num_heads,), SOFTPLUS_INVERSE_1))
         concat_out_dim = num_heads * (c_z + c_hidden + num_v_points * 4)
@@ -218,7 +215,7 @@ class AngleResnet(nn.Module):
         self.layers = nn.ModuleList([AngleResnetBlock(c_hidden) for _ in range(num_blocks)])
         self.linear_out = Linear(c_hidden, num_angles * 2, bias=True, init="default")
 
-    def forward(self, s: torch.Tensor, s_initial: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, s: torch.Tensor, s_initial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.linear_in(torch.relu(s)) + self.linear_initial(torch.relu(s_initial))
         # a: [*, N_res, c_hidden]
         for layer in self.layers:
@@ -298,7 +295,7 @@ class StructureModule(nn.Module):
         z: torch.Tensor,
         mask: torch.Tensor,
         aatype: torch.Tensor,
-    ) -> Dict[str, torch.Tensor]:
+    ) -> dict[str, torch.Tensor]:
         """``s`` ``[B, N, c_s]``, ``z`` ``[B, N, N, c_z]``, ``mask`` ``[B, N]``, ``aatype`` ``[B, N]``."""
         dtype = _geometry_dtype(s.dtype)
         low_precision_params = [p for p in self.parameters() if p.dtype != dtype]
@@ -315,7 +312,7 @@ class StructureModule(nn.Module):
         z: torch.Tensor,
         mask: torch.Tensor,
         aatype: torch.Tensor,
-    ) -> Dict[str, torch.Tensor]:
+    ) -> dict[str, torch.Tensor]:
         consts = rigid_group_constants(s.dtype, s.device)
 
         s = self.layer_norm_s(s)  # [B, N, c_s]
@@ -326,7 +323,7 @@ class StructureModule(nn.Module):
         # Black-hole initialisation: identity frames (quaternion format), translations in nm.
         rigids = Rigid.identity(s.shape[:-1], dtype=s.dtype, device=s.device, requires_grad=self.training, fmt="quat")
 
-        outputs: List[Dict[str, torch.Tensor]] = []
+        outputs: list[dict[str, torch.Tensor]] = []
         for _ in range(self.num_blocks):
             s = s + self.ipa(s, z, rigids, mask)
             s = self.ipa_dropout(s)

@@ -1,7 +1,8 @@
 """Adam + SWA over flat parameter, gradient and state buffers (tensor fusion).
 
-AlphaFold2 trains with Adam (supplement section 1.11.3: beta1 0.9, beta2 0.999, eps 1e-6) and evaluates an exponential moving average of the weights (section 1.11.7, called SWA in
-OpenFold / MLPerf: ``avg <- avg + (p - avg) * (1 - decay)``, decay 0.9 in the benchmark).
+AlphaFold2 trains with Adam (supplement section 1.11.3: beta1 0.9, beta2 0.999, eps 1e-6) and
+evaluates an exponential moving average of the weights (section 1.11.7; called SWA in OpenFold /
+MLPerf: ``avg <- avg + (p - avg) * (1 - decay)``, decay 0.9 in the benchmark).
 
 The model has 5,044 parameter tensors; updating them one by one costs thousands of small kernel
 launches (GPU) or Python iterations (CPU) per step. Here every parameter is a *view* into a few
@@ -17,7 +18,8 @@ One optimizer step is then a constant number of vectorised operations per group 
 ``chunk_numel`` elements, see below), whatever the number of tensors. The per-element math is one
 function, :func:`adam_swa_update_`, the dispatch point the fused Triton kernel plugs into; the
 PyTorch reference reproduces ``torch.optim.Adam`` (single-tensor path) operation by operation, so
-fp64 results agree to rounding and fp32 results agree bit for bit on CPU.
+fp64 results agree to rounding and, for the same gradients, fp32 results agree bit for bit on CPU
+(the clip scale itself may differ in the last bits: one flat norm vs torch's norm of norms).
 
 ``lr`` and ``step`` live in device tensors and nothing in :meth:`FlatAdamSWA.step` reads a value back
 to the host, so the step can be captured in a CUDA graph (the SWA "first update copies" branch is
@@ -38,15 +40,15 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Union
 
 import torch
 import torch.nn as nn
 
 # Elements per chunk of the PyTorch reference update: small enough that the reference's
-# temporaries stay in the CPU's caches (about 3x faster than whole-buffer passes on CPU), large
-# enough that the launch count stays ~100 for the 93 M-parameter model. ``None``: one pass.
-DEFAULT_CHUNK_NUMEL = 1 << 20
+# temporaries stay in the CPU's caches (several times faster than whole-buffer passes on CPU), large
+# enough that the launch count stays ~200 for the 93 M-parameter model. ``None``: one pass.
+DEFAULT_CHUNK_NUMEL = 1 << 19
 # Each parameter's offset in a flat buffer is a multiple of this many elements (128 bytes in fp32),
 # so vectorised kernels can use aligned loads. Padding elements stay zero.
 DEFAULT_ALIGN_NUMEL = 32
@@ -68,8 +70,8 @@ def _reference_update_(
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     swa: torch.Tensor,
-    compute: Optional[torch.Tensor],
-    clip_scale: Optional[torch.Tensor],
+    compute: torch.Tensor | None,
+    clip_scale: torch.Tensor | None,
     neg_step_size: torch.Tensor,
     bias_correction2_sqrt: torch.Tensor,
     beta1: float,
@@ -77,22 +79,36 @@ def _reference_update_(
     eps: float,
     swa_decay: float,
     swa_copy: bool,
+    scratch: Sequence[torch.Tensor] | None = None,
 ) -> None:
-    """One chunk: clip-scale -> torch.optim.Adam math (single-tensor path) -> SWA -> compute copy."""
-    g = grad if grad.dtype == param.dtype else grad.to(param.dtype)
-    if clip_scale is not None:
-        g = torch.mul(g, clip_scale)  # clip_grad_norm_ multiplies by the clamped coefficient
+    """One chunk: clip-scale -> torch.optim.Adam math (single-tensor path) -> SWA -> compute copy.
+
+    ``scratch``: three buffers of the chunk's length and master dtype for the temporaries (avoids
+    re-allocating them for every chunk); ``None`` allocates.
+    """
+    s_grad, s_denom, s_update = scratch if scratch is not None else (None, None, None)
+    if grad.dtype != param.dtype:  # low-precision compute grads: scale in the master dtype
+        g = grad.to(param.dtype) if s_grad is None else s_grad.copy_(grad)
+        if clip_scale is not None:
+            g.mul_(clip_scale)
+    elif clip_scale is not None:  # clip_grad_norm_ multiplies by the clamped coefficient
+        g = torch.mul(grad, clip_scale, out=s_grad) if s_grad is not None else torch.mul(grad, clip_scale)
+    else:
+        g = grad
     exp_avg.lerp_(g, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    denom = exp_avg_sq.sqrt().div_(bias_correction2_sqrt).add_(eps)
+    denom = torch.sqrt(exp_avg_sq, out=s_denom) if s_denom is not None else exp_avg_sq.sqrt()
+    denom.div_(bias_correction2_sqrt).add_(eps)
     # addcdiv_(exp_avg, denom, value=-step_size) evaluates p + (value * exp_avg) / denom
-    param.add_(torch.mul(exp_avg, neg_step_size).div_(denom))
+    update = torch.mul(exp_avg, neg_step_size, out=s_update) if s_update is not None else exp_avg * neg_step_size
+    param.add_(update.div_(denom))
     if compute is not None:
         compute.copy_(param)
     if swa_copy:  # AveragedModel's first update copies the weights
         swa.copy_(param)
     else:
-        swa.add_(torch.sub(param, swa).mul_(1.0 - swa_decay))
+        diff = torch.sub(param, swa, out=s_update) if s_update is not None else param - swa
+        swa.add_(diff.mul_(1.0 - swa_decay))
 
 
 def _step_scalars(lr: torch.Tensor, step: torch.Tensor, beta1: float, beta2: float):
@@ -134,17 +150,18 @@ def adam_swa_update_(
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     swa: torch.Tensor,
-    compute: Optional[torch.Tensor] = None,
+    compute: torch.Tensor | None = None,
     *,
     lr: torch.Tensor,
     step: torch.Tensor,
-    clip_scale: Optional[torch.Tensor] = None,
+    clip_scale: torch.Tensor | None = None,
     beta1: float = 0.9,
     beta2: float = 0.999,
     eps: float = 1e-6,
     swa_decay: float = 0.9,
     swa_n_averaged: int = 1,
-    chunk_numel: Optional[int] = DEFAULT_CHUNK_NUMEL,
+    chunk_numel: int | None = DEFAULT_CHUNK_NUMEL,
+    scratch: Sequence[torch.Tensor] | None = None,
     backend: str = "auto",
 ) -> None:
     """Fused per-element step over flat 1-D tensors, in place.
@@ -156,8 +173,10 @@ def adam_swa_update_(
 
     ``param``/``exp_avg``/``exp_avg_sq``/``swa`` share the master dtype; ``grad`` and ``compute``
     have the compute dtype. ``lr``, ``step`` and ``clip_scale`` are 0-dim tensors on the device.
-    ``backend``: ``"torch"`` (reference), ``"compile"`` (``torch.compile`` of the reference, one
-    fused loop), ``"triton"`` (the fused kernel) or ``"auto"`` (Triton on CUDA when available).
+    ``scratch``: optional three 1-D master-dtype buffers of at least one chunk for the reference's
+    temporaries. ``backend``: ``"torch"`` (reference), ``"compile"`` (``torch.compile`` of the
+    reference: one fused loop), ``"triton"`` (the fused kernel) or ``"auto"`` (Triton on CUDA when
+    the kernel exists, else the reference).
     """
     numel = param.numel()
     for t in (grad, exp_avg, exp_avg_sq, swa) + ((compute,) if compute is not None else ()):
@@ -184,9 +203,11 @@ def adam_swa_update_(
     chunk = numel if not chunk_numel else chunk_numel
     for start in range(0, numel, chunk):
         sl = slice(start, min(start + chunk, numel))
+        n = sl.stop - sl.start
         _reference_update_(
             param[sl], grad[sl], exp_avg[sl], exp_avg_sq[sl], swa[sl],
             None if compute is None else compute[sl], **scalars,
+            scratch=None if scratch is None else [t[:n] for t in scratch],
         )  # fmt: skip
 
 
@@ -206,7 +227,7 @@ class FlatGroup:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     swa: torch.Tensor
-    compute: Optional[torch.Tensor]
+    compute: torch.Tensor | None
 
     def views(self, flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
         return [flat[o : o + math.prod(s)].view(s) for o, s in zip(self.offsets, shapes)]
@@ -225,7 +246,7 @@ class FlatAdamSWA:
             parameters). Gradients are then read from the compute copy, which is rewritten from the
             master weights after every step.
         lr, betas, eps: Adam hyper-parameters (lr lives in the device tensor ``self.lr``).
-        swa_decay: SWA/EMA decay; ``None`` disables SWA bookkeeping (the buffer is still updated).
+        swa_decay: SWA/EMA decay (0.9 in the benchmark).
         chunk_numel: elements per chunk of the reference update (``None`` = one pass).
         align_numel: alignment of each parameter inside the flat buffers.
         backend: see :func:`adam_swa_update_`.
@@ -234,13 +255,13 @@ class FlatAdamSWA:
     def __init__(
         self,
         params: ParamsArg,
-        compute_params: Optional[Iterable[torch.Tensor]] = None,
+        compute_params: Iterable[torch.Tensor] | None = None,
         *,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-6,
         swa_decay: float = 0.9,
-        chunk_numel: Optional[int] = DEFAULT_CHUNK_NUMEL,
+        chunk_numel: int | None = DEFAULT_CHUNK_NUMEL,
         align_numel: int = DEFAULT_ALIGN_NUMEL,
         backend: str = "auto",
     ) -> None:
@@ -276,6 +297,7 @@ class FlatAdamSWA:
         self._steps_host = 0
         self.groups = self._build_groups(align_numel)
         self._grads_checked = False
+        self._scratch_buffers: dict[int, list[torch.Tensor]] = {}
 
     # -- construction -------------------------------------------------------------------------
 
@@ -294,8 +316,8 @@ class FlatAdamSWA:
                 offsets.append(total)
                 total += _align(self.params[i].numel(), align)
 
-            def buf(dt: torch.dtype) -> torch.Tensor:
-                return torch.zeros(total, dtype=dt, device=device)
+            def buf(dt: torch.dtype, n: int = total, dev: torch.device = device) -> torch.Tensor:
+                return torch.zeros(n, dtype=dt, device=dev)
 
             group = FlatGroup(
                 indices=indices, offsets=offsets, master=buf(dtype), grad=buf(compute_dtype),
@@ -316,7 +338,7 @@ class FlatAdamSWA:
         self._attach_grads(groups)
         return groups
 
-    def _attach_grads(self, groups: Optional[list[FlatGroup]] = None) -> None:
+    def _attach_grads(self, groups: list[FlatGroup] | None = None) -> None:
         holders = self._grad_holders()
         for group in groups if groups is not None else self.groups:
             shapes = [self.shapes[i] for i in group.indices]
@@ -343,11 +365,21 @@ class FlatAdamSWA:
                         "use FlatAdamSWA.zero_grad() (not set_to_none) and DDP(gradient_as_bucket_view=False)"
                     )
 
+    def _scratch(self, group: FlatGroup) -> list[torch.Tensor] | None:
+        """Chunk-sized temporaries of the reference update, allocated once per group."""
+        if self.chunk_numel is None or self.backend == "compile":
+            return None
+        key = id(group)
+        if key not in self._scratch_buffers:
+            n = min(self.chunk_numel, group.master.numel())
+            self._scratch_buffers[key] = [torch.empty(n, dtype=group.master.dtype, device=group.master.device) for _ in range(3)]
+        return self._scratch_buffers[key]
+
     def set_lr(self, lr: Union[float, torch.Tensor]) -> None:
         self.lr.fill_(lr)
 
     @torch.no_grad()
-    def step(self, clip_scale: Optional[torch.Tensor] = None) -> None:
+    def step(self, clip_scale: torch.Tensor | None = None) -> None:
         """One Adam + SWA step on every parameter; ``clip_scale`` (0-dim tensor) scales the grads."""
         if not self._grads_checked:
             self.check_grads_attached()
@@ -358,7 +390,7 @@ class FlatAdamSWA:
                 group.master, group.grad, group.exp_avg, group.exp_avg_sq, group.swa, group.compute,
                 lr=self.lr, step=self.step_count, clip_scale=clip_scale, beta1=self.beta1, beta2=self.beta2,
                 eps=self.eps, swa_decay=self.swa_decay, swa_n_averaged=self._n_averaged_host,
-                chunk_numel=self.chunk_numel, backend=self.backend,
+                chunk_numel=self.chunk_numel, scratch=self._scratch(group), backend=self.backend,
             )  # fmt: skip
         self.swa_n_averaged.add_(1)
         self._n_averaged_host += 1
@@ -371,7 +403,7 @@ class FlatAdamSWA:
         return [g.grad for g in self.groups]
 
     def _per_param(self, attr: str) -> list[torch.Tensor]:
-        out: list[Optional[torch.Tensor]] = [None] * len(self.params)
+        out: list[torch.Tensor | None] = [None] * len(self.params)
         for group in self.groups:
             shapes = [self.shapes[i] for i in group.indices]
             for i, view in zip(group.indices, group.views(getattr(group, attr), shapes)):

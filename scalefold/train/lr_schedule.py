@@ -13,8 +13,6 @@ sees the new value without re-capture; it is written only when it changes.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 DEFAULT_BASE_LR = 1e-3
@@ -64,7 +62,7 @@ class WarmupConstantLR:
         self.warmup_lr_init = warmup_lr_init
         self.warmup_lr_iters = warmup_lr_iters
         self._ramp = torch.linspace(warmup_lr_init, base_lr, warmup_lr_iters, dtype=torch.float64).tolist()
-        self._last: Optional[float] = None
+        self._last: float | None = None
 
     def value(self, iteration: int) -> float:
         if iteration < 1:

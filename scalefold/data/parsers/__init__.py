@@ -7,8 +7,6 @@ input, count skips per reason and keep going.
 
 from __future__ import annotations
 
-from typing import Optional
-
 
 class ParseError(ValueError):
     """A raw input file (or one chain of it) cannot be used.
@@ -19,7 +17,7 @@ class ParseError(ValueError):
         detail: human-readable explanation.
     """
 
-    def __init__(self, reason: str, detail: str, path: Optional[str] = None) -> None:
+    def __init__(self, reason: str, detail: str, path: str | None = None) -> None:
         self.reason = reason
         self.detail = detail
         self.path = None if path is None else str(path)

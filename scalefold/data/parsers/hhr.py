@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Optional
 
 from scalefold.data.parsers import HhrError
 
@@ -99,7 +98,7 @@ def _parse_hit(lines: list[str]) -> TemplateHit:
     query, hit_sequence = "", ""
     indices_query: list[int] = []
     indices_hit: list[int] = []
-    block_length: Optional[int] = None
+    block_length: int | None = None
     for line in lines[3:]:
         if _is_sequence_row(line, "Q"):
             start, segment, end = _match(_QUERY_LINE, line[NAME_FIELD_WIDTH:], "query")
@@ -128,7 +127,7 @@ def _parse_hit(lines: list[str]) -> TemplateHit:
     )
 
 
-def parse_hhr(text: str, path: Optional[str] = None) -> list[TemplateHit]:
+def parse_hhr(text: str, path: str | None = None) -> list[TemplateHit]:
     """All hits of an ``.hhr`` file, in file order (an empty list when there are none)."""
     lines = text.splitlines()
     starts = [i for i, line in enumerate(lines) if line.startswith("No ")]

@@ -33,7 +33,7 @@ import math
 import os
 from collections import defaultdict
 from pathlib import Path
-from typing import Optional, Union
+from typing import Union
 
 import gemmi
 import numpy as np
@@ -75,7 +75,7 @@ class MmcifChain:
     residue_names: tuple[str, ...]
     all_atom_positions: np.ndarray  # [N_res, 37, 3]
     all_atom_mask: np.ndarray  # [N_res, 37]
-    author_residue_ids: tuple[Optional[str], ...]
+    author_residue_ids: tuple[str | None, ...]
 
     @property
     def num_res(self) -> int:
@@ -92,9 +92,9 @@ class MmcifEntry:
     """
 
     pdb_id: str
-    path: Optional[str]
+    path: str | None
     exptl_method: str
-    release_date: Optional[str]
+    release_date: str | None
     resolution: float
     chains: dict[str, MmcifChain]
     has_seqres: bool = True
@@ -108,7 +108,7 @@ class MmcifEntry:
 # public entry points
 
 
-def parse_mmcif(path: PathLike, pdb_id: Optional[str] = None) -> MmcifEntry:
+def parse_mmcif(path: PathLike, pdb_id: str | None = None) -> MmcifEntry:
     """Parse an mmCIF file (``.cif`` or ``.cif.gz``).
 
     Raises:
@@ -124,7 +124,7 @@ def parse_mmcif(path: PathLike, pdb_id: Optional[str] = None) -> MmcifEntry:
     return _parse_document(doc, path=path, pdb_id=pdb_id)
 
 
-def parse_mmcif_string(text: str, pdb_id: Optional[str] = None, path: Optional[str] = None) -> MmcifEntry:
+def parse_mmcif_string(text: str, pdb_id: str | None = None, path: str | None = None) -> MmcifEntry:
     """Parse mmCIF content held in memory (``path`` only labels errors)."""
     try:
         doc = gemmi.cif.read_string(text)
@@ -159,7 +159,7 @@ def _table(block: gemmi.cif.Block, prefix: str, tags: list[str]) -> list[list[st
     return [[gemmi.cif.as_string(row[i]) for i in range(len(tags))] for row in table]
 
 
-def _pdb_id(block: gemmi.cif.Block, path: Optional[str], override: Optional[str]) -> str:
+def _pdb_id(block: gemmi.cif.Block, path: str | None, override: str | None) -> str:
     if override:
         return override.lower()
     entry_ids = _values(block, "_entry.id")
@@ -174,7 +174,7 @@ def _exptl_method(block: gemmi.cif.Block) -> str:
     return ";".join(_values(block, "_exptl.method"))
 
 
-def _release_date(block: gemmi.cif.Block, path: Optional[str]) -> Optional[str]:
+def _release_date(block: gemmi.cif.Block, path: str | None) -> str | None:
     dates = [d for d in _values(block, "_pdbx_audit_revision_history.revision_date") if d not in ("?", ".")]
     for date in dates:
         try:
@@ -345,7 +345,7 @@ def _is_amino_acid(name: str) -> bool:
 # the whole document
 
 
-def _parse_document(doc: gemmi.cif.Document, path: Optional[str], pdb_id: Optional[str]) -> MmcifEntry:
+def _parse_document(doc: gemmi.cif.Document, path: str | None, pdb_id: str | None) -> MmcifEntry:
     if len(doc) == 0:
         raise MmcifError("corrupt_mmcif", "no data block in file", path)
     block = doc[0]

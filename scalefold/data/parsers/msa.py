@@ -16,8 +16,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import string
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Optional, Sequence, Union
+from typing import Union
 
 import numpy as np
 
@@ -112,7 +113,7 @@ def parse_a3m(text: str) -> Msa:
     return Msa(sequences, deletion_matrix, descriptions)
 
 
-def _stockholm_rows(text: str, max_sequences: Optional[int] = None) -> dict[str, str]:
+def _stockholm_rows(text: str, max_sequences: int | None = None) -> dict[str, str]:
     """Name → concatenated aligned sequence, in first-appearance order."""
     rows: dict[str, str] = {}
     for line in text.splitlines():
@@ -159,7 +160,7 @@ def parse_stockholm(text: str) -> Msa:
     return Msa(sequences, deletion_matrix, list(rows))
 
 
-def convert_stockholm_to_a3m(text: str, max_sequences: Optional[int] = None) -> str:
+def convert_stockholm_to_a3m(text: str, max_sequences: int | None = None) -> str:
     """Stockholm → a3m text: residues in query-gap columns become lower-case insertions, gaps there vanish.
 
     Descriptions come from ``#=GS <name> DE <text>`` lines, as AlphaFold's converter does.
@@ -185,7 +186,7 @@ def convert_stockholm_to_a3m(text: str, max_sequences: Optional[int] = None) -> 
     return "\n".join(chunks) + "\n"
 
 
-def parse_msa_file(path: PathLike, max_sequences: Optional[int] = None) -> Msa:
+def parse_msa_file(path: PathLike, max_sequences: int | None = None) -> Msa:
     """Read and parse an MSA file by extension (``.a3m``, ``.sto``/``.stockholm``, ``.fasta``/``.fa``).
 
     Errors raised by the parsers get the file name attached.
@@ -216,7 +217,7 @@ def parse_msa_file(path: PathLike, max_sequences: Optional[int] = None) -> Msa:
 # validation, dedup and arrays
 
 
-def validate_msa(msa: Msa, query_sequence: Optional[str] = None, path: Optional[str] = None) -> None:
+def validate_msa(msa: Msa, query_sequence: str | None = None, path: str | None = None) -> None:
     """Raise :class:`MsaError` for an empty MSA, a row of the wrong width, or invalid characters.
 
     When ``query_sequence`` is given the alignment must be ``len(query_sequence)`` columns wide.
@@ -266,6 +267,9 @@ def sequences_to_hhblits_ids(sequences: Sequence[str]) -> np.ndarray:
     """Aligned rows → int8 ``[N_seq, N_res]`` in the HHblits alphabet (AlphaFold's raw ``msa``)."""
     if not sequences:
         return np.zeros((0, 0), dtype=np.int8)
+    width = len(sequences[0])
+    if any(len(s) != width for s in sequences):
+        raise MsaError("msa_query_length_mismatch", "aligned rows differ in length")
     lookup = np.full(128, -1, dtype=np.int8)
     for char, index in rc.HHBLITS_AA_TO_ID.items():
         lookup[ord(char)] = index

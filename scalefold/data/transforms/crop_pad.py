@@ -6,8 +6,6 @@ window (no spatial cropping) and uses the same crop for every recycling iteratio
 
 from __future__ import annotations
 
-from typing import Dict
-
 import torch
 import torch.nn.functional as F
 
@@ -73,7 +71,7 @@ def random_crop_and_subsample_templates(
     return feats
 
 
-def pad_to_schema(feats: Features, sizes: Dict[str, int]) -> Features:
+def pad_to_schema(feats: Features, sizes: dict[str, int]) -> Features:
     """Zero-pad every feature to its fixed shape; ``sizes`` maps symbolic dims to lengths."""
     for key, tensor in feats.items():
         schema = FEATURE_SCHEMA[key]
@@ -90,6 +88,6 @@ def pad_to_schema(feats: Features, sizes: Dict[str, int]) -> Features:
     return feats
 
 
-def schema_sizes(num_res: int, num_clusters: int, num_extra: int, num_templates: int) -> Dict[str, int]:
+def schema_sizes(num_res: int, num_clusters: int, num_extra: int, num_templates: int) -> dict[str, int]:
     """The ``sizes`` dict for :func:`pad_to_schema`."""
     return {N_RES: num_res, N_CLUST: num_clusters, N_EXTRA_SEQ: num_extra, N_TEMPL: num_templates}

@@ -14,15 +14,14 @@ the dtype/device of the positions (masks: of the atom mask).
 
 from __future__ import annotations
 
-from functools import lru_cache
-from typing import Dict, Optional, Tuple
+from functools import cache
 
 import numpy as np
 import torch
 
 from scalefold import residue_constants as rc
 
-Features = Dict[str, torch.Tensor]
+Features = dict[str, torch.Tensor]
 
 NUM_RIGID_GROUPS = 8
 NUM_TORSIONS = 7
@@ -37,8 +36,8 @@ TORSION_NORM_EPS = 1e-8
 # ---------------------------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=None)
-def _tables() -> Dict[str, np.ndarray]:
+@cache
+def _tables() -> dict[str, np.ndarray]:
     resnames = [rc.restype_1to3[r] for r in rc.restypes]
     atom14_mask = np.array(
         [[1.0 if name else 0.0 for name in rc.restype_name_to_atom14_names[n]] for n in resnames] + [[0.0] * 14],
@@ -92,7 +91,7 @@ def _tables() -> Dict[str, np.ndarray]:
     }
 
 
-def _table(name: str, aatype: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def _table(name: str, aatype: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Per-residue rows of lookup table ``name``: ``[*, N_res, ...]``."""
     table = torch.as_tensor(_tables()[name], device=aatype.device)
     if dtype is not None:
@@ -105,7 +104,8 @@ def _gather_atoms(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     ``index`` [*, N_res, ...] atom37 indices -> [*, N_res, ...] (masks) or [*, N_res, ..., 3]."""
     is_mask = values.shape[-1] == 37
     res_dims = values.dim() - (1 if is_mask else 2)  # number of dims up to and including N_res
-    flat_index = index.reshape(*index.shape[:res_dims], -1)  # [*, N_res, K]
+    per_residue = int(np.prod(index.shape[res_dims:]))
+    flat_index = index.reshape(*index.shape[:res_dims], per_residue)  # [*, N_res, K]
     if is_mask:
         return torch.gather(values, -1, flat_index).reshape(index.shape)
     out = torch.gather(values, -2, flat_index[..., None].expand(*flat_index.shape, 3))
@@ -119,7 +119,7 @@ def _gather_atoms(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def frames_from_3_points(
     p_neg_x_axis: torch.Tensor, origin: torch.Tensor, p_xy_plane: torch.Tensor, eps: float = FRAME_EPS
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Algorithm 21 (Gram-Schmidt): frame with origin ``origin``, x axis pointing away from
     ``p_neg_x_axis``, ``p_xy_plane`` in the xy plane. Returns (rotation [*, 3, 3], translation [*, 3])."""
     p_neg_x_axis, origin_c, p_xy_plane = (t.unbind(-1) for t in (p_neg_x_axis, origin, p_xy_plane))
@@ -251,7 +251,7 @@ def backbone_frames(rigid_groups: Features) -> Features:
 
 def torsion_angles(
     aatype: torch.Tensor, all_atom_positions: torch.Tensor, all_atom_mask: torch.Tensor
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Torsion angles (pre-omega, phi, psi, chi1..4) as unit (sin, cos) pairs.
 
     Returns ``(sin_cos [*, N, 7, 2], alt_sin_cos [*, N, 7, 2], mask [*, N, 7])``; the alternative
@@ -299,7 +299,7 @@ def torsion_angles(
 
 def pseudo_beta(
     aatype: torch.Tensor, all_atom_positions: torch.Tensor, all_atom_mask: torch.Tensor
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pseudo-beta atom (CA for glycine, CB otherwise): positions [*, N, 3] and mask [*, N]."""
     is_gly = aatype == rc.restype_order["G"]
     ca, cb = rc.atom_order["CA"], rc.atom_order["CB"]

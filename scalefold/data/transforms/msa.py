@@ -12,14 +12,13 @@ explicit ``torch.Generator``.
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional
 
 import torch
 import torch.nn.functional as F
 
 from scalefold import residue_constants as rc
 
-Features = Dict[str, torch.Tensor]
+Features = dict[str, torch.Tensor]
 
 #: Number of MSA residue classes: 20 amino acids, X (unknown), gap.
 MSA_NUM_CLASSES = 22
@@ -32,10 +31,10 @@ GAP_INDEX = 21
 MSA_ROW_FEATURES = ("msa", "deletion_matrix", "msa_mask", "msa_row_mask", "bert_mask", "true_msa")
 
 
-
 def one_hot(x: torch.Tensor, num_classes: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """One-hot encode integer tensor ``x`` -> ``[*x.shape, num_classes]``."""
-    return F.one_hot(x.long(), num_classes).to(dtype)
+    out = torch.zeros((*x.shape, num_classes), dtype=dtype, device=x.device)
+    return out.scatter_(-1, x.long().unsqueeze(-1), 1)
 
 
 def hhblits_to_our_restypes(indices: torch.Tensor) -> torch.Tensor:
@@ -129,9 +128,7 @@ def make_masked_msa(
     msa = feats["msa"]
     random_aa = torch.tensor([0.05] * 20 + [0.0, 0.0], dtype=torch.float32, device=msa.device)
     categorical_probs = (
-        uniform_prob * random_aa
-        + profile_prob * feats["hhblits_profile"]
-        + same_prob * one_hot(msa, MSA_NUM_CLASSES)
+        uniform_prob * random_aa + profile_prob * feats["hhblits_profile"] + same_prob * one_hot(msa, MSA_NUM_CLASSES)
     )  # [N_seq, N_res, 22]
     mask_prob = 1.0 - profile_prob - same_prob - uniform_prob
     if mask_prob < 0.0:
@@ -157,11 +154,13 @@ def _sample_categorical(probs: torch.Tensor, generator: torch.Generator, eps: fl
     return draws.squeeze(-1).reshape(probs.shape[:-1])
 
 
-def nearest_neighbor_clusters(feats: Features, gap_agreement_weight: float = 0.0) -> Features:
+def nearest_neighbor_clusters(feats: Features, gap_agreement_weight: float = 0.0, chunk_size: int = 512) -> Features:
     """Assign each extra sequence to the cluster centre it agrees with most (Hamming similarity).
 
     Writes ``extra_cluster_assignment`` [N_extra] (int64). Gaps count with ``gap_agreement_weight``,
-    ``[MASK]`` never counts.
+    ``[MASK]`` never counts. Ties go to the lowest centre index. Extra rows are one-hot encoded
+    ``chunk_size`` at a time to bound memory; agreements are small integer sums (exact in float32
+    for the default weights), so chunking does not change the result.
     """
     msa = feats["msa"]
     weights = torch.cat(
@@ -172,22 +171,29 @@ def nearest_neighbor_clusters(feats: Features, gap_agreement_weight: float = 0.0
         ]
     )  # [23]
     sample_one_hot = feats["msa_mask"][:, :, None] * one_hot(msa, MSA_NUM_CLASSES_WITH_MASK)
-    extra_one_hot = feats["extra_msa_mask"][:, :, None] * one_hot(feats["extra_msa"], MSA_NUM_CLASSES_WITH_MASK)
     num_seq, num_res, _ = sample_one_hot.shape
-    num_extra = extra_one_hot.shape[0]
-    # einsum("mrc,nrc,c->mn") written as one matmul: [N_extra, R*23] @ [R*23, N_seq]
-    agreement = extra_one_hot.reshape(num_extra, num_res * MSA_NUM_CLASSES_WITH_MASK) @ (
-        (sample_one_hot * weights).reshape(num_seq, num_res * MSA_NUM_CLASSES_WITH_MASK).transpose(0, 1)
-    )
-    feats["extra_cluster_assignment"] = torch.argmax(agreement, dim=1).to(torch.int64)
+    # einsum("mrc,nrc,c->mn") as matmuls: [chunk, R*23] @ [R*23, N_seq]
+    centres = (sample_one_hot * weights).reshape(num_seq, num_res * MSA_NUM_CLASSES_WITH_MASK).transpose(0, 1)
+    extra_msa, extra_mask = feats["extra_msa"], feats["extra_msa_mask"]
+    assignments = []
+    for start in range(0, extra_msa.shape[0], chunk_size):
+        rows = slice(start, start + chunk_size)
+        extra_one_hot = extra_mask[rows, :, None] * one_hot(extra_msa[rows], MSA_NUM_CLASSES_WITH_MASK)
+        agreement = extra_one_hot.reshape(-1, num_res * MSA_NUM_CLASSES_WITH_MASK) @ centres
+        assignments.append(torch.argmax(agreement, dim=1))
+    if not assignments:
+        assignments.append(torch.zeros(0, dtype=torch.int64, device=msa.device))
+    feats["extra_cluster_assignment"] = torch.cat(assignments).to(torch.int64)
     return feats
 
 
 def _segment_sum(data: torch.Tensor, segment_ids: torch.Tensor, num_segments: int) -> torch.Tensor:
-    """Sum rows of ``data`` into ``num_segments`` buckets given by ``segment_ids`` (1-D)."""
-    index = segment_ids.view(-1, *((1,) * (data.dim() - 1))).expand(data.shape)
+    """Sum rows of ``data`` into ``num_segments`` buckets given by ``segment_ids`` (1-D).
+
+    Summed in float32 (as the reference); the summands here are counts, so the result is exact
+    whatever the accumulation order."""
     out = torch.zeros((num_segments, *data.shape[1:]), dtype=torch.float32, device=data.device)
-    return out.scatter_add_(0, index, data.float()).to(data.dtype)
+    return out.index_add_(0, segment_ids, data.float()).to(data.dtype)
 
 
 def summarize_clusters(feats: Features, eps: float = 1e-6) -> Features:
@@ -200,9 +206,15 @@ def summarize_clusters(feats: Features, eps: float = 1e-6) -> Features:
     extra_mask = feats["extra_msa_mask"]  # [N_extra, N_res]
     mask_counts = eps + feats["msa_mask"] + _segment_sum(extra_mask, assignment, num_seq)
 
-    msa_sum = _segment_sum(
-        extra_mask[:, :, None] * one_hot(feats["extra_msa"], MSA_NUM_CLASSES_WITH_MASK), assignment, num_seq
-    )
+    # Residue-class counts per (cluster, residue), accumulated without one-hot encoding the extra
+    # MSA: entry (assignment[e], r, extra_msa[e, r]) += extra_mask[e, r].
+    num_res = extra_mask.shape[1]
+    flat_index = (assignment[:, None] * num_res + torch.arange(num_res, device=assignment.device)[None, :]) * (
+        MSA_NUM_CLASSES_WITH_MASK
+    ) + feats["extra_msa"]
+    msa_sum = torch.zeros(num_seq * num_res * MSA_NUM_CLASSES_WITH_MASK, dtype=torch.float32, device=extra_mask.device)
+    msa_sum.index_add_(0, flat_index.reshape(-1), extra_mask.reshape(-1).float())
+    msa_sum = msa_sum.reshape(num_seq, num_res, MSA_NUM_CLASSES_WITH_MASK).to(extra_mask.dtype)
     msa_sum = msa_sum + one_hot(feats["msa"], MSA_NUM_CLASSES_WITH_MASK)
     feats["cluster_profile"] = msa_sum / mask_counts[:, :, None]
 
@@ -262,7 +274,7 @@ def make_msa_feat(feats: Features) -> Features:
     return feats
 
 
-def make_generator(seed: int, device: Optional[torch.device] = None) -> torch.Generator:
+def make_generator(seed: int, device: torch.device | None = None) -> torch.Generator:
     """A ``torch.Generator`` seeded with ``seed`` reduced modulo 2**64 (as the reference does)."""
     generator = torch.Generator(device=device) if device is not None else torch.Generator()
     generator.manual_seed(seed % (1 << 64))

@@ -8,7 +8,7 @@ and the loader adds a leading batch dimension ``B``.
 
 from __future__ import annotations
 
-from typing import Dict, Tuple, Union
+from typing import Union
 
 N_RES = "N_res"
 N_CLUST = "N_clust"
@@ -17,7 +17,7 @@ N_TEMPL = "N_templ"
 
 Dim = Union[str, int]
 
-FEATURE_SCHEMA: Dict[str, Tuple[Dim, ...]] = {
+FEATURE_SCHEMA: dict[str, tuple[Dim, ...]] = {
     "aatype": (N_RES,),
     "all_atom_mask": (N_RES, 37),
     "all_atom_positions": (N_RES, 37, 3),
@@ -85,6 +85,6 @@ INTEGER_FEATURES = frozenset(
 )
 
 
-def concrete_shape(key: str, sizes: Dict[str, int]) -> Tuple[int, ...]:
+def concrete_shape(key: str, sizes: dict[str, int]) -> tuple[int, ...]:
     """Shape of feature ``key`` with symbolic dims resolved through ``sizes``."""
     return tuple(sizes[d] if isinstance(d, str) else d for d in FEATURE_SCHEMA[key])

@@ -8,7 +8,8 @@ pipeline later picks a random prefix of a random permutation of those (see ``cro
 from __future__ import annotations
 
 import random
-from typing import Callable, List, Optional, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -20,9 +21,9 @@ Hit = TypeVar("Hit")
 def order_template_hits(
     hits: Sequence[Hit],
     sum_probs: Callable[[Hit], float],
-    shuffle_top_k: Optional[int],
-    seed: Optional[int],
-) -> List[Hit]:
+    shuffle_top_k: int | None,
+    seed: int | None,
+) -> list[Hit]:
     """Order prefiltered hits for featurisation: best ``sum_probs`` first, top ``k`` shuffled.
 
     ``shuffle_top_k=None`` (validation) keeps the ranking. The shuffle is Python's

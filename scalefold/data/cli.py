@@ -1,0 +1,145 @@
+"""Data subcommands: ``scalefold preprocess`` and ``scalefold data-stats``.
+
+Heavy imports (gemmi, h5py) happen inside the handlers so ``scalefold --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+from typing import Any
+
+# Length-histogram bin edges used by data-stats (residues).
+LENGTH_BINS = (0, 50, 100, 200, 300, 400, 500, 700, 1000, 1500, 2000, 10**9)
+
+
+def add_preprocess_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``preprocess`` and ``data-stats``."""
+    from scalefold.data.mlperf_layout import PICKLE_RISK
+
+    p = subparsers.add_parser(
+        "preprocess",
+        help="build a dataset store from mmCIF files + alignments (or from the MLPerf processed layout)",
+        description=(
+            "Parse mmCIF files (and per-chain alignment directories <pdb_id>_<chain>/ with *.a3m, *.sto, *.hhr) "
+            "into one HDF5 store. Bad files/chains are skipped; STORE.report.json lists them by reason. "
+            "Exits 0 when the run finished, even if chains were skipped."
+        ),
+    )
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--mmcif-dir", help="directory searched recursively for *.cif / *.cif.gz")
+    source.add_argument(
+        "--mlperf-dir",
+        help="root of the MLPerf processed layout (pdb_mmcif/processed, open_protein_set/processed); needs --allow-pickle",
+    )
+    p.add_argument("--alignments-dir", help="per-chain alignment directories (<pdb_id>_<chain>/)")
+    p.add_argument("--out", required=True, help="output store (HDF5); the report goes to OUT.report.json")
+    p.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
+    p.add_argument("--cluster-file", help="RCSB clusters-by-entity file for cluster ids (optional)")
+    p.add_argument(
+        "--allow-missing-alignments",
+        action="store_true",
+        help="keep chains that have no alignment directory (without MSA) instead of skipping them",
+    )
+    p.add_argument("--allow-pickle", action="store_true", help=f"with --mlperf-dir: {PICKLE_RISK}")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(handler=_run_preprocess)
+
+    s = subparsers.add_parser("data-stats", help="summarise a dataset store (chains, lengths, MSA depth, templates)")
+    s.add_argument("store", help="store file")
+    s.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    s.set_defaults(handler=_run_data_stats)
+
+
+def add_parsers(subparsers: argparse._SubParsersAction) -> None:
+    """Entry point used by ``scalefold.cli``."""
+    add_preprocess_parser(subparsers)
+
+
+def _run_preprocess(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.mlperf_dir:
+        from scalefold.data.mlperf_layout import PICKLE_RISK, convert_to_store
+
+        if not args.allow_pickle:
+            print(f"error: --mlperf-dir needs --allow-pickle: {PICKLE_RISK}")
+            return 2
+        report = convert_to_store(args.mlperf_dir, args.out, allow_pickle=True, progress=not args.no_progress)
+    else:
+        from scalefold.data.preprocess import preprocess
+
+        report = preprocess(
+            args.mmcif_dir,
+            args.alignments_dir,
+            args.out,
+            workers=args.workers,
+            require_alignments=not args.allow_missing_alignments,
+            cluster_file=args.cluster_file,
+            progress=not args.no_progress,
+        )
+    skipped = ", ".join(f"{reason}: {g['count']}" for reason, g in report["skipped"].items()) or "none"
+    print(f"wrote {report['chains_written']} chains to {report['store']} (skipped: {skipped})")
+    return 0
+
+
+def store_stats(path: str) -> dict[str, Any]:
+    """Summary numbers of a store: chain count, length histogram, MSA depth, templates."""
+    import numpy as np
+
+    from scalefold.data.store import Store
+
+    with Store.open(path) as store:
+        table = store.chain_table()
+        version = store.schema_version
+    lengths = table["length"].astype(np.int64)
+    depths = table["msa_depth"].astype(np.int64)
+    templates = table["num_templates"].astype(np.int64)
+    resolution = table["resolution"].astype(np.float64)
+
+    def summary(values: np.ndarray) -> dict[str, float]:
+        if values.size == 0:
+            return {}
+        return {
+            "min": int(values.min()),
+            "median": float(np.median(values)),
+            "mean": round(float(values.mean()), 2),
+            "max": int(values.max()),
+        }
+
+    counts, _ = np.histogram(lengths, bins=LENGTH_BINS)
+    histogram = {
+        f"{a}-{b - 1 if b < 10**9 else 'inf'}": int(c)
+        for a, b, c in zip(LENGTH_BINS[:-1], LENGTH_BINS[1:], counts)
+        if c
+    }
+    return {
+        "store": str(path),
+        "schema_version": version,
+        "chains": int(lengths.size),
+        "entries": len(set(table["pdb_id"])),
+        "residues": int(lengths.sum()),
+        "length": summary(lengths),
+        "length_histogram": histogram,
+        "msa_depth": summary(depths),
+        "chains_without_msa": int((depths == 0).sum()),
+        "templates_per_chain": summary(templates),
+        "chains_with_templates": int((templates > 0).sum()),
+        "chains_without_resolution": int(np.isnan(resolution).sum()),
+        "clustered_chains": int((table["cluster_id"] >= 0).sum()),
+    }
+
+
+def _run_data_stats(args: argparse.Namespace) -> int:
+    stats = store_stats(args.store)
+    if args.json:
+        print(json.dumps(stats))
+        return 0
+    for key, value in stats.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}={v}" for k, v in value.items()) or "-"
+        elif isinstance(value, float) and math.isnan(value):
+            value = "-"
+        print(f"{key:>26}: {value}")
+    return 0

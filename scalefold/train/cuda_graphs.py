@@ -1,0 +1,239 @@
+"""A cache of captured CUDA graphs, one per recycling situation (ScaleFold).
+
+CPU launch overhead dominates AlphaFold2 steps at small per-GPU problem sizes, so ScaleFold captures
+the training forward/backward in CUDA graphs. A graph is only valid for fixed shapes, dtypes and
+control flow, so one graph is kept per key
+
+    (tag -- e.g. the recycling count, input shapes/dtypes (and non-tensor literals), grad mode)
+
+and graphs are captured only while the cache is in its *warm-up* phase (synthetic steps before
+``run_start``): a key first seen afterwards runs eagerly instead of paying a capture inside the timed
+region (counted in :attr:`GraphCacheStats.eager_uncaptured`). When CUDA graphs are unavailable (CPU,
+or disabled) every call runs eagerly through the same code path.
+
+The CUDA calls sit behind a small :class:`GraphBackend` so the cache logic (keys, hits/misses,
+capture-once, warm-up-only policy, static-input copying) is unit-tested on CPU with a fake backend.
+
+* No-grad calls: the inputs are cloned into static buffers, the function is captured with
+  ``torch.cuda.graph``; a replay copies the live inputs into the static buffers and returns the static
+  outputs (overwritten by the next replay of the same key: consume or clone them first).
+* Grad-mode calls: ``torch.cuda.make_graphed_callables`` (forward and backward graphs); the function
+  must be an ``nn.Module`` so its parameters receive gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+DEFAULT_WARMUP_ITERS = 3  # eager iterations on a side stream before each capture (DDP needs >= 11)
+
+
+# ----------------------------------------------------------------------------------------------
+# Flattening nested inputs (dict / list / tuple of tensors and literals)
+# ----------------------------------------------------------------------------------------------
+
+
+def flatten(obj: Any) -> tuple[list[torch.Tensor], Any]:
+    """(tensors in order, structure); literals stay in the structure (and so in the key)."""
+    tensors: list[torch.Tensor] = []
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            tensors.append(x)
+            return ("T",)
+        if isinstance(x, dict):
+            return ("D", tuple((k, walk(v)) for k, v in x.items()))
+        if isinstance(x, (list, tuple)):
+            return ("L" if isinstance(x, list) else "U", tuple(walk(v) for v in x))
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return ("V", x)
+        raise TypeError(f"unsupported input type for CUDA-graph capture: {type(x).__name__}")
+
+    return tensors, walk(obj)
+
+
+def unflatten(tensors: list[torch.Tensor], structure: Any) -> Any:
+    it = iter(tensors)
+
+    def build(node: Any) -> Any:
+        kind = node[0]
+        if kind == "T":
+            return next(it)
+        if kind == "D":
+            return {k: build(v) for k, v in node[1]}
+        if kind in ("L", "U"):
+            items = [build(v) for v in node[1]]
+            return items if kind == "L" else tuple(items)
+        return node[1]
+
+    return build(structure)
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    tag: Hashable
+    signature: tuple  # per tensor: (shape, dtype, device type, requires_grad)
+    structure: Any  # nesting and literal values
+    grad_enabled: bool
+
+
+def make_key(tag: Hashable, args: tuple, grad_enabled: bool) -> tuple[GraphKey, list[torch.Tensor]]:
+    tensors, structure = flatten(args)
+    signature = tuple((tuple(t.shape), t.dtype, t.device.type, t.requires_grad) for t in tensors)
+    return GraphKey(tag=tag, signature=signature, structure=structure, grad_enabled=grad_enabled), tensors
+
+
+# ----------------------------------------------------------------------------------------------
+# Backends
+# ----------------------------------------------------------------------------------------------
+
+
+class GraphBackend(Protocol):
+    """What the cache needs from CUDA."""
+
+    def is_available(self) -> bool: ...
+
+    def capture(self, fn: Callable[..., Any], static_args: tuple) -> Callable[[], Any]:
+        """Capture ``fn(*static_args)`` (no grad); return a replay that re-runs it on the static args."""
+        ...
+
+    def capture_with_grad(self, module: torch.nn.Module, example_args: tuple) -> Callable[..., Any]:
+        """Forward+backward graphs of ``module`` (``make_graphed_callables``); return the graphed callable."""
+        ...
+
+
+class CudaGraphBackend:
+    """The real thing: ``torch.cuda.graph`` / ``torch.cuda.make_graphed_callables``."""
+
+    def __init__(self, warmup_iters: int = DEFAULT_WARMUP_ITERS, pool: Any = None) -> None:
+        self.warmup_iters = warmup_iters
+        self.pool = pool if pool is not None else (torch.cuda.graph_pool_handle() if self.is_available() else None)
+
+    def is_available(self) -> bool:
+        return torch.cuda.is_available()
+
+    def capture(self, fn: Callable[..., Any], static_args: tuple) -> Callable[[], Any]:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(self.warmup_iters):
+                fn(*static_args)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            static_out = fn(*static_args)
+
+        def replay() -> Any:
+            graph.replay()
+            return static_out
+
+        return replay
+
+    def capture_with_grad(self, module: torch.nn.Module, example_args: tuple) -> Callable[..., Any]:
+        return torch.cuda.make_graphed_callables(
+            module, example_args, num_warmup_iters=self.warmup_iters, allow_unused_input=True
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# The cache
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GraphCacheStats:
+    hits: int = 0  # replays of an existing graph
+    captures: int = 0  # misses that captured a graph (warm-up phase)
+    eager_uncaptured: int = 0  # misses after warm-up: ran eagerly, no capture
+    eager_disabled: int = 0  # calls while graphs are unavailable/disabled
+
+    @property
+    def misses(self) -> int:
+        return self.captures + self.eager_uncaptured
+
+
+@dataclass
+class _Entry:
+    static_inputs: list[torch.Tensor] | None  # no-grad graphs: buffers the replay reads
+    replay: Callable[..., Any]
+
+
+class CudaGraphCache:
+    """Calls ``fn(*args)`` through a per-key captured graph.
+
+    Args:
+        fn: the function (or ``nn.Module``) to capture; must be capturable (no host syncs, static
+            control flow for a given key).
+        backend: CUDA calls; defaults to :class:`CudaGraphBackend`.
+        enabled: ``False`` forces eager execution.
+        capture_during_warmup_only: capture new keys only between :meth:`start_warmup` (the initial
+            state) and :meth:`end_warmup`; later misses run eagerly.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        backend: GraphBackend | None = None,
+        enabled: bool = True,
+        capture_during_warmup_only: bool = True,
+    ) -> None:
+        self.fn = fn
+        self.backend = backend if backend is not None else CudaGraphBackend()
+        self.enabled = enabled and self.backend.is_available()
+        self.capture_during_warmup_only = capture_during_warmup_only
+        self.in_warmup = True
+        self.stats = GraphCacheStats()
+        self._entries: dict[GraphKey, _Entry] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keys(self) -> list[GraphKey]:
+        return list(self._entries)
+
+    def start_warmup(self) -> None:
+        self.in_warmup = True
+
+    def end_warmup(self) -> None:
+        """Called at ``run_start``: from now on unseen keys run eagerly."""
+        self.in_warmup = False
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __call__(self, *args: Any, tag: Hashable = None) -> Any:
+        if not self.enabled:
+            self.stats.eager_disabled += 1
+            return self.fn(*args)
+        grad = torch.is_grad_enabled()
+        key, tensors = make_key(tag, args, grad)
+        entry = self._entries.get(key)
+        if entry is None:
+            if self.capture_during_warmup_only and not self.in_warmup:
+                self.stats.eager_uncaptured += 1
+                return self.fn(*args)
+            entry = self._capture(key, args, tensors)
+            self._entries[key] = entry
+            self.stats.captures += 1
+        else:
+            self.stats.hits += 1
+        if entry.static_inputs is None:
+            return entry.replay(*args)
+        with torch.no_grad():
+            for static, live in zip(entry.static_inputs, tensors):
+                if static.data_ptr() != live.data_ptr():
+                    static.copy_(live)
+        return entry.replay()
+
+    def _capture(self, key: GraphKey, args: tuple, tensors: list[torch.Tensor]) -> _Entry:
+        if key.grad_enabled:
+            if not isinstance(self.fn, torch.nn.Module):
+                raise TypeError("grad-mode CUDA-graph capture needs an nn.Module (its parameters get gradients)")
+            return _Entry(static_inputs=None, replay=self.backend.capture_with_grad(self.fn, args))
+        static = [t.detach().clone() for t in tensors]
+        static_args = unflatten(static, key.structure)
+        return _Entry(static_inputs=static, replay=self.backend.capture(self.fn, static_args))

@@ -1,0 +1,330 @@
+"""Distributed runtime: rank discovery (torchrun / Slurm / MPI), process groups, device.
+
+One code path whatever launched us:
+
+* **torchrun** / ``python -m torch.distributed.run``: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+  ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``;
+* **Slurm** ``srun`` (ScaleFold's ``run.sub`` launches without torchrun): ``SLURM_PROCID``,
+  ``SLURM_NTASKS``/``SLURM_STEP_NUM_TASKS``, ``SLURM_LOCALID``, ``SLURM_NODELIST`` -> the master is
+  the first node of the node list (``scontrol show hostnames``, or parsed here), the port derived
+  from the job id;
+* **MPI** ``mpirun``: Open MPI ``OMPI_COMM_WORLD_*``, MPICH/Hydra ``PMI_RANK``/``PMI_SIZE``,
+  PMIx ``PMIX_RANK``; without ``MASTER_ADDR`` the master address and port are broadcast with mpi4py.
+
+Discovery is a pure function of an environment mapping (:func:`discover`), so it is unit-tested with
+plain dicts. :func:`init_distributed` then initialises ``torch.distributed`` (NCCL on GPU, gloo on
+CPU) and builds ScaleFold's process groups (:func:`build_process_groups`): the training ranks, the
+evaluation ranks (the last ``num_async_eval_ranks``) and a gloo "bridge" between training rank 0
+and the first evaluation rank, through which the SWA weights travel (host memory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import socket
+import subprocess
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = 29500
+# Slurm jobs derive their port from the job id so concurrent jobs sharing a node don't collide.
+SLURM_PORT_BASE = 20000
+SLURM_PORT_RANGE = 20000
+DEFAULT_TIMEOUT_S = 1800
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits, as the launcher told us."""
+
+    launcher: str  # "single" | "torchrun" | "slurm" | "mpi"
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    num_nodes: int = 1
+    master_addr: str | None = None  # None: to be resolved (Slurm node list, mpi4py broadcast)
+    master_port: int | None = None
+
+
+# ----------------------------------------------------------------------------------------------
+# Discovery (pure functions of the environment)
+# ----------------------------------------------------------------------------------------------
+
+
+def _int(env: Mapping[str, str], *names: str, default: int | None = None) -> int | None:
+    for name in names:
+        value = env.get(name)
+        if value not in (None, ""):
+            return int(value)
+    return default
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def expand_slurm_nodelist(nodelist: str) -> list[str]:
+    """Expand a Slurm host list: ``"gpu[001-003,7],login1"`` -> ``["gpu001", "gpu002", "gpu003", "gpu7", "login1"]``."""
+    hosts: list[str] = []
+    for item in re.findall(r"[^,\[]+(?:\[[^\]]*\][^,\[]*)*", nodelist):
+        hosts.extend(_expand_host(item.strip()))
+    return [h for h in hosts if h]
+
+
+def _expand_host(pattern: str) -> list[str]:
+    match = re.search(r"\[([^\]]*)\]", pattern)
+    if match is None:
+        return [pattern]
+    head, tail = pattern[: match.start()], pattern[match.end() :]
+    out = []
+    for part in match.group(1).split(","):
+        if "-" in part:
+            lo, hi = part.split("-", 1)
+            width = len(lo)
+            values = [str(i).zfill(width) for i in range(int(lo), int(hi) + 1)]
+        else:
+            values = [part]
+        for value in values:
+            out.extend(_expand_host(head + value + tail))
+    return out
+
+
+def _slurm_tasks_per_node(spec: str) -> list[int]:
+    """``SLURM_STEP_TASKS_PER_NODE`` like ``"8(x2),4"`` -> ``[8, 8, 4]``."""
+    counts = []
+    for part in spec.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match:
+            counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+    return counts
+
+
+def discover(env: Mapping[str, str] | None = None) -> RankInfo:
+    """Rank information from the environment (torchrun > Slurm step > MPI > single process)."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world = int(env["WORLD_SIZE"])
+        local_world = _int(env, "LOCAL_WORLD_SIZE", default=world)
+        return RankInfo(
+            launcher="torchrun", rank=int(env["RANK"]), world_size=world,
+            local_rank=_int(env, "LOCAL_RANK", default=0), local_world_size=local_world,
+            num_nodes=_ceil_div(world, max(local_world, 1)),
+            master_addr=env.get("MASTER_ADDR", DEFAULT_MASTER_ADDR),
+            master_port=_int(env, "MASTER_PORT", default=DEFAULT_MASTER_PORT),
+        )  # fmt: skip
+    if "SLURM_PROCID" in env and ("SLURM_STEP_NUM_TASKS" in env or "SLURM_NTASKS" in env):
+        world = _int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+        nodes = _int(env, "SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES", default=1)
+        per_node = _slurm_tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "")))
+        node_id = _int(env, "SLURM_NODEID", default=0)
+        local_world = per_node[node_id] if node_id < len(per_node) else _ceil_div(world, nodes)
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        job_id = _int(env, "SLURM_JOB_ID", "SLURM_JOBID")
+        port = _int(env, "MASTER_PORT")
+        if port is None:
+            port = SLURM_PORT_BASE + job_id % SLURM_PORT_RANGE if job_id is not None else DEFAULT_MASTER_PORT
+        master = env.get("MASTER_ADDR")
+        if master is None and nodelist:
+            master = expand_slurm_nodelist(nodelist)[0]
+        return RankInfo(
+            launcher="slurm", rank=int(env["SLURM_PROCID"]), world_size=world,
+            local_rank=_int(env, "SLURM_LOCALID", default=0), local_world_size=local_world,
+            num_nodes=nodes, master_addr=master, master_port=port,
+        )  # fmt: skip
+    mpi_rank = _int(env, "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+    if mpi_rank is not None:
+        world = _int(env, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MPI_WORLD_SIZE", "SLURM_NTASKS", default=1)
+        local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK", "SLURM_LOCALID")
+        local_world = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE")
+        return RankInfo(
+            launcher="mpi", rank=mpi_rank, world_size=world,
+            local_rank=local_rank if local_rank is not None else -1,  # -1: derive with mpi4py
+            local_world_size=local_world if local_world is not None else -1,
+            num_nodes=_ceil_div(world, local_world) if local_world else -1,
+            master_addr=env.get("MASTER_ADDR"), master_port=_int(env, "MASTER_PORT"),
+        )  # fmt: skip
+    return RankInfo(launcher="single")
+
+
+def resolve_slurm_master(nodelist: str, run: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> str:
+    """First host of ``nodelist``: ``scontrol show hostnames`` when available, else parsed here."""
+    if shutil.which("scontrol"):
+        proc = run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=False)
+        if proc.returncode == 0 and proc.stdout.strip():
+            return proc.stdout.split()[0]
+    return expand_slurm_nodelist(nodelist)[0]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def complete_with_mpi(info: RankInfo) -> RankInfo:
+    """Fill what MPI variables lack (master address/port, local rank) with mpi4py collectives."""
+    from mpi4py import MPI  # optional dependency (extra "mpi")
+
+    comm = MPI.COMM_WORLD
+    master_addr, master_port = info.master_addr, info.master_port
+    if master_addr is None or master_port is None:
+        master = (socket.gethostname(), _free_port()) if comm.Get_rank() == 0 else None
+        master_addr, master_port = comm.bcast(master, root=0)
+    local_rank, local_world, nodes = info.local_rank, info.local_world_size, info.num_nodes
+    if local_rank < 0 or local_world < 0:
+        node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        local_rank, local_world = node_comm.Get_rank(), node_comm.Get_size()
+        nodes = comm.allreduce(1 if local_rank == 0 else 0)
+        node_comm.Free()
+    return RankInfo(
+        launcher="mpi", rank=comm.Get_rank(), world_size=comm.Get_size(), local_rank=local_rank,
+        local_world_size=local_world, num_nodes=nodes, master_addr=master_addr, master_port=master_port,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# Process groups
+# ----------------------------------------------------------------------------------------------
+
+
+def partition_ranks(world_size: int, num_async_eval_ranks: int = 0) -> tuple[list[int], list[int]]:
+    """(training ranks, evaluation ranks): the last ``num_async_eval_ranks`` ranks evaluate."""
+    if not 0 <= num_async_eval_ranks < world_size:
+        raise ValueError(
+            f"num_async_eval_ranks={num_async_eval_ranks} must leave at least one training rank of {world_size}"
+        )
+    split = world_size - num_async_eval_ranks
+    return list(range(split)), list(range(split, world_size))
+
+
+@dataclass
+class Runtime:
+    """Everything the training loop needs to know about the processes it runs in."""
+
+    launcher: str = "single"
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    num_nodes: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    backend: str | None = None  # None: torch.distributed not initialised (single process)
+    train_ranks: list[int] = field(default_factory=lambda: [0])
+    eval_ranks: list[int] = field(default_factory=list)
+    train_group: dist.ProcessGroup | None = None
+    eval_group: dist.ProcessGroup | None = None
+    bridge_group: dist.ProcessGroup | None = None  # gloo, [first train rank, first eval rank]
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+    @property
+    def is_train_rank(self) -> bool:
+        return self.rank in self.train_ranks
+
+    @property
+    def is_eval_rank(self) -> bool:
+        return self.rank in self.eval_ranks
+
+    @property
+    def async_eval(self) -> bool:
+        return bool(self.eval_ranks)
+
+    @property
+    def main_train_rank(self) -> int:
+        return self.train_ranks[0]
+
+    @property
+    def main_eval_rank(self) -> int:
+        """The rank that logs evaluation results (first eval rank, or training rank 0 if synchronous)."""
+        return self.eval_ranks[0] if self.eval_ranks else self.train_ranks[0]
+
+    @property
+    def is_main_train_rank(self) -> bool:
+        return self.rank == self.main_train_rank
+
+    @property
+    def is_main_eval_rank(self) -> bool:
+        return self.rank == self.main_eval_rank
+
+    @property
+    def num_train_ranks(self) -> int:
+        return len(self.train_ranks)
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Index among the training ranks (-1 on evaluation ranks)."""
+        return self.train_ranks.index(self.rank) if self.is_train_rank else -1
+
+    @property
+    def log_ranks(self) -> tuple[int, ...]:
+        """Ranks that write the MLPerf log."""
+        return tuple(sorted({self.main_train_rank, self.main_eval_rank}))
+
+
+def build_process_groups(runtime: Runtime, num_async_eval_ranks: int = 0) -> Runtime:
+    """Create the training / evaluation / bridge groups (collective: every rank must call it)."""
+    train_ranks, eval_ranks = partition_ranks(runtime.world_size, num_async_eval_ranks)
+    runtime.train_ranks, runtime.eval_ranks = train_ranks, eval_ranks
+    if not runtime.distributed:
+        return runtime
+    # new_group is collective over the default group: same calls in the same order on every rank
+    runtime.train_group = dist.new_group(train_ranks) if eval_ranks else dist.group.WORLD
+    runtime.eval_group = dist.new_group(eval_ranks) if eval_ranks else None
+    runtime.bridge_group = dist.new_group([train_ranks[0], eval_ranks[0]], backend="gloo") if eval_ranks else None
+    return runtime
+
+
+def select_device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def init_distributed(
+    num_async_eval_ranks: int = 0,
+    env: Mapping[str, str] | None = None,
+    backend: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> Runtime:
+    """Discover ranks, initialise ``torch.distributed`` when there is more than one, build groups."""
+    info = discover(env)
+    if info.launcher == "mpi" and (info.master_addr is None or info.master_port is None or info.local_rank < 0):
+        info = complete_with_mpi(info)
+    env_map = os.environ if env is None else env
+    nodelist = env_map.get("SLURM_STEP_NODELIST") or env_map.get("SLURM_JOB_NODELIST") or env_map.get("SLURM_NODELIST")
+    if info.launcher == "slurm" and "MASTER_ADDR" not in env_map and nodelist:
+        info = dataclasses.replace(info, master_addr=resolve_slurm_master(nodelist))  # scontrol if present
+    device = select_device(info.local_rank)
+    runtime = Runtime(
+        launcher=info.launcher, rank=info.rank, world_size=info.world_size, local_rank=info.local_rank,
+        local_world_size=info.local_world_size, num_nodes=info.num_nodes, device=device,
+    )  # fmt: skip
+    if info.world_size > 1 and not dist.is_initialized():
+        backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(
+            backend=backend, init_method=f"tcp://{info.master_addr or DEFAULT_MASTER_ADDR}:{info.master_port}",
+            rank=info.rank, world_size=info.world_size, timeout=timedelta(seconds=timeout_s),
+        )  # fmt: skip
+        runtime.backend = backend
+    elif dist.is_initialized():
+        runtime.backend = dist.get_backend()
+    return build_process_groups(runtime, num_async_eval_ranks)
+
+
+def shutdown(runtime: Runtime) -> None:
+    if runtime.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+        runtime.backend = None

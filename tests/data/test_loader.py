@@ -1,0 +1,134 @@
+"""The data loaders: priority-queue (non-blocking) and in-order, with crash recovery."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from scalefold.data.bench_cli import SimulatedSample
+from scalefold.data.loader import InOrderLoader, PriorityQueueLoader, Sampler
+
+FAST = 0.01  # seconds per ordinary sample
+
+
+def _pairs(n: int) -> list[tuple[int, int]]:
+    return [(i, 1000 + i) for i in range(n)]
+
+
+def test_every_sample_delivered_exactly_once():
+    """Each (index, seed) pair is built once and delivered once, with its own seed."""
+    loader = PriorityQueueLoader(SimulatedSample(FAST, slow_fraction=0.3, slow_factor=3), _pairs(16), num_workers=2)
+    got = [(pos, batch["index"], batch["seed"]) for pos, batch in loader]
+    assert sorted(p for p, _, _ in got) == list(range(16))
+    assert all(idx == pos and seed == 1000 + pos for pos, idx, seed in got)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_start_methods(context):
+    """Workers work under fork and spawn (the sample function is pickled, nothing else shared)."""
+    with PriorityQueueLoader(
+        SimulatedSample(FAST, slow_fraction=0.0), _pairs(4), num_workers=2, mp_context=context
+    ) as loader:
+        assert sorted(p for p, _ in loader) == [0, 1, 2, 3]
+
+
+def test_slow_sample_does_not_block():
+    """A slow sample at position 0 is overtaken by later ready samples (best-effort order)."""
+    work = SimulatedSample(FAST, slow_fraction=0.0, slow_factor=60, slow_indices=(0,))
+    positions = [p for p, _ in PriorityQueueLoader(work, _pairs(10), num_workers=2, prefetch_factor=4)]
+    assert sorted(positions) == list(range(10))
+    assert positions[0] != 0 and positions.index(0) >= 3
+
+
+def test_in_order_loader_blocks_on_slow_sample():
+    """The reference in-order loader delivers strictly in order, so position 0 comes first."""
+    work = SimulatedSample(FAST, slow_fraction=0.0, slow_factor=30, slow_indices=(0,))
+    positions = [p for p, _ in InOrderLoader(work, _pairs(8), num_workers=2, prefetch_factor=2)]
+    assert positions == list(range(8))
+
+
+def test_deterministic_mode_is_strictly_ordered():
+    """deterministic=True delivers in sampler order even when early samples are slow."""
+    work = SimulatedSample(FAST, slow_fraction=0.0, slow_factor=20, slow_indices=(0, 3))
+    loader = PriorityQueueLoader(work, _pairs(10), num_workers=2, deterministic=True)
+    assert [p for p, _ in loader] == list(range(10))
+
+
+def test_worker_crash_is_restarted_and_sample_retried(tmp_path):
+    """A worker that dies mid-sample is replaced and the sample is built again, not lost."""
+    work = SimulatedSample(FAST, slow_fraction=0.0, crash_once=(3,), marker_dir=str(tmp_path))
+    loader = PriorityQueueLoader(work, _pairs(8), num_workers=2)
+    positions = sorted(p for p, _ in loader)
+    assert positions == list(range(8))
+    assert loader.restarts == 1 and not loader.skipped
+    assert (tmp_path / "crashed-3").exists()
+
+
+def test_repeated_failure_is_skipped_with_reason(caplog):
+    """A sample failing max_attempts times is skipped, recorded with its reason and logged."""
+    work = SimulatedSample(FAST, slow_fraction=0.0, fail_always=(2,))
+    loader = PriorityQueueLoader(work, _pairs(6), num_workers=2, max_attempts=2)
+    with caplog.at_level(logging.WARNING, logger="scalefold.data.loader"):
+        positions = sorted(p for p, _ in loader)
+    assert positions == [0, 1, 3, 4, 5]
+    [skip] = loader.skipped
+    assert (skip.position, skip.index, skip.attempts) == (2, 2, 2)
+    assert "injected failure" in skip.reason
+    assert any("skipping sample at position 2" in r.getMessage() for r in caplog.records)
+
+
+def test_deterministic_mode_skips_failed_position():
+    """In strict order a skipped sample does not stall the positions after it."""
+    work = SimulatedSample(FAST, slow_fraction=0.0, fail_always=(1,))
+    loader = PriorityQueueLoader(work, _pairs(4), num_workers=2, max_attempts=1, deterministic=True)
+    assert [p for p, _ in loader] == [0, 2, 3]
+
+
+def test_sample_timeout_kills_and_retries():
+    """A sample exceeding sample_timeout has its worker killed; after max_attempts it is skipped."""
+    work = SimulatedSample(FAST, slow_fraction=0.0, slow_factor=300, slow_indices=(1,))
+    loader = PriorityQueueLoader(work, _pairs(4), num_workers=2, max_attempts=1, sample_timeout=0.5)
+    assert sorted(p for p, _ in loader) == [0, 2, 3]
+    assert "timed out" in loader.skipped[0].reason and loader.restarts == 1
+
+
+def test_clean_shutdown_when_leaving_early():
+    """Breaking out of the loop inside ``with`` stops and reaps every worker process."""
+    work = SimulatedSample(FAST, slow_fraction=0.0)
+    with PriorityQueueLoader(work, _pairs(50), num_workers=2) as loader:
+        for step, _ in enumerate(loader):
+            pids = loader.worker_pids
+            if step == 2:
+                break
+    assert loader.worker_pids == [] and len(pids) == 2
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_broadcast_hook_applied():
+    """The broadcast hook sees (and may replace) every batch before the training loop."""
+    seen = []
+
+    def hook(batch):
+        seen.append(batch["index"])
+        return {**batch, "broadcast": True}
+
+    loader = PriorityQueueLoader(SimulatedSample(FAST, slow_fraction=0.0), _pairs(3), num_workers=1, broadcast=hook)
+    assert all(b["broadcast"] for _, b in loader) and sorted(seen) == [0, 1, 2]
+
+
+def test_sampler_matches_reference_semantics():
+    """Indices: torch.multinomial with replacement; seeds: torch.randint(0, 2**63-1); same seed for
+    both generators; rank::world_size sharding; ``start`` skips consumed pairs."""
+    weights = [0.5, 1.0, 2.0, 0.25]
+    sampler = Sampler(weights, num_samples=12, seed=7, rank=1, world_size=2, start=1)
+    idx = torch.multinomial(
+        torch.tensor(weights, dtype=torch.float64), 12, True, generator=torch.Generator().manual_seed(7)
+    )
+    seeds = torch.randint(0, 2**63 - 1, [12], generator=torch.Generator().manual_seed(7))
+    expected = list(zip(idx.tolist(), seeds.tolist()))[1::2][1:]
+    assert list(sampler) == expected and len(sampler) == 5

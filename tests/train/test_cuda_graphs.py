@@ -1,0 +1,119 @@
+"""CUDA-graph cache logic on CPU with a fake backend (keys, capture-once, warm-up-only capture)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from scalefold.train.cuda_graphs import CudaGraphBackend, CudaGraphCache, flatten, make_key, unflatten
+
+
+class FakeBackend:
+    """Emulates graph semantics on CPU: a replay re-runs the function on the *static* inputs."""
+
+    def __init__(self, available: bool = True) -> None:
+        self.available = available
+        self.captured: list[tuple] = []
+
+    def is_available(self) -> bool:
+        return self.available
+
+    def capture(self, fn, static_args):
+        self.captured.append(("nograd", static_args))
+        return lambda: fn(*static_args)
+
+    def capture_with_grad(self, module, example_args):
+        self.captured.append(("grad", example_args))
+        return module
+
+
+def _fn(batch: dict, scale: torch.Tensor) -> torch.Tensor:
+    return batch["msa"].sum(-1) * scale + batch["n_recycle"]
+
+
+def _batch(n: int, value: float, recycle: int = 0) -> dict:
+    return {"msa": torch.full((n, 3), value), "n_recycle": recycle}
+
+
+def test_capture_once_then_replay_with_copied_inputs():
+    """First call for a key captures; later calls replay from the static buffers, which receive the new
+    input values, so outputs equal eager outputs."""
+    backend = FakeBackend()
+    cache = CudaGraphCache(_fn, backend=backend)
+    with torch.no_grad():
+        for value in (1.0, 2.0, 3.0):
+            out = cache(_batch(4, value), torch.tensor(2.0), tag=1)
+            torch.testing.assert_close(out, _fn(_batch(4, value), torch.tensor(2.0)))
+    assert len(backend.captured) == 1 and len(cache) == 1
+    assert (cache.stats.captures, cache.stats.hits, cache.stats.misses) == (1, 2, 1)
+
+
+def test_key_distinguishes_tag_shape_dtype_literals_and_grad_mode():
+    """Recycling tag, input shapes, dtypes, literal values and grad mode each select their own graph."""
+    backend = FakeBackend()
+    module = nn.Linear(3, 2)
+    cache = CudaGraphCache(module, backend=backend)
+    x = torch.ones(4, 3)
+    with torch.no_grad():
+        cache(x, tag=0)
+        cache(x, tag=0)
+        cache(x, tag=1)  # other recycling count
+        cache(torch.ones(5, 3), tag=0)  # other shape
+    cache(x, tag=0)  # grad enabled
+    assert len(cache) == 4 and cache.stats.hits == 1
+    assert [kind for kind, _ in backend.captured] == ["nograd", "nograd", "nograd", "grad"]
+    k1, _ = make_key(0, (_batch(2, 1.0, recycle=1),), False)
+    k2, _ = make_key(0, (_batch(2, 1.0, recycle=2),), False)
+    k3, _ = make_key(0, ({"msa": torch.ones(2, 3, dtype=torch.float64), "n_recycle": 1},), False)
+    assert len({k1, k2, k3}) == 3
+
+
+def test_capture_only_during_warmup():
+    """After end_warmup() unseen keys run eagerly (no capture in the timed region); seen keys replay."""
+    backend = FakeBackend()
+    cache = CudaGraphCache(_fn, backend=backend)
+    with torch.no_grad():
+        cache(_batch(4, 1.0), torch.tensor(1.0), tag=0)
+        cache.end_warmup()
+        out = cache(_batch(6, 1.0), torch.tensor(1.0), tag=0)
+        cache(_batch(4, 5.0), torch.tensor(1.0), tag=0)
+    torch.testing.assert_close(out, _fn(_batch(6, 1.0), torch.tensor(1.0)))
+    assert (cache.stats.captures, cache.stats.eager_uncaptured, cache.stats.hits) == (1, 1, 1)
+    assert len(backend.captured) == 1
+
+
+def test_eager_fallback_when_graphs_unavailable():
+    """Without CUDA (or disabled) every call runs eagerly through the same entry point."""
+    for cache in (CudaGraphCache(_fn, backend=FakeBackend(available=False)), CudaGraphCache(_fn, enabled=False)):
+        out = cache(_batch(2, 1.0), torch.tensor(3.0), tag=0)
+        torch.testing.assert_close(out, _fn(_batch(2, 1.0), torch.tensor(3.0)))
+        assert cache.stats.eager_disabled == 1 and len(cache) == 0
+
+
+def test_grad_mode_capture_needs_a_module():
+    """Grad-mode graphs (forward + backward) are only captured for nn.Modules."""
+    cache = CudaGraphCache(_fn, backend=FakeBackend())
+    with pytest.raises(TypeError, match="nn.Module"):
+        cache(_batch(2, 1.0), torch.tensor(1.0, requires_grad=True), tag=0)
+
+
+def test_flatten_round_trip():
+    """Nested dict/list/tuple inputs flatten to tensors + structure and rebuild identically."""
+    obj = ({"a": torch.ones(1), "b": [torch.zeros(2), 3, None]}, (torch.ones(3), "x"))
+    tensors, structure = flatten(obj)
+    assert len(tensors) == 3
+    rebuilt = unflatten(tensors, structure)
+    assert rebuilt[0]["b"][1] == 3 and rebuilt[1][1] == "x" and rebuilt[0]["a"] is tensors[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_real_cuda_graph_replay_matches_eager():
+    """On a GPU the real backend captures once and replays to the eager result."""
+    module = nn.Linear(8, 8).cuda()
+    cache = CudaGraphCache(module, backend=CudaGraphBackend())
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(4, 8, device="cuda")
+            torch.testing.assert_close(cache(x, tag=0).clone(), module(x))
+    assert cache.stats.captures == 1 and cache.stats.hits == 2

@@ -1,0 +1,144 @@
+"""Rank discovery from launcher environments (pure functions over env dicts) and rank partitioning."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from scalefold.train.runtime import (
+    SLURM_PORT_BASE,
+    Runtime,
+    discover,
+    expand_slurm_nodelist,
+    init_distributed,
+    partition_ranks,
+    resolve_slurm_master,
+)
+
+
+def test_torchrun_environment():
+    """torchrun's RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_* are used as given."""
+    env = {"RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+           "MASTER_ADDR": "node7", "MASTER_PORT": "1234"}  # fmt: skip
+    info = discover(env)
+    assert (info.launcher, info.rank, info.world_size, info.local_rank) == ("torchrun", 5, 16, 1)
+    assert (info.local_world_size, info.num_nodes, info.master_addr, info.master_port) == (4, 4, "node7", 1234)
+
+
+def test_slurm_srun_environment():
+    """srun: SLURM_PROCID/STEP_NUM_TASKS/LOCALID; master = first node of the node list; port from the job id."""
+    env = {"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_STEP_NUM_TASKS": "16", "SLURM_LOCALID": "1",
+           "SLURM_NODEID": "1", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_TASKS_PER_NODE": "8(x2)",
+           "SLURM_NODELIST": "dgx[007-008]", "SLURM_JOB_ID": "4242"}  # fmt: skip
+    info = discover(env)
+    assert (info.launcher, info.rank, info.world_size, info.local_rank) == ("slurm", 9, 16, 1)
+    assert (info.local_world_size, info.num_nodes) == (8, 2)
+    assert info.master_addr == "dgx007"
+    assert info.master_port == SLURM_PORT_BASE + 4242
+    assert discover({**env, "MASTER_PORT": "2000", "MASTER_ADDR": "x"}).master_port == 2000
+
+
+def test_torchrun_takes_precedence_over_slurm():
+    """torchrun inside a Slurm allocation: torchrun's variables describe the process."""
+    env = {"RANK": "1", "WORLD_SIZE": "2", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}
+    assert discover(env).launcher == "torchrun"
+
+
+def test_open_mpi_mpich_and_pmix_environments():
+    """Open MPI OMPI_COMM_WORLD_*, MPICH PMI_RANK/PMI_SIZE and PMIx PMIX_RANK are recognised."""
+    ompi = discover({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+                     "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})  # fmt: skip
+    assert (ompi.launcher, ompi.rank, ompi.world_size, ompi.local_rank, ompi.num_nodes) == ("mpi", 3, 8, 1, 4)
+    assert ompi.master_addr is None  # to be broadcast with mpi4py
+    mpich = discover({"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "1"})
+    assert (mpich.rank, mpich.world_size, mpich.local_rank, mpich.num_nodes) == (2, 4, 0, 4)
+    pmix = discover({"PMIX_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"})
+    assert (pmix.rank, pmix.world_size, pmix.local_rank) == (1, 2, -1)  # local rank derived with mpi4py
+
+
+def test_single_process_default():
+    """No launcher variables: one process, no distributed initialisation."""
+    info = discover({})
+    assert (info.launcher, info.rank, info.world_size) == ("single", 0, 1)
+    runtime = init_distributed(env={})
+    assert not runtime.distributed and runtime.is_train_rank and runtime.is_main_train_rank
+    assert runtime.train_ranks == [0] and runtime.eval_ranks == [] and runtime.log_ranks == (0,)
+
+
+@pytest.mark.parametrize(
+    "nodelist, hosts",
+    [
+        ("node1", ["node1"]),
+        ("gpu[001-003,7],login1", ["gpu001", "gpu002", "gpu003", "gpu7", "login1"]),
+        ("a[1-2]-b[3-4]", ["a1-b3", "a1-b4", "a2-b3", "a2-b4"]),
+        ("x[09-11]", ["x09", "x10", "x11"]),
+    ],
+)
+def test_expand_slurm_nodelist(nodelist, hosts):
+    """Slurm host-list syntax (ranges, zero padding, several groups) expands like scontrol show hostnames."""
+    assert expand_slurm_nodelist(nodelist) == hosts
+
+
+def test_resolve_master_prefers_scontrol(monkeypatch):
+    """With scontrol on PATH its first hostname is the master; otherwise the list is parsed."""
+    import scalefold.train.runtime as rt
+
+    monkeypatch.setattr(rt.shutil, "which", lambda name: "/usr/bin/scontrol")
+    fake = lambda cmd, **kw: subprocess.CompletedProcess(cmd, 0, stdout="hostA\nhostB\n", stderr="")  # noqa: E731
+    assert resolve_slurm_master("h[1-2]", run=fake) == "hostA"
+    monkeypatch.setattr(rt.shutil, "which", lambda name: None)
+    assert resolve_slurm_master("h[1-2]") == "h1"
+
+
+def test_partition_and_runtime_roles():
+    """The last num_async_eval_ranks ranks evaluate; roles, data-parallel rank and log ranks follow."""
+    assert partition_ranks(8, 2) == ([0, 1, 2, 3, 4, 5], [6, 7])
+    with pytest.raises(ValueError):
+        partition_ranks(2, 2)
+    rt = Runtime(rank=6, world_size=8, train_ranks=[0, 1, 2, 3, 4, 5], eval_ranks=[6, 7])
+    assert rt.is_eval_rank and rt.is_main_eval_rank and not rt.is_train_rank and rt.async_eval
+    assert rt.data_parallel_rank == -1 and rt.log_ranks == (0, 6)
+    rt1 = Runtime(rank=3, world_size=8, train_ranks=[0, 1, 2, 3, 4, 5], eval_ranks=[6, 7])
+    assert rt1.data_parallel_rank == 3 and rt1.num_train_ranks == 6
+
+
+_MPI_SCRIPT = """
+import sys, pathlib
+import torch, torch.distributed as dist
+from scalefold.train.runtime import init_distributed
+rt = init_distributed(num_async_eval_ranks=1)
+t = torch.tensor([float(rt.rank + 1)])
+dist.all_reduce(t)
+fields = [rt.launcher, rt.rank, rt.world_size, rt.local_rank, rt.train_ranks, rt.eval_ranks, float(t)]
+pathlib.Path(sys.argv[1], f"rank{rt.rank}.txt").write_text(" ".join(map(str, fields)))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.distributed
+def test_mpirun_launch_bootstraps_gloo_through_mpi4py(tmp_path):
+    """Under `mpirun -n 2` (no MASTER_ADDR) ranks come from the MPI environment, the master address
+    and port are broadcast with mpi4py, and gloo collectives work across the two ranks."""
+    import os
+    import shutil
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("mpi4py")
+    mpirun = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
+    if mpirun is None:
+        pytest.skip("mpirun not found (pip install mpi4py mpich)")
+    repo = Path(__file__).resolve().parents[2]
+    script = tmp_path / "mpi_boot.py"
+    script.write_text(_MPI_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = str(repo) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([mpirun, "-n", "2", sys.executable, str(script), str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = [(tmp_path / f"rank{r}.txt").read_text().split() for r in range(2)]
+    assert results == [
+        ["mpi", "0", "2", "0", "[0]", "[1]", "3.0"],
+        ["mpi", "1", "2", "1", "[0]", "[1]", "3.0"],
+    ]
