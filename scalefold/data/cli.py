@@ -54,8 +54,13 @@ def add_preprocess_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
-    """Entry point used by ``scalefold.cli``."""
+    """Entry point used by ``scalefold.cli``: preprocess, data-stats, synth and bench."""
+    from scalefold.data.bench_cli import add_bench_parser
+    from scalefold.data.synth_cli import add_synth_parser
+
     add_preprocess_parser(subparsers)
+    add_synth_parser(subparsers)
+    add_bench_parser(subparsers)
 
 
 def _run_preprocess(args: argparse.Namespace) -> int:
