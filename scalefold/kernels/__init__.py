@@ -23,7 +23,7 @@ from scalefold.kernels import reference
 _BACKENDS = ("auto", "triton", "torch")
 
 
-def resolve_backend(backend: str, *tensors: Optional[torch.Tensor]) -> str:
+def resolve_backend(backend: str, *tensors: torch.Tensor | None) -> str:
     """Return ``"triton"`` or ``"torch"`` for a requested backend and the tensors involved."""
     if backend not in _BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; expected one of {_BACKENDS}")
@@ -59,11 +59,11 @@ def attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    mask: Optional[torch.Tensor] = None,
-    gate: Optional[torch.Tensor] = None,
+    bias: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
     *,
-    scale: Optional[float] = None,
+    scale: float | None = None,
     inf: float = 1e9,
     backend: str = "auto",
 ) -> torch.Tensor:

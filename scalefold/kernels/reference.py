@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -13,10 +12,10 @@ def attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    mask: Optional[torch.Tensor] = None,
-    gate: Optional[torch.Tensor] = None,
-    scale: Optional[float] = None,
+    bias: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    scale: float | None = None,
     inf: float = 1e9,
 ) -> torch.Tensor:
     """Reference gated attention; see :func:`scalefold.kernels.attention`.

@@ -8,7 +8,6 @@ module uses them, none calls ``F.layer_norm`` or a softmax-attention of its own.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -119,8 +118,8 @@ class Attention(nn.Module):
         self,
         input_q: torch.Tensor,
         input_kv: torch.Tensor,
-        mask: Optional[torch.Tensor] = None,
-        bias: Optional[torch.Tensor] = None,
+        mask: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``input_q`` ``[*, Q, c_q]``, ``input_kv`` ``[*, K, c_k]``; ``mask`` broadcastable to
         ``[*, H, Q, K]`` (1 = attend); ``bias`` broadcastable to ``[*, H, Q, K]``.

@@ -1,0 +1,475 @@
+"""Triton kernels: gated multi-head attention with an additive pair bias (Supplementary Alg. 7, 13, 14).
+
+``o = sigmoid(g) * softmax(scale * q k^T + (mask - 1) * inf + bias) v``
+
+Forward: FlashAttention-2 style. One program per (query block, batch, head) streams the key
+blocks with an online softmax; scores and softmax statistics are kept in fp32 (fp64 for fp64
+inputs); the sigmoid gate is applied in the epilogue. The statistics are saved as the row max
+``m`` and ``log(l)`` *separately*, not as one log-sum-exp: a fully masked row has ``m ~ -inf``
+(the reference's finite ``-1e9``) and ``m + log(l)`` would round ``log(l)`` away in fp32.
+
+Backward, three kernels, no atomics:
+
+* ``_attn_bwd_preprocess``: ``delta = rowsum(dO * o)`` (``= rowsum(dO_attn * O_attn)``),
+  ``dO_attn = dO * sigmoid(g)`` and ``dg = dO * o * (1 - sigmoid(g))`` -- so the ungated output
+  never needs to be stored;
+* ``_attn_bwd_dkdv``: one program per (key block, batch, head) loops over the query blocks
+  (FA-2);
+* ``_attn_bwd_dq_dbias``: one program per (query block, key split, bias group, head) loops over
+  its key blocks and, inside, over the *batch-like axis that shares the bias* (MSA sequences for
+  row attention, rows ``i`` for triangle attention), accumulating ``dbias = sum_r dS_r`` for one
+  ``[BLOCK_M, BLOCK_N]`` tile in registers and writing it once. The reduction order is fixed, so
+  the bias gradient is deterministic, and no ``[Z, H, N, N]`` scratch exists. ``dQ`` stays in
+  registers when a group has one member; otherwise each program read-modify-writes the dQ rows it
+  owns in an fp32 buffer (one buffer per key split, summed afterwards).
+
+Layout (built by :func:`canonical_layout`): ``q``, ``k``, ``v``, ``g`` are ``[Z, H, N, D]`` with
+arbitrary strides; the batch index ``z`` is decomposed as ``z = (a * R + r) * C + c`` and the
+bias is ``[A, C, Hb, NQb, NKb]`` (size-1 dims broadcast, stride 0), i.e. shared over ``r``. The
+mask arrives as the additive offset ``(mask - 1) * inf``, ``[Z, Hm, NQm, NKm]`` (size-1 dims
+broadcast).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from scalefold.kernels import autotune
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _scores(
+    q, kt, z, a, c, h, rows, cols, NQ, NK, scale,
+    BIAS, sba, sbc, sbh, sbm, sbn,
+    MASK, smz, smh, smm, smn,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """``scale * q k^T + mask_offset + bias`` for one tile (reference order); -inf outside the tile."""
+    s = tl.dot(q, kt, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE) * scale
+    inside = (rows[:, None] < NQ) & (cols[None, :] < NK)
+    if HAS_MASK:
+        mask_ptrs = MASK + z * smz + h * smh + rows[:, None] * smm + cols[None, :] * smn
+        s += tl.load(mask_ptrs, mask=inside, other=0.0).to(ACC_DTYPE)
+    if HAS_BIAS:
+        bias_ptrs = BIAS + a * sba + c * sbc + h * sbh + rows[:, None] * sbm + cols[None, :] * sbn
+        s += tl.load(bias_ptrs, mask=inside, other=0.0).to(ACC_DTYPE)
+    return tl.where(inside, s, float("-inf"))
+
+
+@triton.jit
+def _attn_fwd(
+    Q, K, V, BIAS, MASK, GATE, O, ROW_MAX, ROW_LOGSUM,
+    sqz, sqh, sqm, sqd, skz, skh, skn, skd, svz, svh, svn, svd,
+    sba, sbc, sbh, sbm, sbn, smz, smh, smm, smn, sgz, sgh, sgm, sgd, soz, soh, som, sod,
+    H, NQ, NK, D, R, C, scale,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_GATE: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    zh = tl.program_id(1).to(tl.int64)
+    z = zh // H
+    h = zh % H
+    a = z // (R * C)
+    c = z % C
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < NQ
+    dim_ok = dims < D
+
+    q = tl.load(Q + z * sqz + h * sqh + rows[:, None] * sqm + dims[None, :] * sqd,
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    # q: [BLOCK_M, BLOCK_D]
+    m_i = tl.full([BLOCK_M], float("-inf"), ACC_DTYPE)
+    l_i = tl.zeros([BLOCK_M], ACC_DTYPE)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], ACC_DTYPE)
+    for start_n in range(0, NK, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        col_ok = cols < NK
+        kt = tl.load(K + z * skz + h * skh + cols[None, :] * skn + dims[:, None] * skd,
+                     mask=dim_ok[:, None] & col_ok[None, :], other=0.0)
+        # kt: [BLOCK_D, BLOCK_N]
+        s = _scores(q, kt, z, a, c, h, rows, cols, NQ, NK, scale, BIAS, sba, sbc, sbh, sbm, sbn,
+                    MASK, smz, smh, smm, smn, HAS_BIAS, HAS_MASK, ACC_DTYPE, DOT_PRECISION)
+        # s: [BLOCK_M, BLOCK_N]; rows past NQ are all -inf -> keep their statistics finite
+        s = tl.where(row_ok[:, None], s, tl.where(col_ok[None, :], 0.0, float("-inf")))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + z * svz + h * svh + cols[:, None] * svn + dims[None, :] * svd,
+                    mask=col_ok[:, None] & dim_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
+        m_i = m_new
+    o = acc / l_i[:, None]
+    io_mask = row_ok[:, None] & dim_ok[None, :]
+    if HAS_GATE:
+        g = tl.load(GATE + z * sgz + h * sgh + rows[:, None] * sgm + dims[None, :] * sgd, mask=io_mask, other=0.0)
+        o = o / (1.0 + tl.exp(-g.to(ACC_DTYPE)))
+    tl.store(O + z * soz + h * soh + rows[:, None] * som + dims[None, :] * sod, o.to(O.dtype.element_ty), mask=io_mask)
+    stat = zh * NQ + rows
+    tl.store(ROW_MAX + stat, m_i, mask=row_ok)
+    tl.store(ROW_LOGSUM + stat, tl.log(l_i), mask=row_ok)
+
+
+@triton.jit
+def _attn_bwd_preprocess(
+    O, DO, GATE, DO_ATTN, DGATE, DELTA,
+    soz, soh, som, sod, sdz, sdh, sdm, sdd, sgz, sgh, sgm, sgd,
+    H, NQ, D,
+    HAS_GATE: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    zh = tl.program_id(1).to(tl.int64)
+    z = zh // H
+    h = zh % H
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    io_mask = (rows[:, None] < NQ) & (dims[None, :] < D)
+    o = tl.load(O + z * soz + h * soh + rows[:, None] * som + dims[None, :] * sod, mask=io_mask, other=0.0).to(ACC_DTYPE)
+    do = tl.load(DO + z * sdz + h * sdh + rows[:, None] * sdm + dims[None, :] * sdd, mask=io_mask, other=0.0).to(ACC_DTYPE)
+    # contiguous [Z, H, NQ, D] outputs
+    out = (zh * NQ + rows[:, None]) * D + dims[None, :]
+    tl.store(DELTA + zh * NQ + rows, tl.sum(do * o, 1), mask=rows < NQ)
+    if HAS_GATE:
+        g = tl.load(GATE + z * sgz + h * sgh + rows[:, None] * sgm + dims[None, :] * sgd, mask=io_mask, other=0.0)
+        sig = 1.0 / (1.0 + tl.exp(-g.to(ACC_DTYPE)))
+        tl.store(DGATE + out, (do * o * (1.0 - sig)).to(DGATE.dtype.element_ty), mask=io_mask)
+        do = do * sig
+    tl.store(DO_ATTN + out, do.to(DO_ATTN.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _attn_bwd_dkdv(
+    Q, K, V, BIAS, MASK, DO_ATTN, ROW_MAX, ROW_LOGSUM, DELTA, DK, DV,
+    sqz, sqh, sqm, sqd, skz, skh, skn, skd, svz, svh, svn, svd,
+    sba, sbc, sbh, sbm, sbn, smz, smh, smm, smn,
+    H, NQ, NK, D, R, C, scale,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    zh = tl.program_id(1).to(tl.int64)
+    z = zh // H
+    h = zh % H
+    a = z // (R * C)
+    c = z % C
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    col_ok = cols < NK
+    dim_ok = dims < D
+    kv_mask = col_ok[:, None] & dim_ok[None, :]
+    k = tl.load(K + z * skz + h * skh + cols[:, None] * skn + dims[None, :] * skd, mask=kv_mask, other=0.0)
+    v = tl.load(V + z * svz + h * svh + cols[:, None] * svn + dims[None, :] * svd, mask=kv_mask, other=0.0)
+    # k, v: [BLOCK_N, BLOCK_D]
+    dk = tl.zeros([BLOCK_N, BLOCK_D], ACC_DTYPE)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], ACC_DTYPE)
+    for start_m in range(0, NQ, BLOCK_M):
+        rows = start_m + tl.arange(0, BLOCK_M)
+        row_ok = rows < NQ
+        q_mask = row_ok[:, None] & dim_ok[None, :]
+        q = tl.load(Q + z * sqz + h * sqh + rows[:, None] * sqm + dims[None, :] * sqd, mask=q_mask, other=0.0)
+        do = tl.load(DO_ATTN + (zh * NQ + rows[:, None]) * D + dims[None, :], mask=q_mask, other=0.0)
+        stat = zh * NQ + rows
+        row_max = tl.load(ROW_MAX + stat, mask=row_ok, other=0.0)
+        row_logsum = tl.load(ROW_LOGSUM + stat, mask=row_ok, other=0.0)
+        delta = tl.load(DELTA + stat, mask=row_ok, other=0.0)
+        s = _scores(q, tl.trans(k), z, a, c, h, rows, cols, NQ, NK, scale, BIAS, sba, sbc, sbh, sbm, sbn,
+                    MASK, smz, smh, smm, smn, HAS_BIAS, HAS_MASK, ACC_DTYPE, DOT_PRECISION)
+        p = tl.exp((s - row_max[:, None]) - row_logsum[:, None])
+        # p: [BLOCK_M, BLOCK_N], zero outside the tile
+        dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
+        ds = p * (dp - delta[:, None])
+        dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
+    out = (zh * NK + cols[:, None]) * D + dims[None, :]
+    tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _attn_bwd_dq_dbias(
+    Q, K, V, BIAS, MASK, DO_ATTN, ROW_MAX, ROW_LOGSUM, DELTA, DQ, DBIAS,
+    sqz, sqh, sqm, sqd, skz, skh, skn, skd, svz, svh, svn, svd,
+    sba, sbc, sbh, sbm, sbn, smz, smh, smm, smn,
+    H, NQ, NK, D, R, C, scale, SPLIT_BLOCKS,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, NEED_DBIAS: tl.constexpr, DQ_IN_REGISTERS: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    split = tl.program_id(1).to(tl.int64)
+    ach = tl.program_id(2).to(tl.int64)
+    h = ach % H
+    a = (ach // H) // C
+    c = (ach // H) % C
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < NQ
+    dim_ok = dims < D
+    q_mask = row_ok[:, None] & dim_ok[None, :]
+    Z = (tl.num_programs(2) // H) * R  # = A * R * C
+    dq_acc = tl.zeros([BLOCK_M, BLOCK_D], ACC_DTYPE)
+    n_blocks = tl.cdiv(NK, BLOCK_N)
+    first = split * SPLIT_BLOCKS
+    last = tl.minimum(first + SPLIT_BLOCKS, n_blocks)
+    for block in range(first, last):
+        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < NK
+        kv_mask = col_ok[:, None] & dim_ok[None, :]
+        dbias = tl.zeros([BLOCK_M, BLOCK_N], ACC_DTYPE)
+        for r in range(0, R):
+            # the batch-like members sharing this bias tile, in a fixed order
+            z = (a * R + r) * C + c
+            zh = z * H + h
+            q = tl.load(Q + z * sqz + h * sqh + rows[:, None] * sqm + dims[None, :] * sqd, mask=q_mask, other=0.0)
+            do = tl.load(DO_ATTN + (zh * NQ + rows[:, None]) * D + dims[None, :], mask=q_mask, other=0.0)
+            stat = zh * NQ + rows
+            row_max = tl.load(ROW_MAX + stat, mask=row_ok, other=0.0)
+            row_logsum = tl.load(ROW_LOGSUM + stat, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + stat, mask=row_ok, other=0.0)
+            k = tl.load(K + z * skz + h * skh + cols[:, None] * skn + dims[None, :] * skd, mask=kv_mask, other=0.0)
+            v = tl.load(V + z * svz + h * svh + cols[:, None] * svn + dims[None, :] * svd, mask=kv_mask, other=0.0)
+            s = _scores(q, tl.trans(k), z, a, c, h, rows, cols, NQ, NK, scale, BIAS, sba, sbc, sbh, sbm, sbn,
+                        MASK, smz, smh, smm, smn, HAS_BIAS, HAS_MASK, ACC_DTYPE, DOT_PRECISION)
+            p = tl.exp((s - row_max[:, None]) - row_logsum[:, None])
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
+            ds = p * (dp - delta[:, None])
+            # ds: [BLOCK_M, BLOCK_N]
+            if NEED_DBIAS:
+                dbias += ds
+            dq = tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
+            if DQ_IN_REGISTERS:
+                dq_acc += dq
+            else:
+                dq_ptrs = DQ + ((split * Z + z) * H + h) * NQ * D + rows[:, None] * D + dims[None, :]
+                tl.store(dq_ptrs, tl.load(dq_ptrs, mask=q_mask, other=0.0) + dq, mask=q_mask)
+        if NEED_DBIAS:
+            # contiguous [A, C, H, NQ, NK]
+            dbias_ptrs = DBIAS + (((a * C + c) * H + h) * NQ + rows[:, None]) * NK + cols[None, :]
+            tl.store(dbias_ptrs, dbias.to(DBIAS.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    if DQ_IN_REGISTERS:
+        z = a * C + c  # R == 1
+        dq_ptrs = DQ + ((split * Z + z) * H + h) * NQ * D + rows[:, None] * D + dims[None, :]
+        tl.store(dq_ptrs, dq_acc, mask=q_mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Layout helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _strides(t: Optional[torch.Tensor], ndim: int) -> tuple[int, ...]:
+    """Strides of ``t`` with 0 for size-1 (broadcast) dims; zeros when ``t`` is None."""
+    if t is None:
+        return (0,) * ndim
+    return tuple(0 if n == 1 else s for n, s in zip(t.shape, t.stride()))
+
+
+def canonical_bias(
+    bias: torch.Tensor, batch: tuple[int, ...], tail: tuple[int, int, int]
+) -> tuple[torch.Tensor, int, int]:
+    """Map a bias broadcastable to ``batch + tail`` onto ``([A, C, Hb, NQb, NKb], R, C)``.
+
+    The batch dims are classified as *full* (the bias varies along them) or *shared* (the bias
+    has size 1 there). If the non-trivial dims read ``full* shared* full*``, the bias is shared
+    over the middle block of ``R`` members and its gradient is reduced inside the kernel;
+    otherwise the bias is expanded over the batch (``R = 1``) and autograd reduces.
+    """
+    if bias.dim() > len(batch) + 3:
+        raise ValueError(f"bias of shape {tuple(bias.shape)} does not broadcast to {batch + tail}")
+    bias = bias.reshape((1,) * (len(batch) + 3 - bias.dim()) + tuple(bias.shape))
+    bias_batch, bias_tail = tuple(bias.shape[: len(batch)]), tuple(bias.shape[len(batch) :])
+    kinds = []
+    for n, nb in zip(batch, bias_batch):
+        if n == 1:
+            continue
+        if nb not in (1, n):
+            raise ValueError(f"bias of shape {tuple(bias.shape)} does not broadcast to {batch + tail}")
+        kinds.append((n, "full" if nb == n else "shared"))
+    pattern = "".join("f" if k == "full" else "s" for _, k in kinds)
+    lead = len(pattern) - len(pattern.lstrip("f"))
+    body = pattern[lead:]
+    n_shared = len(body) - len(body.lstrip("s"))
+    if "s" in body[n_shared:]:  # shared dims in two separate places: give up the in-kernel sum
+        bias = bias.expand(tuple(batch) + bias_tail)
+        return bias.reshape((math.prod(batch), 1) + bias_tail), 1, 1
+    sizes = [n for n, _ in kinds]
+    A = math.prod(sizes[:lead])
+    R = math.prod(sizes[lead : lead + n_shared])
+    C = math.prod(sizes[lead + n_shared :])
+    return bias.reshape((A, C) + bias_tail), R, C
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee"  # fp32/fp64 exact products (no TF32); ignored for fp16/bf16 operands
+
+
+def _acc_dtype(dtype: torch.dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def _block_d(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers (canonical layout)
+# ----------------------------------------------------------------------------------------------
+
+ATTENTION_CONFIGS = [
+    {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+    {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
+]
+# Interpreter mode (CPU): few, big programs -- each program instance costs milliseconds.
+INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 1, "num_stages": 1}
+
+
+def _config(name: str, key: tuple, bench) -> dict:
+    return autotune.get_tuner(name, ATTENTION_CONFIGS, INTERPRETER_CONFIG).pick(key, bench)
+
+
+def _shape_class(q: torch.Tensor, k: torch.Tensor, has_bias: bool, R: int) -> tuple:
+    Z, H, NQ, D = q.shape
+    return (autotune.size_class(NQ), autotune.size_class(k.shape[2]), D, has_bias, R > 1)
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    mask_offset: Optional[torch.Tensor],
+    gate: Optional[torch.Tensor],
+    scale: float,
+    R: int,
+    C: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward on the canonical layout; returns ``(o [Z,H,NQ,D], row_max [Z,H,NQ], row_logsum)``."""
+    Z, H, NQ, D = q.shape
+    NK = k.shape[2]
+    acc_torch = torch.float64 if q.dtype == torch.float64 else torch.float32
+    o = torch.empty((Z, H, NQ, D), dtype=q.dtype, device=q.device)
+    row_max = torch.empty((Z, H, NQ), dtype=acc_torch, device=q.device)
+    row_logsum = torch.empty_like(row_max)
+
+    def launch(cfg: dict) -> None:
+        grid = (triton.cdiv(NQ, cfg["BLOCK_M"]), Z * H)
+        _attn_fwd[grid](
+            q, k, v, bias, mask_offset, gate, o, row_max, row_logsum,
+            *q.stride(), *k.stride(), *v.stride(), *_strides(bias, 5), *_strides(mask_offset, 4),
+            *_strides(gate, 4), *o.stride(),
+            H, NQ, NK, D, R, C, scale,
+            HAS_BIAS=bias is not None, HAS_MASK=mask_offset is not None, HAS_GATE=gate is not None,
+            ACC_DTYPE=_acc_dtype(q.dtype), DOT_PRECISION=_dot_precision(q.dtype),
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=_block_d(D),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )  # fmt: skip
+
+    key = ("fwd",) + _shape_class(q, k, bias is not None, R) + (gate is not None,)
+    launch(_config("attention_fwd", autotune.make_key(key, q), launch))
+    return o, row_max, row_logsum
+
+
+def attention_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    mask_offset: Optional[torch.Tensor],
+    gate: Optional[torch.Tensor],
+    o: torch.Tensor,
+    row_max: torch.Tensor,
+    row_logsum: torch.Tensor,
+    scale: float,
+    R: int,
+    C: int,
+    need_dbias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Backward on the canonical layout; returns ``(dq, dk, dv, dbias, dgate)`` (None where absent).
+
+    ``dbias`` has the shape of ``bias`` (its broadcast head/query/key dims summed in PyTorch).
+    """
+    Z, H, NQ, D = q.shape
+    NK = k.shape[2]
+    acc_torch = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = _acc_dtype(q.dtype)
+    BLOCK_D = _block_d(D)
+    need_dbias = need_dbias and bias is not None
+    A = Z // (R * C)
+
+    # 1. delta, dO_attn, dgate
+    do_attn = torch.empty((Z, H, NQ, D), dtype=q.dtype, device=q.device)  # fed to tl.dot like q
+    delta = torch.empty((Z, H, NQ), dtype=acc_torch, device=q.device)
+    dgate = torch.empty((Z, H, NQ, D), dtype=gate.dtype, device=q.device) if gate is not None else None
+    pre_block = 32
+    _attn_bwd_preprocess[(triton.cdiv(NQ, pre_block), Z * H)](
+        o, do, gate, do_attn, dgate, delta, *o.stride(), *do.stride(), *_strides(gate, 4), H, NQ, D,
+        HAS_GATE=gate is not None, ACC_DTYPE=acc, BLOCK_M=pre_block, BLOCK_D=BLOCK_D,
+    )  # fmt: skip
+
+    common = dict(HAS_BIAS=bias is not None, HAS_MASK=mask_offset is not None, ACC_DTYPE=acc,
+                  DOT_PRECISION=_dot_precision(q.dtype), BLOCK_D=BLOCK_D)  # fmt: skip
+    strides = (*q.stride(), *k.stride(), *v.stride(), *_strides(bias, 5), *_strides(mask_offset, 4))
+    shape_key = _shape_class(q, k, bias is not None, R)
+
+    # 2. dK, dV
+    dk = torch.empty((Z, H, NK, D), dtype=k.dtype, device=q.device)
+    dv = torch.empty((Z, H, NK, D), dtype=v.dtype, device=q.device)
+
+    def launch_dkdv(cfg: dict) -> None:
+        _attn_bwd_dkdv[(triton.cdiv(NK, cfg["BLOCK_N"]), Z * H)](
+            q, k, v, bias, mask_offset, do_attn, row_max, row_logsum, delta, dk, dv, *strides,
+            H, NQ, NK, D, R, C, scale, **common, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )  # fmt: skip
+
+    launch_dkdv(_config("attention_bwd_dkdv", autotune.make_key(("dkdv",) + shape_key, q), launch_dkdv))
+
+    # 3. dQ (+ dbias, reduced over the R members sharing the bias)
+    full_bias_shape = (A, C, H, NQ, NK)
+    dbias_full = None
+    if need_dbias:
+        dtype = bias.dtype if tuple(bias.shape) == full_bias_shape else acc_torch
+        dbias_full = torch.empty(full_bias_shape, dtype=dtype, device=q.device)
+    dq_in_registers = R == 1
+    state = {}
+
+    def launch_dq(cfg: dict) -> None:
+        n_blocks = triton.cdiv(NK, cfg["BLOCK_N"])
+        splits = 1 if dq_in_registers else min(cfg.get("SPLITS", 1), n_blocks)
+        split_blocks = triton.cdiv(n_blocks, splits)
+        splits = triton.cdiv(n_blocks, split_blocks)
+        alloc = torch.empty if dq_in_registers else torch.zeros
+        dq_buf = alloc((splits, Z, H, NQ, D), dtype=acc_torch, device=q.device)
+        _attn_bwd_dq_dbias[(triton.cdiv(NQ, cfg["BLOCK_M"]), splits, A * C * H)](
+            q, k, v, bias, mask_offset, do_attn, row_max, row_logsum, delta, dq_buf, dbias_full, *strides,
+            H, NQ, NK, D, R, C, scale, split_blocks, **common,
+            NEED_DBIAS=need_dbias, DQ_IN_REGISTERS=dq_in_registers,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )  # fmt: skip
+        state["dq_buf"] = dq_buf
+
+    launch_dq(_config("attention_bwd_dq", autotune.make_key(("dq",) + shape_key, q), launch_dq))
+    dq_buf = state["dq_buf"]
+    dq = (dq_buf[0] if dq_buf.shape[0] == 1 else dq_buf.sum(0)).mul_(scale).to(q.dtype)
+
+    dbias = None
+    if need_dbias:
+        reduce_dims = tuple(i for i in range(2, 5) if bias.shape[i] == 1 and full_bias_shape[i] != 1)
+        dbias = dbias_full.sum(reduce_dims, keepdim=True) if reduce_dims else dbias_full
+        dbias = dbias.to(bias.dtype)
+    return dq, dk, dv, dbias, dgate

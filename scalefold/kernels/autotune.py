@@ -1,0 +1,184 @@
+"""Autotuning of the Triton kernels' launch configurations, persisted and shared across ranks.
+
+A :class:`Tuner` per kernel maps a key -- ``(shape class, dtype, device name)`` -- to the fastest
+of its candidate configs. Results live in ``<cache dir>/rank<r>/<kernel>.json`` (one directory
+per rank, so concurrent ranks never race on a file) and :func:`share_from_rank0` broadcasts rank
+0's table to every rank when ``torch.distributed`` is initialised, so all ranks launch identical
+configs (and only rank 0 needs to have paid for the tuning). Call it after a warm-up step.
+
+Unlike ``triton.autotune`` the benchmark runs through a caller-supplied launch function, so an
+in-place kernel can be benchmarked on scratch copies of its operands, and tuning never bumps a
+tensor's ``_version`` inside an autograd Function.
+
+Under ``TRITON_INTERPRET=1`` (CPU) or without CUDA nothing is timed: the single interpreter
+config is used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+CACHE_DIR_ENV = "SCALEFOLD_AUTOTUNE_DIR"
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "scalefold" / "autotune"
+# Benchmark settings (milliseconds of warm-up / measurement per candidate config).
+BENCH_WARMUP_MS = 10
+BENCH_REP_MS = 40
+
+_lock = threading.Lock()
+_tuners: dict[str, "Tuner"] = {}
+_received: dict[str, dict] = {}  # tables broadcast for kernels this rank has not used yet
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
+def cache_dir(rank: Optional[int] = None) -> Path:
+    """This rank's tuning-cache directory."""
+    root = Path(os.environ.get(CACHE_DIR_ENV, DEFAULT_CACHE_DIR))
+    return root / f"rank{_rank() if rank is None else rank}"
+
+
+def set_per_rank_triton_cache_dir(root: Optional[os.PathLike] = None) -> Path:
+    """Point ``TRITON_CACHE_DIR`` at a per-rank directory (unless already set): concurrent ranks
+    compiling the same kernel into one shared cache directory race on its files."""
+    if "TRITON_CACHE_DIR" in os.environ:
+        return Path(os.environ["TRITON_CACHE_DIR"])
+    base = Path(root) if root is not None else Path.home() / ".triton" / "cache"
+    path = base / f"rank{_rank()}"
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ["TRITON_CACHE_DIR"] = str(path)
+    return path
+
+
+def size_class(n: int) -> int:
+    """Bucket a size to the next power of two (shapes in one class share a config)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def make_key(shape_class: tuple, tensor: torch.Tensor) -> str:
+    """``(shape class, dtype, device name)`` as a string usable as a JSON key."""
+    if tensor.is_cuda:
+        device = torch.cuda.get_device_name(tensor.device)
+    else:
+        device = "interpreter" if interpreting() else str(tensor.device.type)
+    return repr((tuple(shape_class), str(tensor.dtype).replace("torch.", ""), device))
+
+
+class Tuner:
+    """Picks (and remembers) the fastest launch config of one kernel per key."""
+
+    def __init__(self, name: str, configs: Sequence[dict], interpreter_config: dict) -> None:
+        self.name = name
+        self.configs = [dict(c) for c in configs]
+        self.interpreter_config = dict(interpreter_config)
+        self.table: dict[str, dict] = {}
+        self._loaded = False
+
+    # -- persistence ---------------------------------------------------------------------------
+
+    @property
+    def path(self) -> Path:
+        return cache_dir() / f"{self.name}.json"
+
+    def load(self) -> None:
+        self._loaded = True
+        try:
+            self.table.update(json.loads(self.path.read_text()))
+        except (OSError, ValueError):
+            pass
+
+    def save(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.table, indent=1, sort_keys=True))
+            tmp.replace(self.path)
+        except OSError:  # a read-only home must not stop training
+            pass
+
+    # -- selection -----------------------------------------------------------------------------
+
+    def pick(self, key: str, launch: Callable[[dict], None]) -> dict:
+        """The config for ``key``; benchmarks ``launch(config)`` for every candidate on first use
+        (CUDA only). ``launch`` must be safe to repeat (not accumulate into live state)."""
+        if interpreting() or not torch.cuda.is_available():
+            return self.interpreter_config
+        with _lock:
+            if not self._loaded:
+                self.load()
+            if key in self.table:
+                return self.table[key]
+        best = self._benchmark(launch)
+        with _lock:
+            self.table[key] = best
+            self.save()
+        return best
+
+    def _benchmark(self, launch: Callable[[dict], None]) -> dict:
+        import triton.testing
+
+        timings = []
+        for cfg in self.configs:
+            try:
+                ms = triton.testing.do_bench(lambda: launch(cfg), warmup=BENCH_WARMUP_MS, rep=BENCH_REP_MS)
+            except Exception:  # out of shared memory / registers for this shape: not a candidate
+                continue
+            timings.append((ms, cfg))
+        if not timings:
+            raise RuntimeError(f"no launch config of {self.name} runs on this device")
+        return min(timings, key=lambda t: t[0])[1]
+
+
+def get_tuner(name: str, configs: Sequence[dict], interpreter_config: dict) -> Tuner:
+    """The process-wide tuner of kernel ``name``."""
+    with _lock:
+        if name not in _tuners:
+            _tuners[name] = Tuner(name, configs, interpreter_config)
+            _tuners[name].table.update(_received.pop(name, {}))
+        return _tuners[name]
+
+
+def share_from_rank0() -> None:
+    """Broadcast rank 0's tuning tables to every rank (collective: call on all ranks)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    with _lock:
+        for tuner in _tuners.values():
+            if not tuner._loaded:
+                tuner.load()
+        payload = [{name: dict(t.table) for name, t in sorted(_tuners.items())}]
+    dist.broadcast_object_list(payload, src=0)
+    with _lock:
+        for name, table in payload[0].items():
+            if name in _tuners:
+                _tuners[name].table.update(table)
+                _tuners[name].save()
+            else:
+                _received.setdefault(name, {}).update(table)
+
+
+__all__ = [
+    "Tuner",
+    "cache_dir",
+    "get_tuner",
+    "interpreting",
+    "make_key",
+    "set_per_rank_triton_cache_dir",
+    "share_from_rank0",
+    "size_class",
+]
