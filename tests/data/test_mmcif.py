@@ -189,3 +189,25 @@ def test_chain_without_resolved_ca_is_rejected(mmcif_dir: Path) -> None:
     with pytest.raises(MmcifError, match="1aki_A") as info:
         check_chain_usable(entry, hollow)
     assert info.value.reason == "no_resolved_ca"
+
+
+def test_arginine_nh1_is_the_nitrogen_closer_to_cd():
+    """ARG NH1/NH2 are renamed so NH1 is nearer CD (AlphaFold's convention), whatever the file says."""
+    import gemmi
+
+    from scalefold import residue_constants as rc
+    from scalefold.data.parsers.mmcif import _atom37_of_residue
+
+    residue = gemmi.Residue()
+    residue.name = "ARG"
+    coords = {"CD": (0.0, 0.0, 0.0), "NH1": (3.0, 0.0, 0.0), "NH2": (1.5, 0.0, 0.0)}  # NH2 closer: swapped in file
+    for name, xyz in coords.items():
+        atom = gemmi.Atom()
+        atom.name = name
+        atom.occ = 1.0
+        atom.pos = gemmi.Position(*xyz)
+        residue.add_atom(atom)
+    positions, mask = _atom37_of_residue(residue)
+    assert mask[rc.atom_order["NH1"]] == 1 and mask[rc.atom_order["NH2"]] == 1
+    assert positions[rc.atom_order["NH1"]][0] == 1.5
+    assert positions[rc.atom_order["NH2"]][0] == 3.0

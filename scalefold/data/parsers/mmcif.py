@@ -234,7 +234,22 @@ def _atom37_of_residue(residue: gemmi.Residue) -> tuple[np.ndarray, np.ndarray]:
         best_occupancy[index] = atom.occ
         positions[index] = (atom.pos.x, atom.pos.y, atom.pos.z)
         mask[index] = 1.0
+    if residue.name == "ARG":
+        _fix_arginine_nh_naming(positions, mask)
     return positions, mask
+
+
+def _fix_arginine_nh_naming(positions: np.ndarray, mask: np.ndarray) -> None:
+    """Name the arginine NH atoms as AlphaFold does: NH1 is the one closer to CD (swap in place).
+
+    Deposited structures are inconsistent about which guanidinium nitrogen is NH1; AlphaFold's
+    mmCIF reader (``get_atom_coords``) normalises it so targets and templates agree.
+    """
+    cd, nh1, nh2 = (rc.atom_order[n] for n in ("CD", "NH1", "NH2"))
+    if not (mask[cd] and mask[nh1] and mask[nh2]):
+        return
+    if np.linalg.norm(positions[nh1] - positions[cd]) > np.linalg.norm(positions[nh2] - positions[cd]):
+        positions[[nh1, nh2]] = positions[[nh2, nh1]]
 
 
 def _residue_occupancy(residue: gemmi.Residue) -> float:

@@ -1,0 +1,298 @@
+"""The Triton kernels as PyTorch custom ops (``torch.ops.scalefold.*``), with autograd.
+
+Registering them with ``torch.library.custom_op`` (plus a fake/meta implementation for shape
+propagation) makes each kernel one opaque node to ``torch.compile`` (a raw Triton launch inside a
+compiled region fails) and keeps it capturable in CUDA graphs. ``scalefold.kernels`` dispatches
+here; nothing else should import this module directly.
+
+Ops (canonical layouts, see each kernel module):
+
+* ``scalefold::attention_fwd`` / ``attention_bwd`` -- ``attention_triton``;
+* ``scalefold::layer_norm_fwd`` / ``layer_norm_bwd`` -- ``layer_norm_triton``;
+* ``scalefold::adam_swa_`` (in place) -- ``adam_swa_triton``.
+
+Without CUDA the kernels run in Triton's interpreter: ``TRITON_INTERPRET=1`` is set here, before
+any kernel is defined, unless the environment already says otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from scalefold.kernels import adam_swa_triton, attention_triton, layer_norm_triton  # noqa: E402
+from scalefold.kernels.reference import adam_step_scalars  # noqa: E402
+
+_EMPTY = (0,)  # placeholder output for an absent gradient (custom ops cannot return None)
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("scalefold::attention_fwd", mutates_args=())
+def attention_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    mask_offset: Optional[torch.Tensor],
+    gate: Optional[torch.Tensor],
+    scale: float,
+    R: int,
+    C: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Canonical-layout forward: ``(o, row_max, row_logsum)``."""
+    return attention_triton.attention_forward(q, k, v, bias, mask_offset, gate, scale, R, C)
+
+
+@attention_fwd.register_fake
+def _(q, k, v, bias, mask_offset, gate, scale, R, C):
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    stats = q.new_empty(q.shape[:-1], dtype=acc)
+    return q.new_empty(q.shape), stats, torch.empty_like(stats)
+
+
+@torch.library.custom_op("scalefold::attention_bwd", mutates_args=())
+def attention_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    mask_offset: Optional[torch.Tensor],
+    gate: Optional[torch.Tensor],
+    o: torch.Tensor,
+    row_max: torch.Tensor,
+    row_logsum: torch.Tensor,
+    scale: float,
+    R: int,
+    C: int,
+    need_dbias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Canonical-layout backward: ``(dq, dk, dv, dbias, dgate)``, empty tensors for absent ones."""
+    dq, dk, dv, dbias, dgate = attention_triton.attention_backward(
+        do, q, k, v, bias, mask_offset, gate, o, row_max, row_logsum, scale, R, C, need_dbias
+    )
+    dbias = q.new_empty(_EMPTY) if dbias is None else dbias
+    dgate = q.new_empty(_EMPTY) if dgate is None else dgate
+    return dq, dk, dv, dbias, dgate
+
+
+@attention_bwd.register_fake
+def _(do, q, k, v, bias, mask_offset, gate, o, row_max, row_logsum, scale, R, C, need_dbias):
+    dbias = bias.new_empty(bias.shape) if (need_dbias and bias is not None) else q.new_empty(_EMPTY)
+    dgate = gate.new_empty(gate.shape) if gate is not None else q.new_empty(_EMPTY)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias, dgate
+
+
+def _attention_setup_context(ctx, inputs, output):
+    q, k, v, bias, mask_offset, gate, scale, R, C = inputs
+    o, row_max, row_logsum = output
+    ctx.save_for_backward(q, k, v, bias, mask_offset, gate, o, row_max, row_logsum)
+    ctx.scale, ctx.R, ctx.C = scale, R, C
+    ctx.mark_non_differentiable(row_max, row_logsum)
+
+
+def _attention_backward(ctx, do, _d_row_max, _d_row_logsum):
+    q, k, v, bias, mask_offset, gate, o, row_max, row_logsum = ctx.saved_tensors
+    need_dbias = bias is not None and ctx.needs_input_grad[3]
+    dq, dk, dv, dbias, dgate = attention_bwd(
+        do, q, k, v, bias, mask_offset, gate, o, row_max, row_logsum, ctx.scale, ctx.R, ctx.C, need_dbias
+    )
+    return (
+        dq, dk, dv,
+        dbias if need_dbias else None,
+        None,
+        dgate if gate is not None else None,
+        None, None, None,
+    )  # fmt: skip
+
+
+torch.library.register_autograd(
+    "scalefold::attention_fwd", _attention_backward, setup_context=_attention_setup_context
+)
+
+
+def _mask_offset(
+    mask: torch.Tensor, batch: tuple[int, ...], tail: tuple[int, int, int], inf: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """``(mask - 1) * inf`` as ``[Z, Hm, NQm, NKm]`` (the mask's own size-1 dims kept)."""
+    ndim = len(batch) + 3
+    if mask.dim() > ndim:
+        raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to {batch + tail}")
+    mask = mask.reshape((1,) * (ndim - mask.dim()) + tuple(mask.shape))
+    mask_tail = tuple(mask.shape[len(batch) :])
+    mask = mask.expand(tuple(batch) + mask_tail).reshape((math.prod(batch),) + mask_tail)
+    return (mask.to(dtype) - 1.0) * inf
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    mask: Optional[torch.Tensor] = None,
+    gate: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    inf: float = 1e9,
+) -> torch.Tensor:
+    """Triton gated attention with pair bias; semantics of :func:`scalefold.kernels.attention`."""
+    *batch, H, NQ, D = q.shape
+    batch = tuple(batch)
+    NK = k.shape[-2]
+    Z = math.prod(batch)
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+
+    def canon(t: torch.Tensor, n: int) -> torch.Tensor:
+        return t.expand(batch + (H, n, D)).reshape(Z, H, n, D)
+
+    q4, k4, v4 = canon(q, NQ), canon(k, NK), canon(v, NK)
+    g4 = canon(gate, NQ) if gate is not None else None
+    R = C = 1
+    bias5 = None
+    if bias is not None:
+        bias5, R, C = attention_triton.canonical_bias(bias, batch, (H, NQ, NK))
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    offset = _mask_offset(mask, batch, (H, NQ, NK), inf, acc) if mask is not None else None
+    o, _, _ = attention_fwd(q4, k4, v4, bias5, offset, g4, float(scale), R, C)
+    return o.reshape(batch + (H, NQ, D))
+
+
+# ----------------------------------------------------------------------------------------------
+# LayerNorm
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("scalefold::layer_norm_fwd", mutates_args=())
+def layer_norm_fwd(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` ``[M, C]`` -> ``(y, mean, rstd)``."""
+    return layer_norm_triton.layer_norm_forward(x, weight, bias, eps)
+
+
+@layer_norm_fwd.register_fake
+def _(x, weight, bias, eps):
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    stats = x.new_empty(x.shape[:1], dtype=acc)
+    return x.new_empty(x.shape), stats, torch.empty_like(stats)
+
+
+@torch.library.custom_op("scalefold::layer_norm_bwd", mutates_args=())
+def layer_norm_bwd(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx, dweight, dbias)``."""
+    return layer_norm_triton.layer_norm_backward(dy.contiguous(), x, weight, mean, rstd)
+
+
+@layer_norm_bwd.register_fake
+def _(dy, x, weight, mean, rstd):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape)
+
+
+def _layer_norm_setup_context(ctx, inputs, output):
+    x, weight, _bias, _eps = inputs
+    _y, mean, rstd = output
+    ctx.save_for_backward(x, weight, mean, rstd)
+    ctx.mark_non_differentiable(mean, rstd)
+
+
+def _layer_norm_backward(ctx, dy, _d_mean, _d_rstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    dx, dweight, dbias = layer_norm_bwd(dy, x, weight, mean, rstd)
+    return dx, dweight, dbias, None
+
+
+torch.library.register_autograd(
+    "scalefold::layer_norm_fwd", _layer_norm_backward, setup_context=_layer_norm_setup_context
+)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """Triton LayerNorm over the last dimension; semantics of :func:`scalefold.kernels.layer_norm`."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y, _, _ = layer_norm_fwd(x2, weight, bias, float(eps))
+    return y.reshape(shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# Adam + SWA
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(
+    "scalefold::adam_swa_", mutates_args=("param", "exp_avg", "exp_avg_sq", "swa", "compute")
+)
+def adam_swa_op(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    swa: torch.Tensor,
+    compute: Optional[torch.Tensor],
+    clip_scale: Optional[torch.Tensor],
+    neg_step_size: torch.Tensor,
+    bias_correction2_sqrt: torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    swa_decay: float,
+    swa_copy: bool,
+) -> None:
+    adam_swa_triton.adam_swa_launch(
+        param, grad, exp_avg, exp_avg_sq, swa, compute, clip_scale, neg_step_size, bias_correction2_sqrt,
+        beta1, beta2, eps, swa_decay, swa_copy,
+    )  # fmt: skip
+
+
+@adam_swa_op.register_fake
+def _(param, grad, exp_avg, exp_avg_sq, swa, compute, clip_scale, neg_step_size, bias_correction2_sqrt,
+      beta1, beta2, eps, swa_decay, swa_copy):  # fmt: skip
+    return None
+
+
+def adam_swa_update_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    swa: torch.Tensor,
+    compute: Optional[torch.Tensor] = None,
+    *,
+    lr: torch.Tensor,
+    step: torch.Tensor,
+    clip_scale: Optional[torch.Tensor] = None,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-6,
+    swa_decay: float = 0.9,
+    swa_n_averaged: int = 1,
+) -> None:
+    """Fused Adam + SWA step on flat 1-D buffers; semantics of :func:`scalefold.kernels.adam_swa_`.
+
+    (Signature of ``scalefold.train.flat_optimizer.adam_swa_update_``'s Triton hook.)
+    """
+    for t in (param, grad, exp_avg, exp_avg_sq, swa) + ((compute,) if compute is not None else ()):
+        if not t.is_contiguous() or t.numel() != param.numel():
+            raise ValueError("adam_swa_update_ expects contiguous flat buffers of equal length")
+    neg_step_size, bias_correction2_sqrt = adam_step_scalars(lr, step, beta1, beta2)
+    adam_swa_op(
+        param, grad, exp_avg, exp_avg_sq, swa, compute, clip_scale, neg_step_size, bias_correction2_sqrt,
+        float(beta1), float(beta2), float(eps), float(swa_decay), swa_n_averaged == 0,
+    )  # fmt: skip
+
+
+__all__ = ["adam_swa_update_", "attention", "layer_norm"]
