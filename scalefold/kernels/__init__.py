@@ -9,6 +9,10 @@ Every fast path has a plain PyTorch reference beside it (``scalefold.kernels.ref
 
 The environment variable ``SCALEFOLD_KERNELS`` (``auto``/``triton``/``torch``) overrides
 ``"auto"`` globally, so a whole run can be pinned to either path.
+
+Kernels (``scalefold.kernels.triton_ops`` registers them as ``torch.ops.scalefold.*`` custom ops):
+:func:`attention` (``attention_triton``), :func:`layer_norm` (``layer_norm_triton``) and
+:func:`adam_swa_` (``adam_swa_triton``); their launch configs are tuned by ``autotune``.
 """
 
 from __future__ import annotations
@@ -94,4 +98,39 @@ def layer_norm(
     return reference.layer_norm(x, weight, bias, eps)
 
 
-__all__ = ["attention", "layer_norm", "resolve_backend", "reference"]
+def adam_swa_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    swa: torch.Tensor,
+    compute: Optional[torch.Tensor] = None,
+    *,
+    lr: torch.Tensor,
+    step: torch.Tensor,
+    clip_scale: Optional[torch.Tensor] = None,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-6,
+    swa_decay: float = 0.9,
+    swa_n_averaged: int = 1,
+    backend: str = "auto",
+) -> None:
+    """Fused Adam + SWA step over flat 1-D buffers, in place.
+
+    Per element: ``g = grad * clip_scale`` (master dtype) -> ``torch.optim.Adam``'s update with
+    bias correction (``step`` is the already-incremented step count) -> ``compute = param`` (the
+    optional low-precision copy) -> SWA: ``swa = param`` when ``swa_n_averaged == 0``, else
+    ``swa += (param - swa) * (1 - swa_decay)``. ``param``, ``exp_avg``, ``exp_avg_sq``, ``swa``
+    share the master dtype; ``grad``/``compute`` may be low precision. ``lr``, ``step`` and
+    ``clip_scale`` are 0-dim device tensors (nothing is read back to the host).
+    """
+    kwargs = dict(lr=lr, step=step, clip_scale=clip_scale, beta1=beta1, beta2=beta2, eps=eps,
+                  swa_decay=swa_decay, swa_n_averaged=swa_n_averaged)  # fmt: skip
+    if resolve_backend(backend, param, grad, exp_avg, exp_avg_sq, swa, compute) == "triton":
+        _triton_module().adam_swa_update_(param, grad, exp_avg, exp_avg_sq, swa, compute, **kwargs)
+        return
+    reference.adam_swa_(param, grad, exp_avg, exp_avg_sq, swa, compute, **kwargs)
+
+
+__all__ = ["adam_swa_", "attention", "layer_norm", "resolve_backend", "reference"]

@@ -35,7 +35,8 @@ _LERP_WEIGHT, _BETA2, _ONE_MINUS_BETA2, _EPS, _SWA_WEIGHT = range(5)
 @triton.jit
 def _adam_swa(
     PARAM, GRAD, EXP_AVG, EXP_AVG_SQ, SWA, COMPUTE, CLIP_SCALE, NEG_STEP_SIZE, BC2_SQRT, HYPER, numel,
-    HAS_CLIP: tl.constexpr, HAS_COMPUTE: tl.constexpr, SWA_COPY: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_CLIP: tl.constexpr, HAS_COMPUTE: tl.constexpr, SWA_COPY: tl.constexpr, FP64: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < numel
@@ -51,10 +52,14 @@ def _adam_swa(
     swa_weight = tl.load(HYPER + 4)
     m = tl.load(EXP_AVG + offs, mask=ok, other=0.0)
     v = tl.load(EXP_AVG_SQ + offs, mask=ok, other=0.0)
-    m = m + lerp_weight * (g - m)  # lerp with a weight < 0.5
+    m = tl.fma(lerp_weight, g - m, m)  # torch.lerp for a weight < 0.5
     v = v * beta2 + one_minus_beta2 * g * g
-    denom = tl.div_rn(tl.sqrt_rn(v), tl.load(BC2_SQRT).to(dtype)) + eps
-    p = p + tl.div_rn(m * tl.load(NEG_STEP_SIZE).to(dtype), denom)
+    bc2_sqrt = tl.load(BC2_SQRT).to(dtype)
+    step = m * tl.load(NEG_STEP_SIZE).to(dtype)
+    if FP64:  # fp64 sqrt and division are IEEE-rounded already
+        p = p + step / (tl.sqrt(v) / bc2_sqrt + eps)
+    else:
+        p = p + tl.div_rn(step, tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps)
     tl.store(PARAM + offs, p, mask=ok)
     tl.store(EXP_AVG + offs, m, mask=ok)
     tl.store(EXP_AVG_SQ + offs, v, mask=ok)
@@ -119,7 +124,7 @@ def adam_swa_launch(
         _adam_swa[(triton.cdiv(numel, cfg["BLOCK"]),)](
             *tensors, clip_scale, neg_step_size, bias_correction2_sqrt, hyper, numel,
             HAS_CLIP=clip_scale is not None, HAS_COMPUTE=compute is not None, SWA_COPY=swa_copy,
-            BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"],
+            FP64=param.dtype == torch.float64, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"],
         )  # fmt: skip
 
     scratch: list = []
