@@ -18,7 +18,6 @@ Kernels (``scalefold.kernels.triton_ops`` registers them as ``torch.ops.scalefol
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import torch
 
@@ -53,9 +52,7 @@ def _triton_module():
     try:
         from scalefold.kernels import triton_ops  # type: ignore[attr-defined]
     except ImportError as exc:  # pragma: no cover - depends on the kernels issue
-        raise RuntimeError(
-            "backend='triton' requested but the Triton kernels are unavailable: " f"{exc}"
-        ) from exc
+        raise RuntimeError(f"backend='triton' requested but the Triton kernels are unavailable: {exc}") from exc
     return triton_ops
 
 
@@ -104,11 +101,11 @@ def adam_swa_(
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     swa: torch.Tensor,
-    compute: Optional[torch.Tensor] = None,
+    compute: torch.Tensor | None = None,
     *,
     lr: torch.Tensor,
     step: torch.Tensor,
-    clip_scale: Optional[torch.Tensor] = None,
+    clip_scale: torch.Tensor | None = None,
     beta1: float = 0.9,
     beta2: float = 0.999,
     eps: float = 1e-6,

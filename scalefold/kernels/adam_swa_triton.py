@@ -20,8 +20,6 @@ roots are IEEE-rounded (``div_rn`` / ``sqrt_rn``) like PyTorch's.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
@@ -34,8 +32,21 @@ _LERP_WEIGHT, _BETA2, _ONE_MINUS_BETA2, _EPS, _SWA_WEIGHT = range(5)
 
 @triton.jit
 def _adam_swa(
-    PARAM, GRAD, EXP_AVG, EXP_AVG_SQ, SWA, COMPUTE, CLIP_SCALE, NEG_STEP_SIZE, BC2_SQRT, HYPER, numel,
-    HAS_CLIP: tl.constexpr, HAS_COMPUTE: tl.constexpr, SWA_COPY: tl.constexpr, FP64: tl.constexpr,
+    PARAM,
+    GRAD,
+    EXP_AVG,
+    EXP_AVG_SQ,
+    SWA,
+    COMPUTE,
+    CLIP_SCALE,
+    NEG_STEP_SIZE,
+    BC2_SQRT,
+    HYPER,
+    numel,
+    HAS_CLIP: tl.constexpr,
+    HAS_COMPUTE: tl.constexpr,
+    SWA_COPY: tl.constexpr,
+    FP64: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -64,7 +75,7 @@ def _adam_swa(
     tl.store(EXP_AVG + offs, m, mask=ok)
     tl.store(EXP_AVG_SQ + offs, v, mask=ok)
     if HAS_COMPUTE:
-        tl.store(COMPUTE + offs, p.to(COMPUTE.dtype.element_ty), mask=ok)
+        tl.store(COMPUTE + offs, p.to(COMPUTE.dtype.element_ty, fp_downcast_rounding="rtne"), mask=ok)
     if SWA_COPY:
         tl.store(SWA + offs, p, mask=ok)
     else:
@@ -102,8 +113,8 @@ def adam_swa_launch(
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     swa: torch.Tensor,
-    compute: Optional[torch.Tensor],
-    clip_scale: Optional[torch.Tensor],
+    compute: torch.Tensor | None,
+    clip_scale: torch.Tensor | None,
     neg_step_size: torch.Tensor,
     bias_correction2_sqrt: torch.Tensor,
     beta1: float,

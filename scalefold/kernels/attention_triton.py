@@ -33,14 +33,12 @@ broadcast).
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
 from scalefold.kernels import autotune
-
 
 # ----------------------------------------------------------------------------------------------
 # Kernels
@@ -49,10 +47,32 @@ from scalefold.kernels import autotune
 
 @triton.jit
 def _scores(
-    q, kt, z, a, c, h, rows, cols, NQ, NK, scale,
-    BIAS, sba, sbc, sbh, sbm, sbn,
-    MASK, smz, smh, smm, smn,
-    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q,
+    kt,
+    z,
+    a,
+    c,
+    h,
+    rows,
+    cols,
+    NQ,
+    NK,
+    scale,
+    BIAS,
+    sba,
+    sbc,
+    sbh,
+    sbm,
+    sbn,
+    MASK,
+    smz,
+    smh,
+    smm,
+    smn,
+    HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """``scale * q k^T + mask_offset + bias`` for one tile (reference order); -inf outside the tile."""
     s = tl.dot(q, kt, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE) * scale
@@ -68,13 +88,59 @@ def _scores(
 
 @triton.jit
 def _attn_fwd(
-    Q, K, V, BIAS, MASK, GATE, O, ROW_MAX, ROW_LOGSUM,
-    sqz, sqh, sqm, sqd, skz, skh, skn, skd, svz, svh, svn, svd,
-    sba, sbc, sbh, sbm, sbn, smz, smh, smm, smn, sgz, sgh, sgm, sgd, soz, soh, som, sod,
-    H, NQ, NK, D, R, C, scale,
-    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_GATE: tl.constexpr,
-    ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    Q,
+    K,
+    V,
+    BIAS,
+    MASK,
+    GATE,
+    O,
+    ROW_MAX,
+    ROW_LOGSUM,
+    sqz,
+    sqh,
+    sqm,
+    sqd,
+    skz,
+    skh,
+    skn,
+    skd,
+    svz,
+    svh,
+    svn,
+    svd,
+    sba,
+    sbc,
+    sbh,
+    sbm,
+    sbn,
+    smz,
+    smh,
+    smm,
+    smn,
+    sgz,
+    sgh,
+    sgm,
+    sgd,
+    soz,
+    soh,
+    som,
+    sod,
+    H,
+    NQ,
+    NK,
+    D,
+    R,
+    C,
+    scale,
+    HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     zh = tl.program_id(1).to(tl.int64)
@@ -87,8 +153,11 @@ def _attn_fwd(
     row_ok = rows < NQ
     dim_ok = dims < D
 
-    q = tl.load(Q + z * sqz + h * sqh + rows[:, None] * sqm + dims[None, :] * sqd,
-                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    q = tl.load(
+        Q + z * sqz + h * sqh + rows[:, None] * sqm + dims[None, :] * sqd,
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
     # q: [BLOCK_M, BLOCK_D]
     m_i = tl.full([BLOCK_M], float("-inf"), ACC_DTYPE)
     l_i = tl.zeros([BLOCK_M], ACC_DTYPE)
@@ -96,19 +165,51 @@ def _attn_fwd(
     for start_n in range(0, NK, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
         col_ok = cols < NK
-        kt = tl.load(K + z * skz + h * skh + cols[None, :] * skn + dims[:, None] * skd,
-                     mask=dim_ok[:, None] & col_ok[None, :], other=0.0)
+        kt = tl.load(
+            K + z * skz + h * skh + cols[None, :] * skn + dims[:, None] * skd,
+            mask=dim_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )
         # kt: [BLOCK_D, BLOCK_N]
-        s = _scores(q, kt, z, a, c, h, rows, cols, NQ, NK, scale, BIAS, sba, sbc, sbh, sbm, sbn,
-                    MASK, smz, smh, smm, smn, HAS_BIAS, HAS_MASK, ACC_DTYPE, DOT_PRECISION)
+        s = _scores(
+            q,
+            kt,
+            z,
+            a,
+            c,
+            h,
+            rows,
+            cols,
+            NQ,
+            NK,
+            scale,
+            BIAS,
+            sba,
+            sbc,
+            sbh,
+            sbm,
+            sbn,
+            MASK,
+            smz,
+            smh,
+            smm,
+            smn,
+            HAS_BIAS,
+            HAS_MASK,
+            ACC_DTYPE,
+            DOT_PRECISION,
+        )
         # s: [BLOCK_M, BLOCK_N]; rows past NQ are all -inf -> keep their statistics finite
         s = tl.where(row_ok[:, None], s, tl.where(col_ok[None, :], 0.0, float("-inf")))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + z * svz + h * svh + cols[:, None] * svn + dims[None, :] * svd,
-                    mask=col_ok[:, None] & dim_ok[None, :], other=0.0)
+        v = tl.load(
+            V + z * svz + h * svh + cols[:, None] * svn + dims[None, :] * svd,
+            mask=col_ok[:, None] & dim_ok[None, :],
+            other=0.0,
+        )
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
         m_i = m_new
     o = acc / l_i[:, None]
@@ -124,10 +225,31 @@ def _attn_fwd(
 
 @triton.jit
 def _attn_bwd_preprocess(
-    O, DO, GATE, DO_ATTN, DGATE, DELTA,
-    soz, soh, som, sod, sdz, sdh, sdm, sdd, sgz, sgh, sgm, sgd,
-    H, NQ, D,
-    HAS_GATE: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    O,
+    DO,
+    GATE,
+    DO_ATTN,
+    DGATE,
+    DELTA,
+    soz,
+    soh,
+    som,
+    sod,
+    sdz,
+    sdh,
+    sdm,
+    sdd,
+    sgz,
+    sgh,
+    sgm,
+    sgd,
+    H,
+    NQ,
+    D,
+    HAS_GATE: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     zh = tl.program_id(1).to(tl.int64)
@@ -136,8 +258,12 @@ def _attn_bwd_preprocess(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     io_mask = (rows[:, None] < NQ) & (dims[None, :] < D)
-    o = tl.load(O + z * soz + h * soh + rows[:, None] * som + dims[None, :] * sod, mask=io_mask, other=0.0).to(ACC_DTYPE)
-    do = tl.load(DO + z * sdz + h * sdh + rows[:, None] * sdm + dims[None, :] * sdd, mask=io_mask, other=0.0).to(ACC_DTYPE)
+    o = tl.load(O + z * soz + h * soh + rows[:, None] * som + dims[None, :] * sod, mask=io_mask, other=0.0).to(
+        ACC_DTYPE
+    )
+    do = tl.load(DO + z * sdz + h * sdh + rows[:, None] * sdm + dims[None, :] * sdd, mask=io_mask, other=0.0).to(
+        ACC_DTYPE
+    )
     # contiguous [Z, H, NQ, D] outputs
     out = (zh * NQ + rows[:, None]) * D + dims[None, :]
     tl.store(DELTA + zh * NQ + rows, tl.sum(do * o, 1), mask=rows < NQ)
@@ -151,12 +277,52 @@ def _attn_bwd_preprocess(
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, BIAS, MASK, DO_ATTN, ROW_MAX, ROW_LOGSUM, DELTA, DK, DV,
-    sqz, sqh, sqm, sqd, skz, skh, skn, skd, svz, svh, svn, svd,
-    sba, sbc, sbh, sbm, sbn, smz, smh, smm, smn,
-    H, NQ, NK, D, R, C, scale,
-    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    Q,
+    K,
+    V,
+    BIAS,
+    MASK,
+    DO_ATTN,
+    ROW_MAX,
+    ROW_LOGSUM,
+    DELTA,
+    DK,
+    DV,
+    sqz,
+    sqh,
+    sqm,
+    sqd,
+    skz,
+    skh,
+    skn,
+    skd,
+    svz,
+    svh,
+    svn,
+    svd,
+    sba,
+    sbc,
+    sbh,
+    sbm,
+    sbn,
+    smz,
+    smh,
+    smm,
+    smn,
+    H,
+    NQ,
+    NK,
+    D,
+    R,
+    C,
+    scale,
+    HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     zh = tl.program_id(1).to(tl.int64)
@@ -184,8 +350,34 @@ def _attn_bwd_dkdv(
         row_max = tl.load(ROW_MAX + stat, mask=row_ok, other=0.0)
         row_logsum = tl.load(ROW_LOGSUM + stat, mask=row_ok, other=0.0)
         delta = tl.load(DELTA + stat, mask=row_ok, other=0.0)
-        s = _scores(q, tl.trans(k), z, a, c, h, rows, cols, NQ, NK, scale, BIAS, sba, sbc, sbh, sbm, sbn,
-                    MASK, smz, smh, smm, smn, HAS_BIAS, HAS_MASK, ACC_DTYPE, DOT_PRECISION)
+        s = _scores(
+            q,
+            tl.trans(k),
+            z,
+            a,
+            c,
+            h,
+            rows,
+            cols,
+            NQ,
+            NK,
+            scale,
+            BIAS,
+            sba,
+            sbc,
+            sbh,
+            sbm,
+            sbn,
+            MASK,
+            smz,
+            smh,
+            smm,
+            smn,
+            HAS_BIAS,
+            HAS_MASK,
+            ACC_DTYPE,
+            DOT_PRECISION,
+        )
         p = tl.exp((s - row_max[:, None]) - row_logsum[:, None])
         # p: [BLOCK_M, BLOCK_N], zero outside the tile
         dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
@@ -199,13 +391,55 @@ def _attn_bwd_dkdv(
 
 @triton.jit
 def _attn_bwd_dq_dbias(
-    Q, K, V, BIAS, MASK, DO_ATTN, ROW_MAX, ROW_LOGSUM, DELTA, DQ, DBIAS,
-    sqz, sqh, sqm, sqd, skz, skh, skn, skd, svz, svh, svn, svd,
-    sba, sbc, sbh, sbm, sbn, smz, smh, smm, smn,
-    H, NQ, NK, D, R, C, scale, SPLIT_BLOCKS,
-    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, NEED_DBIAS: tl.constexpr, DQ_IN_REGISTERS: tl.constexpr,
-    ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    Q,
+    K,
+    V,
+    BIAS,
+    MASK,
+    DO_ATTN,
+    ROW_MAX,
+    ROW_LOGSUM,
+    DELTA,
+    DQ,
+    DBIAS,
+    sqz,
+    sqh,
+    sqm,
+    sqd,
+    skz,
+    skh,
+    skn,
+    skd,
+    svz,
+    svh,
+    svn,
+    svd,
+    sba,
+    sbc,
+    sbh,
+    sbm,
+    sbn,
+    smz,
+    smh,
+    smm,
+    smn,
+    H,
+    NQ,
+    NK,
+    D,
+    R,
+    C,
+    scale,
+    SPLIT_BLOCKS,
+    HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    NEED_DBIAS: tl.constexpr,
+    DQ_IN_REGISTERS: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     split = tl.program_id(1).to(tl.int64)
@@ -240,8 +474,34 @@ def _attn_bwd_dq_dbias(
             delta = tl.load(DELTA + stat, mask=row_ok, other=0.0)
             k = tl.load(K + z * skz + h * skh + cols[:, None] * skn + dims[None, :] * skd, mask=kv_mask, other=0.0)
             v = tl.load(V + z * svz + h * svh + cols[:, None] * svn + dims[None, :] * svd, mask=kv_mask, other=0.0)
-            s = _scores(q, tl.trans(k), z, a, c, h, rows, cols, NQ, NK, scale, BIAS, sba, sbc, sbh, sbm, sbn,
-                        MASK, smz, smh, smm, smn, HAS_BIAS, HAS_MASK, ACC_DTYPE, DOT_PRECISION)
+            s = _scores(
+                q,
+                tl.trans(k),
+                z,
+                a,
+                c,
+                h,
+                rows,
+                cols,
+                NQ,
+                NK,
+                scale,
+                BIAS,
+                sba,
+                sbc,
+                sbh,
+                sbm,
+                sbn,
+                MASK,
+                smz,
+                smh,
+                smm,
+                smn,
+                HAS_BIAS,
+                HAS_MASK,
+                ACC_DTYPE,
+                DOT_PRECISION,
+            )
             p = tl.exp((s - row_max[:, None]) - row_logsum[:, None])
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
             ds = p * (dp - delta[:, None])
@@ -254,6 +514,7 @@ def _attn_bwd_dq_dbias(
             else:
                 dq_ptrs = DQ + ((split * Z + z) * H + h) * NQ * D + rows[:, None] * D + dims[None, :]
                 tl.store(dq_ptrs, tl.load(dq_ptrs, mask=q_mask, other=0.0) + dq, mask=q_mask)
+                tl.debug_barrier()  # the rows are read back at the next key block, maybe by other threads
         if NEED_DBIAS:
             # contiguous [A, C, H, NQ, NK]
             dbias_ptrs = DBIAS + (((a * C + c) * H + h) * NQ + rows[:, None]) * NK + cols[None, :]
@@ -269,7 +530,7 @@ def _attn_bwd_dq_dbias(
 # ----------------------------------------------------------------------------------------------
 
 
-def _strides(t: Optional[torch.Tensor], ndim: int) -> tuple[int, ...]:
+def _strides(t: torch.Tensor | None, ndim: int) -> tuple[int, ...]:
     """Strides of ``t`` with 0 for size-1 (broadcast) dims; zeros when ``t`` is None."""
     if t is None:
         return (0,) * ndim
@@ -312,7 +573,8 @@ def canonical_bias(
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
-    return "ieee"  # fp32/fp64 exact products (no TF32); ignored for fp16/bf16 operands
+    """fp32/fp64 operands: exact products (no TF32). fp16/bf16: the default (irrelevant)."""
+    return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
 
 
 def _acc_dtype(dtype: torch.dtype):
@@ -350,9 +612,9 @@ def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    mask_offset: Optional[torch.Tensor],
-    gate: Optional[torch.Tensor],
+    bias: torch.Tensor | None,
+    mask_offset: torch.Tensor | None,
+    gate: torch.Tensor | None,
     scale: float,
     R: int,
     C: int,
@@ -388,9 +650,9 @@ def attention_backward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    mask_offset: Optional[torch.Tensor],
-    gate: Optional[torch.Tensor],
+    bias: torch.Tensor | None,
+    mask_offset: torch.Tensor | None,
+    gate: torch.Tensor | None,
     o: torch.Tensor,
     row_max: torch.Tensor,
     row_logsum: torch.Tensor,
@@ -398,7 +660,7 @@ def attention_backward(
     R: int,
     C: int,
     need_dbias: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Backward on the canonical layout; returns ``(dq, dk, dv, dbias, dgate)`` (None where absent).
 
     ``dbias`` has the shape of ``bias`` (its broadcast head/query/key dims summed in PyTorch).

@@ -16,11 +16,12 @@ config is used.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -31,7 +32,7 @@ BENCH_WARMUP_MS = 10
 BENCH_REP_MS = 40
 
 _lock = threading.Lock()
-_tuners: dict[str, "Tuner"] = {}
+_tuners: dict[str, Tuner] = {}
 _received: dict[str, dict] = {}  # tables broadcast for kernels this rank has not used yet
 
 
@@ -46,13 +47,13 @@ def _rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
 
-def cache_dir(rank: Optional[int] = None) -> Path:
+def cache_dir(rank: int | None = None) -> Path:
     """This rank's tuning-cache directory."""
     root = Path(os.environ.get(CACHE_DIR_ENV, DEFAULT_CACHE_DIR))
     return root / f"rank{_rank() if rank is None else rank}"
 
 
-def set_per_rank_triton_cache_dir(root: Optional[os.PathLike] = None) -> Path:
+def set_per_rank_triton_cache_dir(root: os.PathLike | None = None) -> Path:
     """Point ``TRITON_CACHE_DIR`` at a per-rank directory (unless already set): concurrent ranks
     compiling the same kernel into one shared cache directory race on its files."""
     if "TRITON_CACHE_DIR" in os.environ:
@@ -134,7 +135,7 @@ class Tuner:
         timings = []
         for cfg in self.configs:
             try:
-                ms = triton.testing.do_bench(lambda: launch(cfg), warmup=BENCH_WARMUP_MS, rep=BENCH_REP_MS)
+                ms = triton.testing.do_bench(functools.partial(launch, cfg), warmup=BENCH_WARMUP_MS, rep=BENCH_REP_MS)
             except Exception:  # out of shared memory / registers for this shape: not a candidate
                 continue
             timings.append((ms, cfg))

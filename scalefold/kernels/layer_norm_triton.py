@@ -24,8 +24,20 @@ from scalefold.kernels import autotune
 
 @triton.jit
 def _ln_fwd(
-    X, W, B, Y, MEAN, RSTD, M, N, stride_x, stride_y, eps,
-    ACC_DTYPE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    X,
+    W,
+    B,
+    Y,
+    MEAN,
+    RSTD,
+    M,
+    N,
+    stride_x,
+    stride_y,
+    eps,
+    ACC_DTYPE: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
@@ -48,8 +60,23 @@ def _ln_fwd(
 
 @triton.jit
 def _ln_bwd_dx(
-    DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, M, N, stride_dy, stride_x, stride_dx, ROWS_PER_PROGRAM,
-    ACC_DTYPE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    DY,
+    X,
+    W,
+    MEAN,
+    RSTD,
+    DX,
+    DW_PART,
+    DB_PART,
+    M,
+    N,
+    stride_dy,
+    stride_x,
+    stride_dx,
+    ROWS_PER_PROGRAM,
+    ACC_DTYPE: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
@@ -80,8 +107,15 @@ def _ln_bwd_dx(
 
 @triton.jit
 def _ln_bwd_dwdb(
-    DW_PART, DB_PART, DW, DB, P, N,
-    ACC_DTYPE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    DW_PART,
+    DB_PART,
+    DW,
+    DB,
+    P,
+    N,
+    ACC_DTYPE: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Optional
 
 import torch
 
@@ -42,9 +41,9 @@ def attention_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    mask_offset: Optional[torch.Tensor],
-    gate: Optional[torch.Tensor],
+    bias: torch.Tensor | None,
+    mask_offset: torch.Tensor | None,
+    gate: torch.Tensor | None,
     scale: float,
     R: int,
     C: int,
@@ -66,9 +65,9 @@ def attention_bwd(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    mask_offset: Optional[torch.Tensor],
-    gate: Optional[torch.Tensor],
+    bias: torch.Tensor | None,
+    mask_offset: torch.Tensor | None,
+    gate: torch.Tensor | None,
     o: torch.Tensor,
     row_max: torch.Tensor,
     row_logsum: torch.Tensor,
@@ -116,9 +115,7 @@ def _attention_backward(ctx, do, _d_row_max, _d_row_logsum):
     )  # fmt: skip
 
 
-torch.library.register_autograd(
-    "scalefold::attention_fwd", _attention_backward, setup_context=_attention_setup_context
-)
+torch.library.register_autograd("scalefold::attention_fwd", _attention_backward, setup_context=_attention_setup_context)
 
 
 def _mask_offset(
@@ -138,10 +135,10 @@ def attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    mask: Optional[torch.Tensor] = None,
-    gate: Optional[torch.Tensor] = None,
-    scale: Optional[float] = None,
+    bias: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    scale: float | None = None,
     inf: float = 1e9,
 ) -> torch.Tensor:
     """Triton gated attention with pair bias; semantics of :func:`scalefold.kernels.attention`."""
@@ -233,17 +230,15 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
 # ----------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op(
-    "scalefold::adam_swa_", mutates_args=("param", "exp_avg", "exp_avg_sq", "swa", "compute")
-)
+@torch.library.custom_op("scalefold::adam_swa_", mutates_args=("param", "exp_avg", "exp_avg_sq", "swa", "compute"))
 def adam_swa_op(
     param: torch.Tensor,
     grad: torch.Tensor,
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     swa: torch.Tensor,
-    compute: Optional[torch.Tensor],
-    clip_scale: Optional[torch.Tensor],
+    compute: torch.Tensor | None,
+    clip_scale: torch.Tensor | None,
     neg_step_size: torch.Tensor,
     bias_correction2_sqrt: torch.Tensor,
     beta1: float,
@@ -270,11 +265,11 @@ def adam_swa_update_(
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     swa: torch.Tensor,
-    compute: Optional[torch.Tensor] = None,
+    compute: torch.Tensor | None = None,
     *,
     lr: torch.Tensor,
     step: torch.Tensor,
-    clip_scale: Optional[torch.Tensor] = None,
+    clip_scale: torch.Tensor | None = None,
     beta1: float = 0.9,
     beta2: float = 0.999,
     eps: float = 1e-6,

@@ -15,8 +15,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bf16 tl.dot is wrong in the interpreter)")
-
 
 @pytest.fixture(autouse=True)
 def _seed():
