@@ -293,7 +293,7 @@ def train(cfg: TrainConfig) -> TrainResult:
                 record = {
                     "step": step, "loss": float(loss.detach()), "recycling_iters": n, "lr": lr,
                     "grad_norm": float(clip.grad_norm), "skipped": skipped,
-                    **{f"loss_{k}": float(v) for k, v in terms.items()},
+                    **{(k if k.startswith("loss") else f"loss_{k}"): float(v) for k, v in terms.items()},
                     "time_data_wait": timings["data_wait"], "time_step": t3 - t0,
                 }  # fmt: skip
                 metrics.write(json.dumps(record) + "\n")
