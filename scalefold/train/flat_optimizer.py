@@ -128,20 +128,7 @@ def _resolve_update_backend(backend: str, param: torch.Tensor) -> str:
         return backend
     from scalefold import kernels
 
-    resolved = kernels.resolve_backend(backend, param)
-    if resolved == "triton" and _triton_update() is None:
-        if backend == "triton":
-            raise RuntimeError("backend='triton' requested but scalefold.kernels.triton_ops has no adam_swa_update_")
-        return "torch"  # "auto" before the fused kernel exists
-    return resolved
-
-
-def _triton_update():
-    try:
-        from scalefold.kernels import triton_ops  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return getattr(triton_ops, "adam_swa_update_", None)
+    return kernels.resolve_backend(backend, param)
 
 
 def adam_swa_update_(
@@ -183,10 +170,13 @@ def adam_swa_update_(
         if t.dim() != 1 or t.numel() != numel:
             raise ValueError("adam_swa_update_ expects flat 1-D tensors of equal length")
     resolved = _resolve_update_backend(backend, param)
-    if resolved == "triton":
-        _triton_update()(
+    if resolved == "triton":  # the fused kernel, through the one kernel dispatch point
+        from scalefold import kernels
+
+        kernels.adam_swa_(
             param, grad, exp_avg, exp_avg_sq, swa, compute, lr=lr, step=step, clip_scale=clip_scale,
             beta1=beta1, beta2=beta2, eps=eps, swa_decay=swa_decay, swa_n_averaged=swa_n_averaged,
+            backend="triton",
         )  # fmt: skip
         return
     neg_step_size, bias_correction2_sqrt = _step_scalars(lr, step, beta1, beta2)
