@@ -82,8 +82,14 @@ BLOCKS = {
 }
 
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(torch.finfo(b.dtype).tiny)).item()
+def _rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
+    """Max abs error relative to ``max|b|``, or to ``floor`` when that is larger.
+
+    The floor matters for gradients that are analytically zero (e.g. the bias of a LayerNorm whose
+    output only enters softmax logits as a per-head constant): both sides are rounding noise there,
+    whose pattern depends on thread count, so they are compared against the block's gradient scale."""
+    scale = max(b.abs().max().item(), floor, torch.finfo(b.dtype).tiny)
+    return ((a - b).abs().max() / scale).item()
 
 
 def _valid_mask(name: str, key: str, inputs: dict) -> torch.Tensor:
@@ -151,8 +157,9 @@ def test_block_matches_reference_golden(golden_modules, name):
         assert _rel_err(inputs[key].grad, ref) <= GOLDEN_TOL, key
     params = dict(block.named_parameters())
     assert set(params) == set(golden["param_grads"])
+    grad_scale = max(ref.abs().max().item() for ref in golden["param_grads"].values())
     for key, ref in golden["param_grads"].items():
-        assert _rel_err(params[key].grad, ref) <= GOLDEN_TOL, key
+        assert _rel_err(params[key].grad, ref, floor=1e-6 * grad_scale) <= GOLDEN_TOL, key
 
 
 def test_stacks_load_golden_small_weights(golden_small):
