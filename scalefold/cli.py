@@ -19,6 +19,7 @@ _SUBCOMMAND_PROVIDERS: tuple[tuple[str, str], ...] = (
     ("scalefold.train.cli", "add_parsers"),
     ("scalefold.data.cli", "add_parsers"),
     ("scalefold.model.cli", "add_parsers"),
+    ("scalefold.inference.cli", "add_parsers"),
 )
 
 

@@ -1,0 +1,135 @@
+"""``scalefold predict`` and ``scalefold evaluate``: argument parsing; the work is in
+:mod:`scalefold.inference.predict` and :mod:`scalefold.inference.evaluate`.
+
+Bad input (missing/corrupt FASTA, alignment of another sequence, unreadable or mismatched
+checkpoint, unknown chains) ends with ``error: <message>`` on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+MODEL_PRESETS = ("mlperf", "initial_training", "demo", "tiny")  # = weights.MODEL_PRESETS (no heavy import here)
+WEIGHT_CHOICES = ("auto", "swa", "model")
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, help="ScaleFold or MLPerf reference checkpoint (or SWA file)")
+    p.add_argument(
+        "--preset", "--model-preset", dest="preset", choices=MODEL_PRESETS,
+        help="model preset the checkpoint was trained with (default: detected from its parameter shapes)",
+    )  # fmt: skip
+    p.add_argument(
+        "--weights", choices=WEIGHT_CHOICES, default="auto",
+        help="swa: the averaged weights; model: the raw training weights; auto (default): SWA when present and averaged at least once",
+    )  # fmt: skip
+    p.add_argument("--num-recycling", type=int, help="recycling iterations (default: the training preset's)")
+    p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
+
+
+def add_parsers(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``predict`` and ``evaluate``."""
+    p = subparsers.add_parser(
+        "predict",
+        help="predict one chain's structure from a FASTA (+ a3m) and a checkpoint; write PDB/mmCIF with pLDDT",
+        description="Predict the structure of one single-chain target. Writes atom37 coordinates with the "
+        "per-residue pLDDT in the B-factor column and prints the mean pLDDT. Letters other than the 20 amino "
+        "acids are read as X (unknown residue). No templates are used.",
+    )
+    p.add_argument("--fasta", required=True, help="FASTA file with one record")
+    p.add_argument(
+        "--a3m", nargs="+", default=[], metavar="A3M",
+        help="alignments (a3m or Stockholm) whose first row is the FASTA sequence; none: single-sequence mode",
+    )  # fmt: skip
+    _add_model_options(p)
+    p.add_argument("--out", help="output structure, .cif (mmCIF) or .pdb (default: <target name>.cif)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the MSA sampling/masking of the data pipeline")
+    p.set_defaults(handler=_run_predict)
+
+    e = subparsers.add_parser(
+        "evaluate",
+        help="per-target and mean lDDT-Cα of a checkpoint on a store's validation chains",
+        description="Evaluate a checkpoint on a dataset store: per-target and mean lDDT-Cα (the MLPerf metric). "
+        "By default the targets are the validation split the training preset uses.",
+    )
+    e.add_argument("--store", required=True, help="dataset store (HDF5)")
+    _add_model_options(e)
+    targets = e.add_mutually_exclusive_group()
+    targets.add_argument("--chains", nargs="+", metavar="CHAIN", help="chain ids to evaluate")
+    targets.add_argument(
+        "--val-window", action="store_true",
+        help="the training validation split (chains in the CAMEO window; the default)",
+    )  # fmt: skip
+    e.add_argument(
+        "--max-chains", type=int, help="with the validation split: at most N targets (0 = all; default: the preset's)"
+    )
+    e.add_argument("--out", help="report file, .json or .csv")
+    e.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    e.set_defaults(handler=_run_evaluate)
+
+
+def default_output(target_name: str) -> str:
+    """``<target name>.cif`` in the working directory, the name reduced to a safe file name."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", target_name).strip("._") or "prediction"
+    return f"{safe}.cif"
+
+
+def _input_errors() -> tuple[type[Exception], ...]:
+    from scalefold.checkpoint.adapters import CheckpointError
+    from scalefold.data.parsers import ParseError
+    from scalefold.inference.weights import InferenceError
+    from scalefold.train.checkpoint_io import CheckpointError as CheckpointFileError
+
+    return (InferenceError, ParseError, CheckpointError, CheckpointFileError)
+
+
+def _fail(exc: Exception) -> int:
+    print(f"error: {exc}", file=sys.stderr)
+    return 2
+
+
+def _run_predict(args: argparse.Namespace) -> int:
+    from scalefold.inference.predict import predict, read_fasta
+
+    errors = _input_errors()
+    try:
+        out = args.out or default_output(read_fasta(args.fasta).name)
+        result = predict(
+            args.fasta, args.checkpoint, a3m=args.a3m, out=out, preset=args.preset, weights=args.weights,
+            num_recycling=args.num_recycling, seed=args.seed, device=args.device,
+        )  # fmt: skip
+    except errors as exc:
+        return _fail(exc)
+    record = result.record
+    unknown = f", {record.num_unknown} unknown residues read as X" if record.num_unknown else ""
+    print(f"model: {result.loaded.describe()}")
+    print(f"target {record.name}: {len(record.sequence)} residues{unknown}, {result.num_alignment_rows} alignment rows")
+    print(f"wrote {result.out}")
+    print(f"mean pLDDT: {result.mean_plddt:.2f}")
+    return 0
+
+
+def _run_evaluate(args: argparse.Namespace) -> int:
+    from scalefold.inference.evaluate import evaluate
+    from scalefold.inference.weights import InferenceError
+
+    errors = _input_errors()
+    try:
+        if args.out and not args.out.lower().endswith((".json", ".csv")):
+            raise InferenceError(f"report {args.out}: use a .json or .csv suffix")
+        report = evaluate(
+            args.store, args.checkpoint, chains=args.chains, preset=args.preset, weights=args.weights,
+            num_recycling=args.num_recycling, max_chains=args.max_chains, progress=args.progress, device=args.device,
+        )  # fmt: skip
+    except errors as exc:
+        return _fail(exc)
+    step = f" (iteration {report.iteration})" if report.iteration is not None else ""
+    print(f"{report.checkpoint}{step}: preset {report.preset}, {report.weights} weights, "
+          f"{report.num_recycling_iters} recycling iterations")  # fmt: skip
+    print(report.table())
+    if args.out:
+        print(f"wrote {report.write(args.out)}")
+    print(f"mean lDDT-Cα: {report.mean_lddt_ca:.4f}")
+    return 0
