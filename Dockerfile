@@ -1,15 +1,37 @@
-# ScaleFold container (NGC PyTorch base: H100-ready CUDA, NCCL, Triton).
-# STUB: the full image (kalign, mpi4py, DALI extra, tuned defaults) is built by the HPC-submission
-# issue; this file already produces a working image with the package and its runtime extras.
+# ScaleFold container: NGC PyTorch base (H100-ready CUDA, cuDNN, NCCL, Triton, PyTorch).
+#
+#   docker build -t scalefold:latest .                                   # or: podman build
+#   enroot import -o scalefold.sqsh dockerd://scalefold:latest           # for Slurm + pyxis
+#   CONT=$PWD/scalefold.sqsh source launch/config_<SYSTEM>.sh && sbatch -N $DGXNNODES -t $WALLTIME run.sub
+#
+# run.sub mounts the dataset read-only at /data and the results directory at /results, and runs
+# /workspace/scalefold/launch/run_and_time.sh on every rank.
 ARG FROM_IMAGE=nvcr.io/nvidia/pytorch:25.01-py3
 FROM ${FROM_IMAGE}
 
 ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
     OMP_NUM_THREADS=1 \
-    PYTHONDONTWRITEBYTECODE=1
+    TRITON_CACHE_DIR=/tmp/scalefold_triton \
+    DEBIAN_FRONTEND=noninteractive
+
+# Kalign realigns template hits to the query (data pipeline); numactl binds ranks to NUMA nodes.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends kalign numactl \
+ && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /workspace/scalefold
+# The base image's torch (a pre-release build such as 2.6.0a0+...) is pinned so pip never replaces
+# it with a PyPI wheel; mpi4py builds against the image's HPC-X Open MPI.
 COPY pyproject.toml README.md ./
 COPY scalefold ./scalefold
-RUN pip install ".[triton,mpi]"
+RUN python -c "import torch; print(f'torch=={torch.__version__}')" > /tmp/torch-pin.txt \
+ && pip install --constraint /tmp/torch-pin.txt ".[triton,mpi]" "mlperf-logging>=3.0" \
+ && python -c "import scalefold, mlperf_logging, mpi4py; print('scalefold', scalefold.__version__)" \
+ && rm /tmp/torch-pin.txt
+
 COPY launch ./launch
+COPY run.sub ./
+RUN chmod +x launch/run_and_time.sh
