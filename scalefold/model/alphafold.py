@@ -52,12 +52,15 @@ class AlphaFold(nn.Module):
         config: an :class:`AlphaFoldConfig` or the reference's plain config dict.
         activation_checkpointing: recompute block activations in backward during training
             (the reference does so for the differentiated iteration); numerics are unchanged.
+        parallel_evoformer: HelixFold's Parallel Evoformer (outer product mean at the end of each
+            Evoformer block; required by Branch Parallelism). Not part of the reference model.
     """
 
     def __init__(
         self,
         config: Union[AlphaFoldConfig, Mapping[str, Any]],
         activation_checkpointing: bool = True,
+        parallel_evoformer: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(config, AlphaFoldConfig):
@@ -77,7 +80,8 @@ class AlphaFold(nn.Module):
             self.template_pointwise_attention = TemplatePointwiseAttention(**cfg["template_pointwise_attention_config"])
         self.extra_msa_embedder = ExtraMSAEmbedder(**cfg["extra_msa_embedder_config"])
         self.extra_msa_stack = ExtraMSAStack(**cfg["extra_msa_stack_config"])
-        self.evoformer_stack = EvoformerStack(**cfg["evoformer_stack_config"])
+        self.parallel_evoformer = parallel_evoformer
+        self.evoformer_stack = EvoformerStack(**cfg["evoformer_stack_config"], parallel=parallel_evoformer)
         self.structure_module = StructureModule(**cfg["structure_module_config"])
         self.auxiliary_heads = AuxiliaryHeads(**cfg["auxiliary_heads_config"])
 

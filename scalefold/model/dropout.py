@@ -7,8 +7,8 @@ per *column* and shares it over all rows ("row-wise dropout"), and vice versa. F
 * :class:`DropoutRowwise`    shares the mask along dim ``-3`` (mask ``[*, 1, N_cols, C]``);
 * :class:`DropoutColumnwise` shares the mask along dim ``-2`` (mask ``[*, N_rows, 1, C]``).
 
-The mask is drawn by :func:`shared_dropout_mask` alone, so a distributed (DAP) implementation can
-draw the full-size mask identically on every rank of a group and scatter it. Dropout is the
+The mask is drawn by :func:`shared_dropout_mask` alone, so under DAP every rank of a group draws
+the full-size mask identically and keeps its own part (``forward(x, plane, sharded)``). Dropout is the
 identity in eval mode and when the rate is 0.
 """
 
@@ -56,10 +56,17 @@ class SharedDropout(nn.Module):
         self.p = p
         self.share_dim = share_dim
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, plane=None, sharded: int = ROW_SHARED_DIM) -> torch.Tensor:
+        """Under DAP, ``plane`` (a :class:`scalefold.distributed.axial.Plane`) draws the mask at
+        the single-rank size and keeps the part of ``x``'s sharded axis (``sharded``) held here."""
         if not self.training or self.p == 0.0:
             return x
-        mask = shared_dropout_mask(x.shape, self.p, self.share_dim, x.device, x.dtype)
+        if plane is None:
+            mask = shared_dropout_mask(x.shape, self.p, self.share_dim, x.device, x.dtype)
+        else:
+            mask = plane.dropout_mask(
+                lambda shape: shared_dropout_mask(shape, self.p, self.share_dim, x.device, x.dtype), x.shape, sharded
+            )
         return x * mask
 
     def extra_repr(self) -> str:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from scalefold.distributed.axial import ROWS, Axial, mask_cols, mask_rows, row_to_col
 from scalefold.model.dropout import DropoutRowwise
-from scalefold.model.evoformer import EvoformerBlockCore, run_block, use_checkpointing
+from scalefold.model.evoformer import EvoformerBlockCore, enter_stack, run_block, split_planes, use_checkpointing
 from scalefold.model.msa_attention import MSAColumnGlobalAttention, MSARowAttentionWithPairBias
 
 
@@ -64,13 +65,23 @@ class ExtraMSABlock(nn.Module):
         )
 
     def forward(
-        self, m: torch.Tensor, z: torch.Tensor, msa_mask: torch.Tensor, pair_mask: torch.Tensor
+        self,
+        m: torch.Tensor,
+        z: torch.Tensor,
+        msa_mask: torch.Tensor,
+        pair_mask: torch.Tensor,
+        dap: Axial | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``m`` ``[*, N_extra, N_res, c_e]``, ``z`` ``[*, N_res, N_res, c_z]``, ``msa_mask``
-        ``[*, N_extra, N_res]``, ``pair_mask`` ``[*, N_res, N_res]`` -> updated ``(m, z)``."""
-        m = m + self.msa_dropout_rowwise(self.msa_att_row(m, z, mask=msa_mask))
-        m = m + self.msa_att_col(m, mask=msa_mask)
-        return self.core(m, z, msa_mask=msa_mask, pair_mask=pair_mask)
+        ``[*, N_extra, N_res]``, ``pair_mask`` ``[*, N_res, N_res]`` -> updated ``(m, z)``.
+        Under DAP (``dap``) ``m`` and ``z`` are row-sharded in and out; the global column
+        attention runs in the column-sharded layout."""
+        msa, pair = split_planes(dap)
+        row_update = self.msa_att_row(m, z, mask=mask_rows(msa_mask, msa), pair_plane=pair)
+        m = m + self.msa_dropout_rowwise(row_update, msa, ROWS)
+        m = row_to_col(m, msa)
+        m = m + self.msa_att_col(m, mask=mask_cols(msa_mask, msa))
+        return self.core(m, z, msa_mask=msa_mask, pair_mask=pair_mask, dap=dap)
 
 
 class ExtraMSAStack(nn.Module):
@@ -104,6 +115,7 @@ class ExtraMSAStack(nn.Module):
     ) -> None:
         super().__init__()
         self.checkpointing = checkpointing
+        self.dap_group = None  # set by scalefold.distributed (ParallelContext.wrap)
         self.blocks = nn.ModuleList(
             ExtraMSABlock(
                 c_e=c_e,
@@ -142,8 +154,11 @@ class ExtraMSAStack(nn.Module):
         """
         requested = self.checkpointing if gradient_checkpointing is None else gradient_checkpointing
         with_checkpoint = use_checkpointing(self, requested)
+        dap, m, z = enter_stack(self.dap_group, m, z, n_seq=m.shape[-3])
         for block in self.blocks:
-            m, z = run_block(block, with_checkpoint, m, z, msa_mask=msa_mask, pair_mask=pair_mask)
+            m, z = run_block(block, with_checkpoint, m, z, msa_mask=msa_mask, pair_mask=pair_mask, dap=dap)
+        if dap is not None:
+            z = dap.pair.gather_rows(z, grad="split")
         return z
 
 

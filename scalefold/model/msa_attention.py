@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from scalefold import kernels
+from scalefold.distributed.axial import gather_rows
 from scalefold.model.primitives import Attention, LayerNorm, Linear
 
 
@@ -79,14 +80,19 @@ class MSARowAttentionWithPairBias(nn.Module):
         self.linear_z = Linear(c_z, num_heads, bias=False, init="normal")
         self.mha = Attention(c_m, c_m, c_m, c_hidden, num_heads, gating=True, inf=inf)
 
-    def forward(self, m: torch.Tensor, z: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, m: torch.Tensor, z: torch.Tensor, mask: torch.Tensor | None = None, pair_plane=None
+    ) -> torch.Tensor:
         """``m`` ``[*, N_seq, N_res, c_m]``, ``z`` ``[*, N_res, N_res, c_z]``, ``mask``
-        ``[*, N_seq, N_res]``. Returns the MSA update ``[*, N_seq, N_res, c_m]``."""
+        ``[*, N_seq, N_res]``. Returns the MSA update ``[*, N_seq, N_res, c_m]``.
+
+        Under DAP (``pair_plane`` given) ``m``, ``mask`` and ``z`` are row-sharded; the bias is
+        all-gathered over ``i`` (its backward reduce-scatters)."""
         mask = _valid(mask, m, m.shape[:-1])
         mask = mask[..., :, None, None, :]
         # mask: [*, N_seq, 1, 1, N_res]
 
-        bias = self.linear_z(self.layer_norm_z(z))
+        bias = gather_rows(self.linear_z(self.layer_norm_z(z)), pair_plane)
         # bias: [*, N_res, N_res, H]
         bias = bias.movedim(-1, -3).unsqueeze(-4)
         # bias: [*, 1, H, N_res, N_res]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from scalefold.distributed.axial import gather_cols, mask_cols
 from scalefold.model.msa_attention import chunked
 from scalefold.model.primitives import LayerNorm, Linear
 
@@ -38,17 +39,21 @@ class OuterProductMean(nn.Module):
         self.linear_2 = Linear(c_m, c_hidden, bias=True, init="default")
         self.linear_out = Linear(c_hidden * c_hidden, c_z, bias=True, init="final")
 
-    def forward(self, m: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, m: torch.Tensor, mask: torch.Tensor | None = None, msa_plane=None) -> torch.Tensor:
         """``m`` ``[*, N_seq, N_res, c_m]``, ``mask`` ``[*, N_seq, N_res]``.
-        Returns the pair update ``[*, N_res, N_res, c_z]``."""
+        Returns the pair update ``[*, N_res, N_res, c_z]``.
+
+        Under DAP (``msa_plane`` given) ``m`` is column-sharded and ``mask`` is the whole MSA mask;
+        the right projection is all-gathered over residues, so the update comes out row-sharded."""
         if mask is None:
-            mask = m.new_ones(m.shape[:-1])
-        mask = mask.to(m.dtype).unsqueeze(-1)
+            mask = m.new_ones(m.shape[:-2] + (m.shape[-3], msa_plane.cols if msa_plane else m.shape[-2]))
+        mask_all = mask.to(m.dtype).unsqueeze(-1)
+        mask = mask_cols(mask.to(m.dtype), msa_plane).unsqueeze(-1)
         # mask: [*, N_seq, N_res, 1]
 
         m = self.layer_norm(m)
         a = self.linear_1(m) * mask
-        b = self.linear_2(m) * mask
+        b = gather_cols(self.linear_2(m) * mask, msa_plane)
         # a, b: [*, N_seq, N_res, C]
         a = a.transpose(-2, -3)
         b = b.transpose(-2, -3)
@@ -57,7 +62,7 @@ class OuterProductMean(nn.Module):
         outer = chunked(lambda a_: self._project_outer(a_, b), self.chunk_size, [a], dims=[-3], out_dim=-3)
         # outer: [*, N_res, N_res, c_z]
 
-        norm = torch.einsum("...abc,...adc->...bdc", mask, mask)
+        norm = torch.einsum("...abc,...adc->...bdc", mask, mask_all)
         # norm: [*, N_res, N_res, 1] -- number of rows valid at both i and j
         return outer / (norm + self.eps)
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from scalefold.distributed.axial import COLS, ROWS, col_to_row, mask_cols, mask_rows, row_to_col
 from scalefold.model.dropout import DropoutColumnwise, DropoutRowwise
-from scalefold.model.evoformer import run_block, use_checkpointing
+from scalefold.model.evoformer import enter_stack, run_block, use_checkpointing
 from scalefold.model.msa_attention import chunked
 from scalefold.model.primitives import Attention, LayerNorm
 from scalefold.model.transitions import PairTransition
@@ -57,17 +58,21 @@ class TemplatePairBlock(nn.Module):
         self.dropout_rowwise = DropoutRowwise(dropout_rate)
         self.dropout_columnwise = DropoutColumnwise(dropout_rate)
 
-    def forward(self, t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, t: torch.Tensor, mask: torch.Tensor, pair=None) -> torch.Tensor:
         """``t`` ``[*, N_templ, N_res, N_res, c_t]``, ``mask`` ``[*, N_res, N_res]`` (pair mask)
-        -> updated ``t``."""
+        -> updated ``t``. Under DAP (``pair``, a pair plane) ``t`` is row-sharded in and out."""
         mask = mask.unsqueeze(-3)
         # mask: [*, 1, N_res, N_res], shared by all templates
-        t = t + self.dropout_rowwise(self.tri_att_start(t, mask=mask))
-        t = t + self.dropout_columnwise(self.tri_att_end(t, mask=mask))
-        t = t + self.dropout_rowwise(self.tri_mul_out(t, mask=mask))
-        t = t + self.dropout_rowwise(self.tri_mul_in(t, mask=mask))
-        t = t + self.pair_transition(t, mask=mask)
-        return t
+        rows, cols = mask_rows(mask, pair), mask_cols(mask, pair)
+        t = t + self.dropout_rowwise(self.tri_att_start(t, mask=rows, plane=pair), pair, ROWS)
+        t = row_to_col(t, pair)
+        t = t + self.dropout_columnwise(self.tri_att_end(t, mask=cols, plane=pair), pair, COLS)
+        t = col_to_row(t, pair)
+        t = t + self.dropout_rowwise(self.tri_mul_out(t, mask=rows, plane=pair), pair, ROWS)
+        t = row_to_col(t, pair)
+        t = t + self.dropout_rowwise(self.tri_mul_in(t, mask=cols, plane=pair), pair, COLS)
+        t = t + self.pair_transition(t, mask=cols)
+        return col_to_row(t, pair)
 
 
 class TemplatePairStack(nn.Module):
@@ -92,6 +97,7 @@ class TemplatePairStack(nn.Module):
     ) -> None:
         super().__init__()
         self.checkpointing = checkpointing
+        self.dap_group = None  # set by scalefold.distributed (ParallelContext.wrap)
         self.blocks = nn.ModuleList(
             TemplatePairBlock(
                 c_t=c_t,
@@ -113,8 +119,12 @@ class TemplatePairStack(nn.Module):
         overrides the constructor's ``checkpointing`` when given."""
         requested = self.checkpointing if gradient_checkpointing is None else gradient_checkpointing
         with_checkpoint = use_checkpointing(self, requested)
+        dap, _, t = enter_stack(self.dap_group, None, t, n_seq=None)
+        pair = None if dap is None else dap.pair
         for block in self.blocks:
-            t = run_block(block, with_checkpoint, t, mask=mask)
+            t = run_block(block, with_checkpoint, t, mask=mask, pair=pair)
+        if pair is not None:
+            t = pair.gather_rows(t, grad="split")
         return self.layer_norm(t)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from scalefold.distributed.axial import gather_cols, gather_rows
 from scalefold.model.msa_attention import chunked
 from scalefold.model.primitives import Attention, LayerNorm, Linear
 
@@ -41,8 +42,12 @@ class TriangleMultiplicativeUpdate(nn.Module):
         self.layer_norm_in = LayerNorm(c_z)
         self.layer_norm_out = LayerNorm(c_hidden)
 
-    def forward(self, z: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``z`` ``[*, N_res, N_res, c_z]``, ``mask`` ``[*, N_res, N_res]`` -> update like ``z``."""
+    def forward(self, z: torch.Tensor, mask: torch.Tensor | None = None, plane=None) -> torch.Tensor:
+        """``z`` ``[*, N_res, N_res, c_z]``, ``mask`` ``[*, N_res, N_res]`` -> update like ``z``.
+
+        Under DAP (``plane`` given) ``z`` and ``mask`` are row-sharded for the outgoing update
+        (``b`` is all-gathered over ``j``) and column-sharded for the incoming one (``a`` is
+        all-gathered over ``i``)."""
         mask = _pair_mask(mask, z).unsqueeze(-1)
         # mask: [*, N_res, N_res, 1]
         z = self.layer_norm_in(z)
@@ -52,6 +57,10 @@ class TriangleMultiplicativeUpdate(nn.Module):
         b = torch.sigmoid(self.linear_b_g(z)) * mask
         b = b * self.linear_b_p(z)
         # a, b: [*, N_res, N_res, C]
+        if self.outgoing:
+            b = gather_rows(b, plane)
+        else:
+            a = gather_cols(a, plane)
 
         x = self._combine(a, b)
         # x: [*, N_res, N_res, C]
@@ -109,8 +118,11 @@ class TriangleAttention(nn.Module):
         self.linear = Linear(c_z, num_heads, bias=False, init="normal")
         self.mha = Attention(c_z, c_z, c_z, c_hidden, num_heads, gating=True, inf=inf)
 
-    def forward(self, z: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``z`` ``[*, N_res, N_res, c_z]``, ``mask`` ``[*, N_res, N_res]`` -> update like ``z``."""
+    def forward(self, z: torch.Tensor, mask: torch.Tensor | None = None, plane=None) -> torch.Tensor:
+        """``z`` ``[*, N_res, N_res, c_z]``, ``mask`` ``[*, N_res, N_res]`` -> update like ``z``.
+
+        Under DAP (``plane`` given) ``z`` and ``mask`` are row-sharded around the starting node and
+        column-sharded around the ending node; the bias is all-gathered over its first axis."""
         mask = _pair_mask(mask, z)
         if not self.starting:
             z = z.transpose(-2, -3)
@@ -120,7 +132,7 @@ class TriangleAttention(nn.Module):
         # Row i is a batch of queries z_ij attending over keys z_ik.
         mask = mask[..., :, None, None, :]
         # mask: [*, N_i, 1, 1, N_k]
-        bias = self.linear(z).movedim(-1, -3).unsqueeze(-4)
+        bias = gather_rows(self.linear(z), plane).movedim(-1, -3).unsqueeze(-4)
         # bias: [*, 1, H, N_j, N_k] (shared by every row i)
 
         z = chunked(

@@ -1,0 +1,135 @@
+"""One object the training loop holds for model parallelism: :func:`setup_model_parallel`.
+
+Usage (every rank, after ``torch.distributed`` is initialised)::
+
+    ctx = setup_model_parallel(dap=2, bp=1, num_eval_ranks=0, parallel_evoformer=False)
+    torch.manual_seed(seed + ctx.seed_offset)   # same dropout masks inside a DAP group / BP pair
+    model = ctx.wrap(AlphaFold(config, parallel_evoformer=...))   # stacks sharded + grad factors
+    batch = ctx.broadcast_batch(batch if ctx.is_loader_rank else None)
+    loss.backward()
+    ctx.sync_grads(model)   # or: DDP over ctx.train_group (+ GradClipper hook): same result
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from scalefold.distributed import grad_sync
+from scalefold.distributed.branch_parallel import Branches
+from scalefold.distributed.data import broadcast_batch
+from scalefold.distributed.group import DAPGroup
+from scalefold.distributed.layout import ParallelLayout
+
+
+@dataclass(eq=False)
+class ParallelContext:
+    layout: ParallelLayout
+    rank: int
+    dap_group: DAPGroup | None = None  # None when dap == 1 or on eval ranks
+    branch: Branches | None = None  # None when bp == 1 or on eval ranks
+    train_group: dist.ProcessGroup | None = None  # None: the default group (no eval ranks)
+    dap_process_group: dist.ProcessGroup | None = None
+    model_group: dist.ProcessGroup | None = None  # the DAP x BP ranks of one DP replica
+    hooks: list = field(default_factory=list)
+
+    @property
+    def is_train_rank(self) -> bool:
+        return self.rank < self.layout.num_train_ranks
+
+    @property
+    def coords(self) -> tuple[int, int, int]:
+        return self.layout.coords(self.rank)
+
+    @property
+    def seed_offset(self) -> int:
+        """Add to the seed: the data-parallel index (shared by a DAP group and a BP pair)."""
+        return self.coords[0] if self.is_train_rank else 0
+
+    @property
+    def is_loader_rank(self) -> bool:
+        """One loader per DAP group and BP pair: the rank with bp_rank == dap_rank == 0."""
+        return self.is_train_rank and self.coords[1:] == (0, 0)
+
+    @property
+    def loader_rank(self) -> int:
+        dp_rank = self.coords[0]
+        return self.layout.rank_of(dp_rank, 0, 0)
+
+    def wrap(self, model: nn.Module, grad_hooks: bool = True) -> nn.Module:
+        """Attach the DAP group / BP pair to the model's stacks; with ``grad_hooks`` scale each
+        gradient by its DAP/BP factor (see :mod:`scalefold.distributed.grad_sync`)."""
+        if self.layout.bp > 1 and not any(getattr(m, "parallel", False) for m in model.modules()):
+            raise ValueError("--bp 2 needs --parallel-evoformer (the model has no parallel Evoformer block)")
+        for module in model.modules():
+            if hasattr(module, "dap_group") and hasattr(module, "blocks"):
+                module.dap_group = self.dap_group
+            if hasattr(module, "branch") and hasattr(module, "blocks"):
+                module.branch = self.branch
+        if grad_hooks:
+            self.hooks = grad_sync.install_grad_scale_hooks(model, self.layout.dap, self.layout.bp)
+        return model
+
+    def sync_grads(self, model: nn.Module) -> None:
+        """Mean over all training ranks of the (scaled) gradients: the true DP-averaged gradient."""
+        if not self.hooks and (self.layout.dap > 1 or self.layout.bp > 1):
+            raise RuntimeError("sync_grads needs the gradient factors: wrap(model, grad_hooks=True)")
+        grad_sync.all_reduce_mean(model.parameters(), group=self.train_group)
+
+    def broadcast_batch(
+        self, batch: Mapping[str, torch.Tensor] | None, device: torch.device | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The loader rank's batch on every rank of its DAP group / BP pair (received tensors
+        are allocated on ``device``, default the sender's device type)."""
+        if self.layout.dap * self.layout.bp == 1:
+            return dict(batch)
+        return broadcast_batch(batch, src=self.loader_rank, group=self.model_group, device=device)
+
+
+def setup_model_parallel(
+    dap: int = 1,
+    bp: int = 1,
+    num_eval_ranks: int = 0,
+    parallel_evoformer: bool = False,
+    crop_size: int | None = None,
+    train_group: dist.ProcessGroup | None = None,
+) -> ParallelContext:
+    """Validate the layout and create the DAP, BP and model (DAP x BP) groups on every rank.
+
+    Collective: every rank of the world (eval ranks included) must call it, in the same order.
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    layout = ParallelLayout(world, dap=dap, bp=bp, num_eval_ranks=num_eval_ranks).validate(
+        parallel_evoformer=parallel_evoformer, crop_size=crop_size
+    )
+    ctx = ParallelContext(layout=layout, rank=rank)
+    if world == 1:
+        return ctx
+    if num_eval_ranks and train_group is None:
+        train_group = dist.new_group(list(range(layout.num_train_ranks)))
+    ctx.train_group = train_group
+    for ranks in layout.dap_groups():
+        group = dist.new_group(ranks) if dap > 1 else None
+        if rank in ranks and dap > 1:
+            ctx.dap_group = DAPGroup(group=group, size=dap, rank=ranks.index(rank))
+            ctx.dap_process_group = group
+    for ranks in layout.bp_groups():
+        group = dist.new_group(ranks) if bp > 1 else None
+        if rank in ranks and bp > 1:
+            ctx.branch = Branches(group=group, branch=ranks.index(rank), owners=(ranks[0], ranks[1]))
+    model_groups = [
+        [layout.rank_of(d, b, a) for b in range(bp) for a in range(dap)] for d in range(layout.dp)
+    ]
+    for ranks in model_groups:
+        group = dist.new_group(ranks) if dap * bp > 1 else None
+        if rank in ranks:
+            ctx.model_group = group
+    return ctx
+
+
+__all__ = ["ParallelContext", "setup_model_parallel"]

@@ -1,0 +1,40 @@
+"""Run a function on ``world_size`` local gloo processes (tests, benchmarks, CPU experiments)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, threads: int, args: tuple) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_processes(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1) -> None:
+    """``fn(rank, world_size, *args)`` on ``world_size`` spawned processes joined by a gloo default
+    group; raises if any of them fails. ``fn`` must be picklable (a module-level function)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    mp.spawn(_entry, args=(fn, world_size, free_port(), threads, args), nprocs=world_size, join=True)
+
+
+__all__ = ["free_port", "run_processes"]
