@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from scalefold.train.config import PRECISIONS, PRESETS
+
+EXIT_ABORTED = 2  # the run aborted (too many non-finite steps): run_stop status=aborted was logged
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
@@ -12,37 +15,52 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "train",
         help="train AlphaFold2 (no arguments: the CPU demo on a synthetic store)",
-        description="Train AlphaFold2. Values come from the preset, then SCALEFOLD_<OPTION> environment "
-        "variables, then these flags.",
+        description="Train AlphaFold2. Values come from the preset, then --config FILE (TOML or YAML), then "
+        "SCALEFOLD_<OPTION> environment variables, then these flags. Launch under torchrun, srun or mpirun "
+        "for data-parallel training.",
     )
     p.add_argument("--preset", choices=sorted(PRESETS), default="demo", help="run preset (default: demo)")
+    p.add_argument("--config", help="TOML/YAML file of training options (between the preset and the environment)")
     p.add_argument("--out", help="run directory (metrics.jsonl, MLPerf log, checkpoints/, curves.png)")
     p.add_argument("--store", help="dataset store (a synthetic one is created there if absent)")
     p.add_argument("--max-steps", type=int, help="training steps")
     p.add_argument("--eval-every", type=int, help="evaluate the SWA weights every N steps (0 = never)")
     p.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (0 = never)")
     p.add_argument("--resume", action="store_true", default=None, help="continue from the newest checkpoint in --out")
+    p.add_argument("--init-from", help="start from a reference-format checkpoint (weights + Adam state)")
     p.add_argument("--seed", type=int, help="run seed (data order, recycling counts, dropout)")
     p.add_argument("--deterministic", action="store_true", default=None, help="deterministic algorithms and data order")
-    p.add_argument("--precision", choices=PRECISIONS, help="fp32, bf16 (autocast, fp32 master weights) or fp64")
+    p.add_argument("--precision", choices=PRECISIONS, help="fp32, tf32, bf16 (autocast, fp32 master weights) or fp64")
     p.add_argument("--lr", type=float, help="base learning rate")
     p.add_argument("--target-lddt", type=float, help="stop when the eval lDDT-Cα reaches this")
     p.add_argument("--num-workers", type=int, help="data-loader worker processes")
+    p.add_argument("--num-async-eval-ranks", type=int, help="the last N ranks evaluate asynchronously (0 = in the loop)")
+    p.add_argument("--compile", action="store_true", default=None, help="torch.compile the Evoformer blocks")
+    p.add_argument("--dap", type=int, help="dynamic axial parallelism degree (issue 5)")
+    p.add_argument("--bp", type=int, choices=(1, 2), help="branch parallelism degree (issue 5)")
+    p.add_argument("--parallel-evoformer", action="store_true", default=None, help="parallel Evoformer (issue 5)")
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
     p.set_defaults(handler=_run_train)
 
 
 def _run_train(args: argparse.Namespace) -> int:
     from scalefold.train.config import TrainConfig
-    from scalefold.train.loop import train
+    from scalefold.train.loop import TrainingAborted, train
 
     overrides = {
         "out": args.out, "store": args.store, "max_steps": args.max_steps, "eval_every": args.eval_every,
-        "checkpoint_every": args.checkpoint_every, "resume": args.resume, "seed": args.seed,
-        "deterministic": args.deterministic, "precision": args.precision, "lr": args.lr,
+        "checkpoint_every": args.checkpoint_every, "resume": args.resume, "init_from": args.init_from,
+        "seed": args.seed, "deterministic": args.deterministic, "precision": args.precision, "lr": args.lr,
         "target_lddt": args.target_lddt, "num_workers": args.num_workers, "progress": args.progress,
+        "num_async_eval_ranks": args.num_async_eval_ranks, "compile": args.compile, "dap": args.dap,
+        "bp": args.bp, "parallel_evoformer": args.parallel_evoformer,
     }  # fmt: skip
-    cfg = TrainConfig.from_preset(args.preset, overrides=overrides)
-    result = train(cfg)
-    print(f"run directory: {result.out}")
+    cfg = TrainConfig.from_preset(args.preset, overrides=overrides, config_file=args.config)
+    try:
+        result = train(cfg)
+    except TrainingAborted as exc:
+        print(f"scalefold train: aborted: {exc}", file=sys.stderr, flush=True)
+        return EXIT_ABORTED
+    if result.out is not None:
+        print(f"run directory: {result.out}")
     return 0

@@ -1,7 +1,9 @@
 """Training-run configuration: one dataclass, three presets, overridable by env vars and CLI flags.
 
-Precedence (lowest first): preset -> environment (``SCALEFOLD_<FIELD>``, e.g.
+Precedence (lowest first): preset -> config file (``--config FILE``: TOML or YAML, a flat table of
+field names, or the fields under a ``[train]`` table) -> environment (``SCALEFOLD_<FIELD>``, e.g.
 ``SCALEFOLD_MAX_STEPS=200``, what a Slurm ``config_*.sh`` exports) -> explicit overrides (CLI flags).
+Unknown keys (in the file or the overrides) are rejected with their names.
 
 Presets:
 
@@ -18,10 +20,11 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 ENV_PREFIX = "SCALEFOLD_"
-PRECISIONS = ("fp32", "bf16", "fp64")
+PRECISIONS = ("fp32", "tf32", "bf16", "fp64")
 
 
 @dataclass
@@ -67,29 +70,59 @@ class TrainConfig:
     keep_last: int = 3
     resume: bool = False
     progress: bool = True
+    # starting point: a reference-format checkpoint (weights + Adam state), SWA starts from it
+    init_from: str | None = None
+    # parallelism: the last ``num_async_eval_ranks`` ranks evaluate asynchronously (0 = synchronous
+    # evaluation on the main training rank); DAP / branch parallelism land with issue 5
+    num_async_eval_ranks: int = 0
+    dap: int = 1
+    bp: int = 1
+    parallel_evoformer: bool = False
+    # torch.compile of the Evoformer / extra-MSA blocks (eager fallback when compilation fails)
+    compile: bool = False
 
     # -----------------------------------------------------------------------------------------
 
     @classmethod
     def from_preset(
-        cls, name: str = "demo", overrides: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+        cls,
+        name: str = "demo",
+        overrides: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+        config_file: str | os.PathLike[str] | None = None,
     ) -> TrainConfig:
-        """Preset, then ``SCALEFOLD_*`` environment variables, then ``overrides`` (``None`` values skipped)."""
+        """Preset, then ``config_file``, then ``SCALEFOLD_*`` environment variables, then ``overrides``
+        (``None`` values skipped)."""
         if name not in PRESETS:
             raise ValueError(f"unknown training preset {name!r}; expected one of {sorted(PRESETS)}")
         cfg = cls(preset=name, **PRESETS[name]())
+        if config_file is not None:
+            cfg = cfg.replace(**load_config_file(config_file))
         cfg = cfg.with_env(os.environ if env is None else env)
         if overrides:
             cfg = cfg.replace(**{k: v for k, v in overrides.items() if v is not None})
-        if cfg.precision not in PRECISIONS:
-            raise ValueError(f"unknown precision {cfg.precision!r}; expected one of {PRECISIONS}")
+        cfg.validate()
         return cfg
+
+    def validate(self) -> None:
+        """Reject values no run can use (clear messages instead of failures deep in the loop)."""
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r}; expected one of {PRECISIONS}")
+        for name in ("max_steps", "eval_every", "checkpoint_every", "num_async_eval_ranks", "max_consecutive_nonfinite"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.dap < 1 or self.bp not in (1, 2):
+            raise ValueError(f"dap must be >= 1 and bp 1 or 2, got dap={self.dap} bp={self.bp}")
+        if self.keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {self.keep_last}")
 
     def replace(self, **changes: Any) -> TrainConfig:
         names = {f.name for f in dataclasses.fields(self)}
         unknown = set(changes) - names
         if unknown:
             raise KeyError(f"unknown training options: {sorted(unknown)}")
+        if "synth_length_range" in changes:  # lists from TOML / YAML
+            changes["synth_length_range"] = tuple(changes["synth_length_range"])
         return dataclasses.replace(self, **changes)
 
     def with_env(self, env: Mapping[str, str]) -> TrainConfig:
@@ -105,6 +138,40 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Field values from a TOML (``.toml``) or YAML (``.yaml``/``.yml``) file.
+
+    The file is a flat table of :class:`TrainConfig` field names (or has them under ``train``);
+    unknown keys raise ``KeyError`` naming them, a ``preset`` key is refused (choose it with ``--preset``).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    suffix = path.suffix.lower()
+    if suffix == ".toml":
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python 3.10
+            import tomli as tomllib
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    elif suffix in (".yaml", ".yml"):
+        import yaml
+
+        data = yaml.safe_load(path.read_text()) or {}
+    else:
+        raise ValueError(f"config file {path}: expected a .toml, .yaml or .yml file")
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path}: expected a table of options, got {type(data).__name__}")
+    if set(data) == {"train"} and isinstance(data["train"], dict):
+        data = data["train"]
+    names = {f.name for f in dataclasses.fields(TrainConfig)} - {"preset"}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise KeyError(f"config file {path}: unknown training options {unknown}")
+    return dict(data)
+
+
 def _parse(raw: str, current: Any, name: str) -> Any:
     if isinstance(current, bool):
         if raw.lower() in ("1", "true", "yes", "on"):
@@ -118,8 +185,10 @@ def _parse(raw: str, current: Any, name: str) -> Any:
         return int(raw)
     if isinstance(current, float):
         return float(raw)
-    if current is None:  # Optional[int] fields
-        return None if raw.lower() in ("", "none") else int(raw)
+    if current is None:  # Optional fields: init_from (a path) and the int overrides
+        if raw.lower() in ("", "none"):
+            return None
+        return raw if name == "init_from" else int(raw)
     return raw
 
 
@@ -152,4 +221,4 @@ def _tiny() -> dict[str, Any]:
 
 PRESETS = {"mlperf": _mlperf, "demo": _demo, "tiny": _tiny}
 
-__all__ = ["TrainConfig", "PRESETS", "PRECISIONS", "ENV_PREFIX"]
+__all__ = ["TrainConfig", "PRESETS", "PRECISIONS", "ENV_PREFIX", "load_config_file"]

@@ -1,8 +1,11 @@
 """Store chain -> model batch: the picklable ``(index, seed) -> batch`` the training loader runs.
 
 A chain of a :class:`~scalefold.data.store.Store` is turned into AlphaFold's raw feature dict
-(sequence features, the stored MSA, the stored structure; no template hits in synthetic stores,
-so zero templates) and then through the MLPerf data pipeline
+(sequence features, the stored MSA, the stored structure, and template features selected from the
+template structures precomputed at preprocessing time: in training the top 20 prefiltered hits
+shuffled with the sample's seed and the first ``max_templates`` usable ones kept, as the MLPerf
+reference does; synthetic stores have no hits, so zero templates) and then through the MLPerf
+data pipeline
 (:func:`~scalefold.data.pipeline.process_training_features` /
 :func:`~scalefold.data.pipeline.process_validation_features`). Batches get a leading batch
 dimension of 1 (``[1, ..., R]``), the layout :class:`~scalefold.model.AlphaFold` expects.
@@ -27,11 +30,19 @@ from scalefold.data.pipeline import (
 )
 from scalefold.data.raw_features import make_sequence_features
 from scalefold.data.store import Store
-from scalefold.data.templates import empty_template_features
+from scalefold.data.templates import empty_template_features, select_templates
 
 
-def chain_raw_features(chain: dict[str, Any]) -> dict[str, Any]:
-    """AlphaFold raw features of one stored chain (``Store.get`` output)."""
+def chain_raw_features(
+    chain: dict[str, Any], features: FeatureConfig | None = None, mode: str = "train", seed: int | None = None
+) -> dict[str, Any]:
+    """AlphaFold raw features of one stored chain (``Store.get`` output).
+
+    Template features come from the chain's precomputed ``template_outcomes`` when ``features``
+    enables templates: at most ``features.max_templates``; in ``"train"`` mode the top
+    ``shuffle_top_k_prefiltered`` hits are shuffled with ``random.Random(seed)`` first. Without
+    ``features`` (or hits) the chain gets zero templates.
+    """
     sequence = chain["sequence"]
     num_res = len(sequence)
     raw: dict[str, Any] = make_sequence_features(sequence, chain["chain_id"], num_res)
@@ -43,7 +54,12 @@ def chain_raw_features(chain: dict[str, Any]) -> dict[str, Any]:
     raw["msa"] = msa  # [N_seq, N_res]
     raw["deletion_matrix_int"] = deletions  # [N_seq, N_res]
     raw["num_alignments"] = np.full((num_res,), msa.shape[0], dtype=np.int32)
-    raw.update(empty_template_features(num_res))
+    outcomes = chain.get("template_outcomes")
+    if features is not None and features.templates_enabled and outcomes:
+        shuffle_top_k = features.shuffle_top_k_prefiltered if mode == "train" else None
+        raw.update(select_templates(outcomes, num_res, features.max_templates, shuffle_top_k, seed))
+    else:
+        raw.update(empty_template_features(num_res))
     raw["all_atom_positions"] = chain["all_atom_positions"]  # [N_res, 37, 3]
     raw["all_atom_mask"] = chain["all_atom_mask"]  # [N_res, 37]
     resolution = chain["resolution"]
@@ -87,11 +103,14 @@ class StoreSample:
 
     def __call__(self, index: int, seed: int) -> dict[str, torch.Tensor]:
         chain_id = self.chain_ids[index]
-        raw = chain_raw_features(self._open().get(chain_id))
+        chain = self._open().get(chain_id)
         if self.mode == "train":
+            raw = chain_raw_features(chain, self.features, self.mode, seed)
             sample = process_training_features(raw, self.features, seed=seed)
         else:
-            sample = process_validation_features(raw, self.features, seed=validation_seed(chain_id))
+            seed = validation_seed(chain_id)
+            raw = chain_raw_features(chain, self.features, self.mode, seed)
+            sample = process_validation_features(raw, self.features, seed=seed)
         return add_batch_dim(sample)
 
 

@@ -1,0 +1,410 @@
+"""Asynchronous evaluation ranks: real gloo process groups (training, evaluation, bridge), the tiny
+AlphaFold, FlatAdamSWA's SWA buffer sent through the bridge, scores compared with a synchronous
+evaluation of the same weights, the stop flag, the end-of-training sentinel and failure reports."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from scalefold.train.async_eval import (
+    REPLY_BYTES,
+    AsyncEvalClient,
+    bind_flat_parameters,
+    decode_reply,
+    encode_reply,
+    run_eval_rank,
+    swa_flat_buffer,
+)
+from scalefold.train.runtime import Runtime
+
+LENGTHS = [10, 14, 8, 12, 9]  # residues of the validation targets
+STEPS_PER_CYCLE = 2  # "eval_every" of these runs
+GLOBAL_BATCH = 1
+UNREACHABLE = 1.5  # lDDT-Cα <= 1
+
+
+# ---------------------------------------------------------------------------------------------
+# What every rank runs (module level: picklable for the spawned processes)
+# ---------------------------------------------------------------------------------------------
+
+
+def _build_model():
+    from scalefold.model import AlphaFold, AlphaFoldConfig
+
+    torch.manual_seed(0)
+    return AlphaFold(AlphaFoldConfig.from_preset("tiny"))
+
+
+def _target(index: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    from scalefold.model.features import make_synthetic_batch
+
+    return make_synthetic_batch(LENGTHS[index], 4, 6, 2, num_recycling_iters=0, seed=100 + index + seed)
+
+
+def _targets(indices: list[int]) -> list[dict[str, torch.Tensor]]:
+    return [_target(i) for i in indices]
+
+
+def _score(model, batch) -> float:
+    from scalefold.metrics import validation_lddt_ca
+
+    out = model(batch)
+    score = validation_lddt_ca(
+        out["final_atom_positions"].float(), batch["all_atom_positions"][..., -1], batch["all_atom_mask"][..., -1]
+    )
+    return float(score.mean())
+
+
+def _score_failing_on_rank_2(model, batch) -> float:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 2:
+        raise ValueError("boom on purpose")
+    return _score(model, batch)
+
+
+def _score_dying(model, batch) -> float:
+    os._exit(17)  # a crashed evaluation process: no reply, no exception
+
+
+def _score_hanging(model, batch) -> float:
+    time.sleep(120)  # a stuck evaluation process (killed by the test)
+    return 0.0
+
+
+@torch.no_grad()
+def _synchronous_score(eval_model) -> float:
+    """What synchronous evaluation computes (``loop.evaluate``): the mean over targets in order."""
+    eval_model.eval()
+    return float(np.mean([_score(eval_model, b) for b in _targets(list(range(len(LENGTHS))))]))
+
+
+class _Cfg:
+    def __init__(self, target_lddt: float) -> None:
+        self.target_lddt = target_lddt
+
+
+def _train_side(runtime, out: Path, target: float, max_cycles: int, max_pending: int = 2, timeout_s: float = 30,
+                wait_for_results: bool = False) -> dict:  # fmt: skip
+    """A training rank: flat Adam + SWA steps, a submission and a stop check every cycle."""
+    from scalefold.train import mlperf_logging as mll
+    from scalefold.train.flat_optimizer import FlatAdamSWA
+
+    model = _build_model()
+    opt = FlatAdamSWA(list(model.named_parameters()), lr=1e-2)
+    eval_model = _build_model()
+    opt.bind_module_to_swa(eval_model)  # the synchronous reference reads the SWA buffer
+    flat = swa_flat_buffer(opt)
+    client = AsyncEvalClient(runtime, flat.numel(), max_pending=max_pending, timeout_s=timeout_s)
+    mllog = mll.MLPerfLogger.for_rank(runtime.rank, runtime.log_ranks, out / "mlperf.log")
+    snapshots, answers, submit_s, stopped_at = {}, [], [], None
+    error, error_after_s = None, None
+    t_start = time.monotonic()
+    try:
+        for cycle in range(1, max_cycles + 1):
+            mllog.epoch_start(mll.epoch_num(cycle - 1, GLOBAL_BATCH, STEPS_PER_CYCLE))
+            for it in range(STEPS_PER_CYCLE):  # stand-in gradients, real flat Adam + SWA
+                g = torch.Generator().manual_seed(1000 * cycle + it)
+                for p in model.parameters():
+                    p.grad.copy_(torch.randn(p.shape, generator=g) * 0.1)
+                opt.step()
+            step, epoch = cycle * STEPS_PER_CYCLE, mll.epoch_num(cycle, GLOBAL_BATCH, STEPS_PER_CYCLE)
+            mllog.epoch_stop(epoch)
+            t0 = time.perf_counter()
+            client.submit(step, epoch, flat)
+            submit_s.append(time.perf_counter() - t0)
+            stop = client.should_stop()
+            answers.append(stop)
+            if runtime.is_main_train_rank:
+                snapshots[step] = flat.clone()  # scored synchronously at the end: training outruns evaluation
+            if stop:
+                stopped_at = cycle
+                break
+            while wait_for_results and runtime.is_main_train_rank and len(client.results) < cycle:
+                time.sleep(0.01)  # test only: let the evaluation finish before the next cycle
+                assert time.monotonic() - t_start < 60, "no evaluation result within 60 s"
+    except RuntimeError as exc:
+        error, error_after_s = str(exc), time.monotonic() - t_start
+    client.close()
+    if not client.target_reached:
+        mllog.run_stop(mll.STATUS_ABORTED)
+    mllog.close()
+    expected = {}  # the synchronous reference on the same SWA weights
+    for step, weights in snapshots.items() if error is None else ():
+        flat.copy_(weights)
+        expected[step] = _synchronous_score(eval_model)
+    threads_alive = runtime.is_main_train_rank and (client._sender.is_alive() or client._listener.is_alive())
+    return {
+        "expected": {str(k): v for k, v in expected.items()}, "answers": answers, "stopped_at": stopped_at,
+        "results": [[r.step, r.epoch, r.score, r.target_reached] for r in client.results],
+        "target_reached": client.target_reached, "error": error, "error_after_s": error_after_s,
+        "max_submit_s": max(submit_s, default=0.0), "threads_alive": threads_alive,
+    }  # fmt: skip
+
+
+def _eval_side(
+    runtime, out: Path, target: float, score_fn, use_cache: bool, lengths: list[int] | None = LENGTHS
+) -> dict:
+    from scalefold.data.eval_cache import EvalCache
+    from scalefold.train import mlperf_logging as mll
+
+    mllog = mll.MLPerfLogger.for_rank(runtime.rank, runtime.log_ranks, out / "mlperf.log")
+    if use_cache:
+        batches = EvalCache(_target, [(i, 0) for i in range(len(LENGTHS))], LENGTHS,
+                            rank=runtime.eval_ranks.index(runtime.rank), num_ranks=len(runtime.eval_ranks))  # fmt: skip
+        results = run_eval_rank(_Cfg(target), runtime, _build_model, batches, score_fn, mllog)
+    else:
+        results = run_eval_rank(_Cfg(target), runtime, _build_model, _targets, score_fn, mllog, target_lengths=lengths)
+    mllog.close()
+    return {"results": [[r.step, r.epoch, r.score, r.target_reached] for r in results]}
+
+
+SCENARIOS = {
+    # name: (world size, evaluation ranks, training kwargs, evaluation kwargs)
+    "stop_at_target": (2, 1, {"target": 0.0, "max_cycles": 30}, {"target": 0.0, "score_fn": _score, "use_cache": False}),
+    "unreachable_split": (
+        4, 2, {"target": UNREACHABLE, "max_cycles": 4, "max_pending": 1},
+        {"target": UNREACHABLE, "score_fn": _score, "use_cache": True},
+    ),
+    "eval_rank_raises": (
+        3, 2, {"target": UNREACHABLE, "max_cycles": 200, "wait_for_results": False},
+        {"target": UNREACHABLE, "score_fn": _score_failing_on_rank_2, "use_cache": False},
+    ),
+    "eval_rank_dies": (
+        2, 1, {"target": UNREACHABLE, "max_cycles": 200, "timeout_s": 10},
+        {"target": UNREACHABLE, "score_fn": _score_dying, "use_cache": False},
+    ),
+    "eval_rank_hangs": (
+        2, 1, {"target": UNREACHABLE, "max_cycles": 200, "timeout_s": 3},
+        {"target": UNREACHABLE, "score_fn": _score_hanging, "use_cache": False},
+    ),
+    "eval_misconfigured": (  # a callable eval_batches without target_lengths
+        2, 1, {"target": UNREACHABLE, "max_cycles": 200},
+        {"target": UNREACHABLE, "score_fn": _score, "use_cache": False, "lengths": None},
+    ),
+}  # fmt: skip
+
+
+def _rank_main(rank: int, port: int, scenario: str, out: str) -> None:
+    from scalefold.train.runtime import init_distributed
+
+    torch.set_num_threads(1)
+    world, num_eval, train_kwargs, eval_kwargs = SCENARIOS[scenario]
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+    record: dict = {"rank": rank}
+    try:
+        runtime = init_distributed(num_async_eval_ranks=num_eval, env=env, timeout_s=60)
+        if runtime.is_train_rank:
+            if scenario in ("stop_at_target", "unreachable_split"):
+                train_kwargs = {**train_kwargs, "wait_for_results": scenario == "stop_at_target"}
+            record.update(_train_side(runtime, Path(out), **train_kwargs))
+        else:
+            record.update(_eval_side(runtime, Path(out), **eval_kwargs))
+        record["ok"] = True
+    except Exception as exc:  # noqa: BLE001 -- recorded for the test to check
+        record.update(ok=False, exception=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(record))
+    os._exit(0)  # no teardown: a failed peer may leave gloo connections half-open
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(tmp_path: Path, scenario: str, deadline_s: float = 120, stuck: tuple[int, ...] = ()) -> dict[int, dict]:
+    """Run ``scenario`` on fresh processes; the ``stuck`` ranks are expected to hang and are killed."""
+    world = SCENARIOS[scenario][0]
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, port, scenario, str(tmp_path)), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    end = time.monotonic() + deadline_s
+    for r, p in enumerate(procs):
+        if r not in stuck:
+            p.join(max(0.0, end - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive() and r not in stuck]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not hung, f"ranks {hung} still running after {deadline_s} s (a hang)"
+    records = {}
+    for r in range(world):
+        path = tmp_path / f"rank{r}.json"
+        records[r] = (
+            json.loads(path.read_text()) if path.exists() else {"rank": r, "ok": False, "exception": "no record"}
+        )
+    return records
+
+
+def _mllog(path: Path) -> list[dict]:
+    return [json.loads(line.split(":::MLLOG", 1)[1]) for line in path.read_text().splitlines() if ":::MLLOG" in line]
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-process tests
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.distributed
+def test_one_eval_rank_stops_training_at_target(tmp_path):
+    """1 training + 1 evaluation rank, target 0.0: the first evaluation reaches it; its score equals
+    a synchronous evaluation of the same SWA weights exactly; the evaluation rank logs eval_* and
+    run_stop success; training sees the stop flag at its next cycle and the eval rank ends cleanly."""
+    records = _launch(tmp_path, "stop_at_target")
+    train, ev = records[0], records[1]
+    assert train["ok"] and ev["ok"], records
+    step1 = STEPS_PER_CYCLE
+    assert train["results"][0][:2] == [step1, 1 * GLOBAL_BATCH * STEPS_PER_CYCLE]
+    assert train["results"][0][2] == train["expected"][str(step1)]  # exact: same weights, same targets
+    assert 0.0 < train["results"][0][2] < 1.0 and train["results"][0][3] is True
+    assert train["stopped_at"] == 2 and train["answers"] == [False, True]  # results awaited before cycle 2
+    assert train["target_reached"] and not train["error"] and not train["threads_alive"]
+    assert ev["results"] == [train["results"][0]]  # cycle 2's submission was dropped (stop already known)
+
+    events = _mllog(tmp_path / "mlperf.log")
+    keys = [e["key"] for e in events]
+    accuracy = [e for e in events if e["key"] == "eval_accuracy"]
+    assert len(accuracy) == 1 and accuracy[0]["value"] == train["results"][0][2]
+    assert accuracy[0]["metadata"]["epoch_num"] == GLOBAL_BATCH * STEPS_PER_CYCLE
+    run_stops = [e for e in events if e["key"] == "run_stop"]
+    assert len(run_stops) == 1 and run_stops[0]["metadata"]["status"] == "success"
+    assert keys.index("eval_start") < keys.index("eval_accuracy") < keys.index("eval_stop") < keys.index("run_stop")
+
+
+@pytest.mark.distributed
+def test_two_eval_ranks_split_targets_and_close_ends_them(tmp_path):
+    """2 training + 2 evaluation ranks, unreachable target, EvalCache shards by LPT, at most one
+    pending submission: every submission is evaluated in order, each reduced score equals the
+    synchronous mean; should_stop is False on both training ranks; close() ends the eval ranks."""
+    records = _launch(tmp_path, "unreachable_split")
+    assert all(r["ok"] for r in records.values()), records
+    train0, train1, ev2, ev3 = (records[r] for r in range(4))
+    cycles = (1, 2, 3, 4)
+    assert [r[0] for r in train0["results"]] == [c * STEPS_PER_CYCLE for c in cycles]  # all, in order
+    assert [r[1] for r in train0["results"]] == [c * GLOBAL_BATCH * STEPS_PER_CYCLE for c in cycles]
+    for step, _, score, reached in train0["results"]:
+        assert score == train0["expected"][str(step)] and not reached
+    assert len({r[2] for r in train0["results"]}) == len(cycles), "the SWA weights changed between cycles"
+    assert ev2["results"] == ev3["results"] == train0["results"]
+    assert train0["answers"] == train1["answers"] == [False] * len(cycles)
+    # training outran evaluation: with one pending submission allowed, a later submit had to wait
+    assert train0["max_submit_s"] > 0.02
+    assert train1["results"] == [] and not train0["threads_alive"]
+    assert train0["error"] is None and train1["error"] is None
+
+    events = _mllog(tmp_path / "mlperf.log")
+    assert [e["value"] for e in events if e["key"] == "eval_accuracy"] == [r[2] for r in train0["results"]]
+    assert [e["metadata"]["status"] for e in events if e["key"] == "run_stop"] == ["aborted"]  # from training
+
+
+@pytest.mark.distributed
+def test_failing_eval_rank_is_reported_to_training(tmp_path):
+    """1 training + 2 evaluation ranks; scoring raises on the second evaluation rank: both evaluation
+    ranks raise, and training gets a RuntimeError naming the rank and the error, within seconds."""
+    records = _launch(tmp_path, "eval_rank_raises", deadline_s=90)
+    train = records[0]
+    assert train["ok"], train
+    assert train["error"] and "evaluation rank 2" in train["error"] and "boom on purpose" in train["error"]
+    assert train["error_after_s"] < 30
+    for r in (1, 2):
+        assert not records[r]["ok"] and "boom on purpose" in records[r]["exception"]
+
+
+@pytest.mark.distributed
+def test_dead_eval_rank_is_reported_not_a_hang(tmp_path):
+    """The evaluation process dies mid-evaluation (no exception, no reply): the training side reports
+    the lost evaluation rank with a RuntimeError instead of hanging."""
+    records = _launch(tmp_path, "eval_rank_dies", deadline_s=90)
+    train = records[0]
+    assert train["ok"], train
+    assert train["error"] and "evaluation" in train["error"]
+    assert train["error_after_s"] < 40
+    assert "no record" in records[1]["exception"]  # it died before writing anything
+
+
+@pytest.mark.distributed
+def test_stuck_eval_rank_times_out(tmp_path):
+    """The evaluation process stays alive but never answers: after timeout_s (3 s) without progress
+    the training side raises instead of waiting forever."""
+    records = _launch(tmp_path, "eval_rank_hangs", deadline_s=90, stuck=(1,))
+    train = records[0]
+    assert train["ok"], train
+    assert train["error"] and "no reply from evaluation rank 1 for 3 s" in train["error"]
+    assert 3 <= train["error_after_s"] < 40
+
+
+@pytest.mark.distributed
+def test_eval_setup_error_is_reported_at_the_first_submission(tmp_path):
+    """A misconfigured evaluation rank (callable eval_batches without target_lengths) answers the
+    first submission with the error; both sides raise it."""
+    records = _launch(tmp_path, "eval_misconfigured", deadline_s=90)
+    train, ev = records[0], records[1]
+    assert train["ok"] and train["error"] and "needs target_lengths" in train["error"]
+    assert train["results"] == [] and train["answers"] == []
+    assert not ev["ok"] and "needs target_lengths" in ev["exception"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Single-process tests
+# ---------------------------------------------------------------------------------------------
+
+
+def test_bound_flat_parameters_have_the_swa_buffer_layout():
+    """Copying FlatAdamSWA's flat SWA buffer into bind_flat_parameters' buffer gives every parameter
+    of a second model exactly the optimizer's SWA view of the same name."""
+    from scalefold.train.flat_optimizer import FlatAdamSWA
+
+    model = _build_model()
+    opt = FlatAdamSWA(list(model.named_parameters()))
+    swa = swa_flat_buffer(opt)
+    swa.copy_(torch.randn(swa.shape, generator=torch.Generator().manual_seed(3)))
+    other = _build_model()
+    flat = bind_flat_parameters(other)
+    assert flat.numel() == swa.numel() > opt.num_params  # alignment padding included
+    flat.copy_(swa)
+    by_name = dict(zip(opt.names, opt.swa_views()))
+    for name, p in other.named_parameters():
+        assert torch.equal(p, by_name[name]), name
+        assert p.data_ptr() >= flat.data_ptr()
+
+
+def test_bind_flat_parameters_refuses_mixed_dtypes():
+    module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).double())
+    with pytest.raises(ValueError, match="one dtype"):
+        bind_flat_parameters(module)
+
+
+def test_reply_round_trip_and_truncation():
+    reply = encode_reply(3, 40, 10240, 0.8125, True, "évaluation failed")
+    assert reply.dtype == torch.uint8 and reply.numel() == REPLY_BYTES
+    assert decode_reply(reply) == (3, 40, 10240, 0.8125, True, "évaluation failed")
+    kind, *_, message = decode_reply(encode_reply(1, message="x" * 10 * REPLY_BYTES))
+    assert kind == 1 and 0 < len(message) < REPLY_BYTES
+    assert math.isnan(decode_reply(encode_reply(4))[3])
+
+
+def test_client_and_eval_rank_refuse_wrong_runtimes():
+    """Synchronous runs (no evaluation ranks) get a clear error, as does an eval call on a train rank."""
+    with pytest.raises(ValueError, match="evaluation ranks"):
+        AsyncEvalClient(Runtime(), num_params=10)
+    with pytest.raises(ValueError, match="not an evaluation rank"):
+        run_eval_rank(_Cfg(0.8), Runtime(), _build_model, _targets, _score, None, target_lengths=LENGTHS)
+    rt = Runtime(rank=0, world_size=2, train_ranks=[0], eval_ranks=[1])
+    with pytest.raises(ValueError, match="torch.distributed"):
+        AsyncEvalClient(rt, num_params=10)
