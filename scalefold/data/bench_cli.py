@@ -120,7 +120,8 @@ def run_loop(loader, steps: int, step_seconds: float, name: str) -> LoaderRun:
     return run
 
 
-def run_loader_benchmark(cfg: LoaderBenchConfig) -> dict[str, Any]:
+def run_loader_benchmark(cfg: LoaderBenchConfig, with_dali: bool = False) -> dict[str, Any]:
+    """Priority-queue vs in-order loader (and, with ``with_dali``, the DALI backend) on the same workload."""
     workload = SimulatedSample(cfg.base_seconds, cfg.slow_fraction, cfg.slow_factor, workload_seed=cfg.seed)
     # More pairs than steps so the queue never drains at the end of the loop.
     pairs = [(i, i) for i in range(cfg.steps + cfg.num_workers * cfg.prefetch_factor)]
@@ -131,6 +132,10 @@ def run_loader_benchmark(cfg: LoaderBenchConfig) -> dict[str, Any]:
         ),
         "in_order": run_loop(InOrderLoader(workload, pairs, **common), cfg.steps, cfg.step_seconds, "in_order"),
     }
+    if with_dali:
+        from scalefold.data.dali_loader import DaliLoader
+
+        runs["dali"] = run_loop(DaliLoader(workload, pairs, **common), cfg.steps, cfg.step_seconds, "dali")
     pq, io = runs["priority_queue"], runs["in_order"]
     result = {
         "benchmark": "loader_stall",
@@ -145,6 +150,14 @@ def run_loader_benchmark(cfg: LoaderBenchConfig) -> dict[str, Any]:
         "wait_fraction": pq.total_wait / pq.loop_seconds,
         "in_order_wait_fraction": io.total_wait / io.loop_seconds,
     }
+    if with_dali:
+        dali = runs["dali"]
+        result.update(
+            dali_wait_s=dali.total_wait,
+            dali_loop_s=dali.loop_seconds,
+            dali_wait_fraction=dali.total_wait / dali.loop_seconds,
+            dali_vs_pq_wait=dali.total_wait / pq.total_wait if pq.total_wait > 0 else float("inf"),
+        )
     result["_runs"] = runs
     return result
 
@@ -180,6 +193,11 @@ def format_table(result: dict[str, Any]) -> str:
         f"{'in_order':<16}{result['in_order_wait_s']:>10.3f}{result['in_order_loop_s']:>10.2f}{result['in_order_wait_fraction']:>11.2%}",
         f"wait ratio (pq / in-order): {result['wait_ratio']:.3f}",
     ]
+    if "dali_wait_s" in result:
+        lines.insert(
+            4,
+            f"{'dali':<16}{result['dali_wait_s']:>10.3f}{result['dali_loop_s']:>10.2f}{result['dali_wait_fraction']:>11.2%}",
+        )
     return "\n".join(lines)
 
 
@@ -195,7 +213,7 @@ def _cmd_bench_loader(args: argparse.Namespace) -> int:
         seed=args.seed,
         mp_context=args.mp_context,
     )
-    result = run_loader_benchmark(cfg)
+    result = run_loader_benchmark(cfg, with_dali=args.with_dali)
     runs = result.pop("_runs")
     if args.plot:
         plot_waits(runs, args.plot)
@@ -221,6 +239,7 @@ def add_bench_loader_parser(bench_subparsers) -> None:
     p.add_argument("--prefetch", type=int, default=d.prefetch_factor, help="queue depth per worker")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--mp-context", choices=("fork", "forkserver", "spawn"), default=None)
+    p.add_argument("--with-dali", action="store_true", help="also run the DALI loader backend (needs nvidia-dali)")
     p.set_defaults(handler=_cmd_bench_loader)
 
 

@@ -43,6 +43,14 @@ def add_preprocess_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="keep chains that have no alignment directory (without MSA) instead of skipping them",
     )
+    p.add_argument(
+        "--template-mmcif-dir",
+        help="mmCIF directory of the template structures (default: --mmcif-dir); featurised into the store",
+    )
+    p.add_argument("--no-templates", action="store_true", help="store template hits without featurising them")
+    p.add_argument(
+        "--kalign", help="kalign binary for template realignment (default: from PATH, else a Python aligner)"
+    )
     p.add_argument("--allow-pickle", action="store_true", help=f"with --mlperf-dir: {PICKLE_RISK}")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=_run_preprocess)
@@ -83,6 +91,9 @@ def _run_preprocess(args: argparse.Namespace) -> int:
             require_alignments=not args.allow_missing_alignments,
             cluster_file=args.cluster_file,
             progress=not args.no_progress,
+            templates=not args.no_templates,
+            template_mmcif_dir=args.template_mmcif_dir,
+            kalign_binary_path=args.kalign,
         )
     skipped = ", ".join(f"{reason}: {g['count']}" for reason, g in report["skipped"].items()) or "none"
     print(f"wrote {report['chains_written']} chains to {report['store']} (skipped: {skipped})")

@@ -576,12 +576,36 @@ class InOrderLoader(_LoaderBase):
     _round_robin = True
 
 
+#: Loader backends selectable by name (``--loader``): ScaleFold's priority queue (default), the
+#: reference in-order loader, and the optional DALI backend (:mod:`scalefold.data.dali_loader`).
+LOADERS = ("pq", "inorder", "dali")
+
+
+def make_loader(kind: str, sample_fn: SampleFn, sampler: Iterable[tuple[int, int]], **kwargs):
+    """The loader named ``kind`` (one of :data:`LOADERS`) over ``sampler``; ``kwargs`` as for
+    :class:`PriorityQueueLoader` (``deterministic`` only applies to ``"pq"``)."""
+    if kind == "pq":
+        return PriorityQueueLoader(sample_fn, sampler, **kwargs)
+    deterministic = kwargs.pop("deterministic", True)
+    if not deterministic:
+        logger.info("loader %r always delivers in sampler order; deterministic=False has no effect", kind)
+    if kind == "inorder":
+        return InOrderLoader(sample_fn, sampler, **kwargs)
+    if kind == "dali":
+        from scalefold.data.dali_loader import DaliLoader
+
+        return DaliLoader(sample_fn, sampler, **kwargs)
+    raise ValueError(f"unknown loader {kind!r}; choose one of {', '.join(LOADERS)}")
+
+
 def identity_broadcast(batch: Any) -> Any:
     """The default ``broadcast`` hook: no DAP group, nothing to send."""
     return batch
 
 
 __all__ = [
+    "LOADERS",
+    "make_loader",
     "Sampler",
     "PriorityQueueLoader",
     "InOrderLoader",

@@ -22,6 +22,7 @@ databases need no unpickling.
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import math
@@ -37,7 +38,9 @@ import numpy as np
 
 from scalefold import residue_constants as rc
 from scalefold.data.parsers.hhr import parse_hhr
+from scalefold.data.parsers.mmcif import MmcifChain, MmcifEntry
 from scalefold.data.parsers.msa import merge_msas, parse_a3m, validate_msa
+from scalefold.data.templates import TemplateHitFeaturizer, template_cutoff
 
 PathLike = Union[str, os.PathLike]
 
@@ -156,6 +159,53 @@ class MlperfLayout:
         }
         return {**raw, "atoms": atoms}
 
+    def mmcif_entry(self, pdb_id: str) -> MmcifEntry:
+        """One entry as an :class:`MmcifEntry` (template structures; needs ``allow_pickle``).
+
+        Raises ``FileNotFoundError`` when the entry is not in the layout.
+        """
+        try:
+            raw = self.entry(pdb_id)
+        except (KeyError, FileNotFoundError) as exc:
+            raise FileNotFoundError(f"{pdb_id} not in {self.root / DICTS_DIR}") from exc
+        chains = {
+            author: MmcifChain(
+                author_chain_id=author,
+                mmcif_chain_id="",
+                entity_id="",
+                sequence=sequence,
+                residue_names=(),
+                all_atom_positions=raw["atoms"][author]["all_atom_positions"].astype(np.float32),
+                all_atom_mask=raw["atoms"][author]["all_atom_mask"].astype(np.float32),
+                author_residue_ids=(),
+            )
+            for author, sequence in raw["sequences"].items()
+            if author in raw["atoms"]
+        }
+        release_date = raw.get("release_date")
+        return MmcifEntry(
+            pdb_id=pdb_id,
+            path=None,
+            exptl_method=str(raw.get("exptl_method", "")),
+            release_date=str(release_date)[:10] if release_date else None,
+            resolution=float("nan"),
+            chains=chains,
+        )
+
+    def template_featurizer(self, max_hits: int, kalign_binary_path: str | None = None) -> TemplateHitFeaturizer:
+        """The reference's featurizer over this layout: templates are chains of ``chains.csv``
+        (``template_pdb_chain_ids``), their release dates the prefilter's dates."""
+        release_dates = {row["pdb_id"]: row["release_date"] for row in self._chains if row.get("release_date")}
+        return TemplateHitFeaturizer(
+            None,
+            "9999-12-31",
+            max_hits=max_hits,
+            release_dates=release_dates,
+            allowed_chain_ids=set(self.chain_ids),
+            kalign_binary_path=kalign_binary_path,
+            load_structure=functools.lru_cache(maxsize=64)(self.mmcif_entry),
+        )
+
     def get(self, chain_id: str) -> dict[str, Any]:
         """Same keys as ``Store.get``: structure from ``dicts/``, MSA/templates from the alignment db."""
         row = self._index[chain_id]
@@ -202,6 +252,7 @@ def convert_to_store(
     if not allow_pickle:
         raise PickleNotAllowedError(f"converting {root} needs the structure pickles: {PICKLE_RISK}")
     layout = MlperfLayout(root, allow_pickle=allow_pickle)
+    featurizer = layout.template_featurizer(max_hits=1 << 30)  # every hit assessed; 4 picked per sample
     start = time.perf_counter()
     skipped, written = [], 0
     ids = sorted(layout.chain_ids, key=lambda c: (c[1:3], c))  # shard order: each pickle read once
@@ -209,6 +260,12 @@ def convert_to_store(
         for chain_id in tqdm(ids, desc="convert", unit="chain", disable=not progress):
             try:
                 d = layout.get(chain_id)
+                outcomes = None
+                if d.get("template_hits"):
+                    cutoff = template_cutoff(d["release_date"]) if d["release_date"] else None
+                    outcomes = featurizer.assess_hits(
+                        d["sequence"], d["template_hits"], query_pdb_id=d["pdb_id"], max_template_date=cutoff
+                    )
             except Exception as exc:  # noqa: BLE001 - report and go on
                 reason = getattr(exc, "reason", type(exc).__name__)
                 skipped.append({"file": str(root), "chain": chain_id, "reason": reason, "message": str(exc)})
@@ -227,6 +284,7 @@ def convert_to_store(
                 msa=d.get("msa"),
                 deletion_matrix=d.get("deletion_matrix"),
                 template_hits=d.get("template_hits", ()),
+                template_outcomes=outcomes,
             )
             written += 1
     report = build_report(Path(out), [str(root)], written, skipped, workers=1, elapsed=time.perf_counter() - start)

@@ -10,6 +10,13 @@ Alignment directories follow OpenProteinSet: ``<alignments_dir>/<pdb_id>_<author
 AlphaFold's source order (uniref90, bfd/uniclust, mgnify, then any other file by name); raw jackhmmer
 Stockholm outputs are capped as AlphaFold does (uniref90 10,000 rows, mgnify 501); a3m files are
 used as they are (as the MLPerf reference does with OpenProteinSet).
+
+Template hits are featurised here, once, against their query chain (schema 2 stores): the hits'
+template structures are read from ``template_mmcif_dir`` (default: the mmCIF directory), with the
+MLPerf reference's prefilter (template chain present in that directory, released at least 60 days
+before the query, not the query's own entry, ...). The store keeps each hit's outcome and the
+aligned template residues' atom37 coordinates, so training needs no mmCIF files; the per-sample
+top-20 shuffle happens at training time (:func:`scalefold.data.templates.select_templates`).
 """
 
 from __future__ import annotations
@@ -28,9 +35,10 @@ import numpy as np
 
 from scalefold.data.parsers import HhrError, MsaError, ParseError
 from scalefold.data.parsers.hhr import parse_hhr
-from scalefold.data.parsers.mmcif import check_chain_usable, parse_mmcif
+from scalefold.data.parsers.mmcif import check_chain_usable, parse_mmcif, read_entry_header
 from scalefold.data.parsers.msa import Msa, merge_msas, parse_msa_file, validate_msa
 from scalefold.data.store import Store
+from scalefold.data.templates import TemplateHitFeaturizer, template_cutoff
 
 logger = logging.getLogger(__name__)
 PathLike = Union[str, os.PathLike]
@@ -46,12 +54,83 @@ REPORT_EXAMPLES = 5
 
 
 @dataclasses.dataclass(frozen=True)
+class TemplateSource:
+    """Where template structures come from, plus the prefilter's metadata (picklable).
+
+    ``release_dates`` (pdb id → date) and ``chain_ids`` (``"{pdb_id}_{chain}"`` present) play the
+    reference's ``pdb_release_dates`` / ``template_pdb_chain_ids``; see :func:`scan_template_entries`.
+    ``max_template_date`` is the cutoff for query chains without a release date.
+    """
+
+    mmcif_dir: str
+    release_dates: dict[str, str]
+    chain_ids: frozenset[str] | None = None
+    max_template_date: str = "9999-12-31"
+    kalign_binary_path: str | None = None
+
+    def featurizer(self, max_hits: int) -> TemplateHitFeaturizer:
+        return TemplateHitFeaturizer(
+            self.mmcif_dir,
+            self.max_template_date,
+            max_hits=max_hits,
+            release_dates=self.release_dates,
+            allowed_chain_ids=self.chain_ids,
+            kalign_binary_path=self.kalign_binary_path,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class PreprocessOptions:
     """What a worker needs besides the file name (picklable)."""
 
     alignments_dir: str | None = None
     require_alignments: bool = True
     cluster_ids: dict[str, int] | None = None  # "PDBID_ENTITY" (upper) → cluster id
+    templates: TemplateSource | None = None  # featurise template hits (None: store hits only)
+
+
+def scan_template_entries(mmcif_dir: PathLike, workers: int = 1) -> tuple[dict[str, str], frozenset[str]]:
+    """Release date of every entry and every ``"{pdb_id}_{author chain}"`` under ``mmcif_dir``.
+
+    Unreadable files are left out (their hits then fail the prefilter as absent chains).
+    """
+    files = [str(p) for p in find_mmcif_files(mmcif_dir)]
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    if workers > 1:
+        with multiprocessing.get_context(method).Pool(workers) as pool:
+            headers = pool.map(_header_or_none, files, chunksize=16)
+    else:
+        headers = [_header_or_none(f) for f in files]
+    release_dates: dict[str, str] = {}
+    chain_ids: set[str] = set()
+    for header in headers:
+        if header is None:
+            continue
+        pdb_id, release_date, chains = header
+        if release_date:
+            release_dates[pdb_id] = release_date
+        chain_ids.update(f"{pdb_id}_{c}" for c in chains)
+    return release_dates, frozenset(chain_ids)
+
+
+def _header_or_none(path: str):
+    try:
+        return read_entry_header(path)
+    except ParseError:
+        return None
+
+
+# Per-process featurizer (built once per worker from the options' TemplateSource).
+_FEATURIZER: tuple[TemplateSource, TemplateHitFeaturizer] | None = None
+# All hits are assessed at preprocessing time; selection (max 4) happens per training sample.
+_ASSESS_ALL = 1 << 30
+
+
+def _featurizer_for(source: TemplateSource) -> TemplateHitFeaturizer:
+    global _FEATURIZER
+    if _FEATURIZER is None or _FEATURIZER[0] is not source:
+        _FEATURIZER = (source, source.featurizer(max_hits=_ASSESS_ALL))
+    return _FEATURIZER[1]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -142,6 +221,12 @@ def process_file(path: str, options: PreprocessOptions) -> tuple[list[dict[str, 
                     msa, hits = load_chain_alignments(directory, chain.sequence)
                 elif options.require_alignments:
                     raise MsaError("missing_alignment", f"no alignment directory for chain {chain_id}", str(directory))
+            outcomes = None
+            if hits and options.templates is not None:
+                cutoff = template_cutoff(entry.release_date) if entry.release_date else None
+                outcomes = _featurizer_for(options.templates).assess_hits(
+                    chain.sequence, hits, query_pdb_id=entry.pdb_id, max_template_date=cutoff
+                )
             cluster_id = -1
             if options.cluster_ids:
                 cluster_id = options.cluster_ids.get(f"{entry.pdb_id}_{chain.entity_id}".upper(), -1)
@@ -156,6 +241,7 @@ def process_file(path: str, options: PreprocessOptions) -> tuple[list[dict[str, 
                 "method": entry.exptl_method,
                 "cluster_id": cluster_id,
                 "template_hits": hits,
+                "template_outcomes": outcomes,
             }
             if msa is not None:
                 record["msa"], record["deletion_matrix"] = msa.to_arrays(np.int16)
@@ -165,8 +251,17 @@ def process_file(path: str, options: PreprocessOptions) -> tuple[list[dict[str, 
     return records, skips
 
 
-def _process_star(args: tuple[str, PreprocessOptions]):
-    return process_file(*args)
+# Options of this worker process, set once by the pool initializer (not pickled with every task).
+_WORKER_OPTIONS: PreprocessOptions | None = None
+
+
+def _init_worker(options: PreprocessOptions) -> None:
+    global _WORKER_OPTIONS
+    _WORKER_OPTIONS = options
+
+
+def _process_in_worker(path: str):
+    return process_file(path, _WORKER_OPTIONS)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -187,6 +282,9 @@ def preprocess(
     require_alignments: bool = True,
     cluster_file: PathLike | None = None,
     progress: bool = True,
+    templates: bool = True,
+    template_mmcif_dir: PathLike | None = None,
+    kalign_binary_path: str | None = None,
 ) -> dict[str, Any]:
     """Build a store from a directory of mmCIF files; returns (and writes) the report.
 
@@ -199,6 +297,12 @@ def preprocess(
             (reason ``missing_alignment``); False keeps them without MSA.
         cluster_file: optional RCSB clusters-by-entity file for ``cluster_id``.
         progress: show a tqdm progress bar.
+        templates: featurise the chains' template hits (store their template structures); False
+            stores the hits only (training on such chains then fails with a clear error).
+        template_mmcif_dir: where template structures are read (default: ``mmcif_dir``); scanned
+            first for release dates and chain ids (the prefilter's metadata).
+        kalign_binary_path: ``kalign`` for template realignment (default: from ``PATH``, else the
+            pure-Python fallback).
     """
     from tqdm import tqdm
 
@@ -206,25 +310,36 @@ def preprocess(
     files = [str(p) for p in find_mmcif_files(mmcif_dir)]
     if alignments_dir is not None and not Path(alignments_dir).is_dir():
         raise FileNotFoundError(f"alignments directory not found: {alignments_dir}")
+    template_source = None
+    if templates and alignments_dir is not None:
+        template_dir = Path(template_mmcif_dir if template_mmcif_dir is not None else mmcif_dir)
+        release_dates, chain_ids = scan_template_entries(template_dir, workers)
+        template_source = TemplateSource(
+            str(template_dir), release_dates, chain_ids, kalign_binary_path=kalign_binary_path
+        )
     options = PreprocessOptions(
         alignments_dir=None if alignments_dir is None else str(alignments_dir),
         require_alignments=require_alignments,
         cluster_ids=load_cluster_ids(cluster_file) if cluster_file is not None else None,
+        templates=template_source,
     )
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     skipped: list[dict[str, str]] = []
     written = 0
-    tasks = [(f, options) for f in files]
 
     # Workers are forked before the store is opened (no HDF5 handle crosses the fork); "spawn" where
     # fork does not exist.
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    pool = multiprocessing.get_context(method).Pool(workers) if workers > 1 else None
+    pool = None
+    if workers > 1:
+        pool = multiprocessing.get_context(method).Pool(workers, initializer=_init_worker, initargs=(options,))
+    else:
+        _init_worker(options)
     try:
-        results = pool.imap(_process_star, tasks, chunksize=1) if pool else map(_process_star, tasks)
+        results = pool.imap(_process_in_worker, files, chunksize=1) if pool else map(_process_in_worker, files)
         with Store.create(out) as writer:
-            for records, skips in tqdm(results, total=len(tasks), desc="preprocess", unit="file", disable=not progress):
+            for records, skips in tqdm(results, total=len(files), desc="preprocess", unit="file", disable=not progress):
                 for skip in skips:
                     logger.warning(
                         "skipped %s%s: %s",
@@ -281,4 +396,14 @@ def build_report(
     }
 
 
-__all__ = ["preprocess", "process_file", "find_mmcif_files", "load_chain_alignments", "load_cluster_ids", "report_path"]
+__all__ = [
+    "PreprocessOptions",
+    "TemplateSource",
+    "find_mmcif_files",
+    "load_chain_alignments",
+    "load_cluster_ids",
+    "preprocess",
+    "process_file",
+    "report_path",
+    "scan_template_entries",
+]

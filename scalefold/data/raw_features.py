@@ -115,12 +115,17 @@ def build_raw_features(
     template_hits: Sequence[TemplateHit] = (),
     template_featurizer: TemplateHitFeaturizer | None = None,
     query_pdb_id: str | None = None,
+    max_template_date: str | None = None,
+    shuffle_top_k: int | None = None,
+    shuffling_seed: int | None = None,
 ) -> dict[str, np.ndarray]:
     """Sequence + MSA + template features of one query.
 
     MSAs are validated against the query length. Without ``template_featurizer`` (or without hits)
     the template features are empty (zero templates). With no MSA at all the query alone is used,
-    as the MLPerf reference does.
+    as the MLPerf reference does. ``max_template_date``, ``shuffle_top_k`` and ``shuffling_seed``
+    go to :meth:`~scalefold.data.templates.TemplateHitFeaturizer.get_templates` (training: the
+    query's release date minus 60 days, 20, the sample's seed).
     """
     num_res = len(sequence)
     usable = []
@@ -134,7 +139,14 @@ def build_raw_features(
     features = make_sequence_features(sequence, description, num_res)
     features.update(make_msa_features(usable))
     if template_featurizer is not None and template_hits:
-        result = template_featurizer.get_templates(sequence, template_hits, query_pdb_id=query_pdb_id)
+        result = template_featurizer.get_templates(
+            sequence,
+            template_hits,
+            query_pdb_id=query_pdb_id,
+            max_template_date=max_template_date,
+            shuffle_top_k=shuffle_top_k,
+            shuffling_seed=shuffling_seed,
+        )
         features.update(result.features)
     else:
         features.update(empty_template_features(num_res))

@@ -12,6 +12,16 @@ Layout (schema version :data:`SCHEMA_VERSION`; root attribute ``schema_version``
     /msa/ids [M] int8 (HHblits alphabet), /msa/deletions [M] int16 (saturating)
     /templates/index, aligned_cols [T] int32, sum_probs [T] float64, name, query, hit_sequence [T] strings,
     /templates/column_offset [T+1] int64 → /templates/indices_query, indices_hit [K] int32
+    /templates/stage [T] int8 (index into templates.HIT_STAGES), reason, domain_name [T] strings
+    /templates/residue_offset [T+1] int64 → rows of /template_residues/*
+    /template_residues/query_index [P] int32, residue [P] uint8 (ASCII letter),
+    /template_residues/all_atom_positions [P,37,3] float32, all_atom_mask [P,37] uint8
+
+Template structures (schema 2): every hit is prefiltered and featurised against its query chain at
+preprocessing time (:meth:`~scalefold.data.templates.TemplateHitFeaturizer.assess_hits`, cutoff = the
+chain's release date minus 60 days); a usable hit keeps the atom37 coordinates of the template
+residues aligned to the query, so training builds template features from the store alone
+(:func:`~scalefold.data.templates.select_templates` does the seed-dependent top-20 shuffle).
 
 Per-chain variable-size data lives in flat datasets addressed by offsets: one read per array
 per sample, which is the fast random-access layout for h5py (see docs/environment.md).
@@ -33,10 +43,16 @@ import numpy as np
 
 from scalefold import residue_constants as rc
 from scalefold.data.parsers.hhr import TemplateHit
+from scalefold.data.templates import HIT_STAGES, STAGE_OK, STAGE_UNPROCESSED, AlignedTemplate, HitOutcome
 
 PathLike = Union[str, os.PathLike]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# What changed in each version (named in the error a reader of another version raises).
+SCHEMA_HISTORY = {
+    1: "template hits without template structures",
+    2: "template hits with their precomputed template structures (training needs no mmCIF directory)",
+}
 FORMAT_NAME = "scalefold-store"
 DELETION_DTYPE = np.int16
 # Chains buffered in memory by the writer before they are appended to the file.
@@ -44,7 +60,7 @@ DEFAULT_FLUSH_EVERY = 256
 
 _STR = h5py.string_dtype()
 _CHAIN_STRING_COLUMNS = ("chain_id", "pdb_id", "release_date", "method", "sequence")
-_TEMPLATE_STRING_COLUMNS = ("name", "query", "hit_sequence")
+_TEMPLATE_STRING_COLUMNS = ("name", "query", "hit_sequence", "reason", "domain_name")
 
 
 class StoreSchemaError(ValueError):
@@ -75,7 +91,7 @@ class StoreWriter:
         self._flush_every = flush_every
         self._buffer: list[dict[str, Any]] = []
         self._seen: set[str] = set()
-        self._counts = {"chains": 0, "residues": 0, "msa": 0, "templates": 0, "columns": 0}
+        self._counts = {"chains": 0, "residues": 0, "msa": 0, "templates": 0, "columns": 0, "template_residues": 0}
         self._create_datasets()
 
     # -- layout
@@ -106,6 +122,12 @@ class StoreWriter:
         f.create_dataset("templates/column_offset", data=np.zeros(1, np.int64), maxshape=(None,), chunks=True)
         grow("templates/indices_query", np.int32)
         grow("templates/indices_hit", np.int32)
+        grow("templates/stage", np.int8)
+        f.create_dataset("templates/residue_offset", data=np.zeros(1, np.int64), maxshape=(None,), chunks=True)
+        grow("template_residues/query_index", np.int32)
+        grow("template_residues/residue", np.uint8)
+        grow("template_residues/all_atom_positions", np.float32, (rc.atom_type_num, 3))
+        grow("template_residues/all_atom_mask", np.uint8, (rc.atom_type_num,))
 
     # -- public API
     def add_chain(
@@ -123,8 +145,14 @@ class StoreWriter:
         msa: np.ndarray | None = None,
         deletion_matrix: np.ndarray | None = None,
         template_hits: Sequence[TemplateHit] = (),
+        template_outcomes: Sequence[HitOutcome] | None = None,
     ) -> None:
-        """Queue one chain. ``msa`` holds HHblits ids ``[N_seq, N_res]``; ``deletion_matrix`` the same shape."""
+        """Queue one chain. ``msa`` holds HHblits ids ``[N_seq, N_res]``; ``deletion_matrix`` the same shape.
+
+        ``template_outcomes`` (one per hit, from ``TemplateHitFeaturizer.assess_hits``) carry the
+        template structures; without them the hits are stored as never assessed, and training on
+        this chain raises a clear error.
+        """
         if chain_id in self._seen:
             raise ValueError(f"duplicate chain id {chain_id!r}")
         num_res = len(sequence)
@@ -145,6 +173,14 @@ class StoreWriter:
             deletions = np.minimum(np.asarray(deletion_matrix, dtype=np.int64), limit).astype(DELETION_DTYPE)
             if msa_ids.ndim != 2 or msa_ids.shape[1] != num_res or deletions.shape != msa_ids.shape:
                 raise ValueError(f"{chain_id}: MSA {msa_ids.shape} / deletions {deletions.shape} vs length {num_res}")
+        template_hits = list(template_hits)
+        if template_outcomes is None:
+            template_outcomes = [HitOutcome(STAGE_UNPROCESSED, _hit_sum_probs(h)) for h in template_hits]
+        template_outcomes = list(template_outcomes)
+        if len(template_outcomes) != len(template_hits):
+            raise ValueError(f"{chain_id}: {len(template_outcomes)} template outcomes for {len(template_hits)} hits")
+        for outcome in template_outcomes:
+            _check_outcome(chain_id, outcome, num_res)
         self._seen.add(chain_id)
         self._buffer.append(
             {
@@ -159,7 +195,8 @@ class StoreWriter:
                 "mask": (mask > 0).astype(np.uint8),
                 "msa": msa_ids,
                 "deletions": deletions,
-                "templates": list(template_hits),
+                "templates": template_hits,
+                "outcomes": template_outcomes,
             }
         )
         if len(self._buffer) >= self._flush_every:
@@ -205,11 +242,31 @@ class StoreWriter:
             _append(f["templates/indices_query"], np.concatenate([np.asarray(h.indices_query, np.int32) for h in hits]))
             _append(f["templates/indices_hit"], np.concatenate([np.asarray(h.indices_hit, np.int32) for h in hits]))
             n["columns"] += int(widths.sum())
+            self._append_outcomes([o for r in rows for o in r["outcomes"]])
 
         n["chains"] += len(rows)
         n["residues"] += int(lengths.sum())
         n["msa"] += int((depths * lengths).sum())
         n["templates"] += int(num_templates.sum())
+
+    def _append_outcomes(self, outcomes: list[HitOutcome]) -> None:
+        f, n = self._file, self._counts
+        templates = [o.template for o in outcomes if o.template is not None]
+        sizes = np.array([0 if o.template is None else len(o.template.query_index) for o in outcomes], np.int64)
+        _append(f["templates/stage"], np.array([HIT_STAGES.index(o.stage) for o in outcomes], np.int8))
+        _append(f["templates/reason"], np.array([o.reason for o in outcomes], dtype=object))
+        names = [o.template.domain_name if o.template is not None else "" for o in outcomes]
+        _append(f["templates/domain_name"], np.array(names, dtype=object))
+        _append(f["templates/residue_offset"], n["template_residues"] + np.cumsum(sizes))
+        if templates:
+            _append(f["template_residues/query_index"], np.concatenate([t.query_index for t in templates]))
+            letters = np.frombuffer("".join(t.residues for t in templates).encode("ascii"), np.uint8)
+            _append(f["template_residues/residue"], letters)
+            positions = np.concatenate([t.all_atom_positions for t in templates]).astype(np.float32)
+            _append(f["template_residues/all_atom_positions"], positions)
+            masks = np.concatenate([t.all_atom_mask for t in templates]).astype(np.uint8)
+            _append(f["template_residues/all_atom_mask"], masks)
+        n["template_residues"] += int(sizes.sum())
 
     @property
     def num_chains(self) -> int:
@@ -243,6 +300,34 @@ class StoreWriter:
             self.close()
         else:
             self.abort()
+
+
+def _hit_sum_probs(hit: TemplateHit) -> float:
+    return 0.0 if hit.sum_probs is None else float(hit.sum_probs)
+
+
+def _check_outcome(chain_id: str, outcome: HitOutcome, num_res: int) -> None:
+    """Refuse outcomes the store cannot round-trip exactly."""
+    if outcome.stage not in HIT_STAGES:
+        raise ValueError(f"{chain_id}: unknown template hit stage {outcome.stage!r}")
+    template = outcome.template
+    if (template is None) != (outcome.stage != STAGE_OK):
+        raise ValueError(f"{chain_id}: a template structure is given exactly for hits of stage {STAGE_OK!r}")
+    if template is None:
+        return
+    size = len(template.query_index)
+    if (
+        len(template.residues) != size
+        or np.shape(template.all_atom_positions) != (size, rc.atom_type_num, 3)
+        or np.shape(template.all_atom_mask) != (size, rc.atom_type_num)
+    ):
+        raise ValueError(f"{chain_id}: template {template.domain_name} arrays do not match its {size} residues")
+    if size and (min(template.query_index) < 0 or max(template.query_index) >= num_res):
+        raise ValueError(f"{chain_id}: template {template.domain_name} covers residues outside the chain")
+    if not np.isin(template.all_atom_mask, (0.0, 1.0)).all():
+        raise ValueError(f"{chain_id}: template {template.domain_name} atom mask is not 0/1")
+    if not template.residues.isascii():
+        raise ValueError(f"{chain_id}: template {template.domain_name} residues are not ASCII letters")
 
 
 def _append(dataset: h5py.Dataset, values: np.ndarray) -> None:
@@ -303,9 +388,11 @@ class Store:
         if version is None:
             raise StoreSchemaError(f"{self.path}: no 'schema_version' attribute; not a {FORMAT_NAME} file")
         if int(version) != SCHEMA_VERSION:
+            found = SCHEMA_HISTORY.get(int(version), "unknown to this ScaleFold")
             raise StoreSchemaError(
-                f"{self.path}: store schema version {int(version)} is not supported by this ScaleFold "
-                f"(expects version {SCHEMA_VERSION}); re-run `scalefold preprocess` to rebuild it"
+                f"{self.path}: store schema version {int(version)} ({found}) is not supported by this "
+                f"ScaleFold (expects version {SCHEMA_VERSION}: {SCHEMA_HISTORY[SCHEMA_VERSION]}); "
+                "re-run `scalefold preprocess` (or `scalefold synth`) to rebuild it"
             )
 
     def close(self) -> None:
@@ -375,7 +462,8 @@ class Store:
         ``restypes_with_x`` order), ``all_atom_positions`` (float32 ``[N,37,3]``), ``all_atom_mask``
         (float32 ``[N,37]``), ``resolution`` (float, NaN if none), ``release_date`` (str or None),
         ``cluster_id``, ``method``, and when present ``msa`` / ``deletion_matrix`` (int32
-        ``[N_seq, N]``, HHblits ids) and ``template_hits`` (list of :class:`TemplateHit`).
+        ``[N_seq, N]``, HHblits ids), ``template_hits`` (list of :class:`TemplateHit`) and
+        ``template_outcomes`` (list of :class:`~scalefold.data.templates.HitOutcome`, one per hit).
         """
         if self._index is None:
             self._load_index()
@@ -407,7 +495,38 @@ class Store:
         t0, t1 = int(self._offsets["template_offset"][i]), int(self._offsets["template_offset"][i + 1])
         if t1 > t0:
             out["template_hits"] = self._template_hits(t0, t1)
+            out["template_outcomes"] = self._template_outcomes(t0, t1)
         return out
+
+    def _template_outcomes(self, t0: int, t1: int) -> list[HitOutcome]:
+        f = self._file()
+        stages = f["templates/stage"][t0:t1]
+        reasons = f["templates/reason"].asstr()[t0:t1]
+        names = f["templates/domain_name"].asstr()[t0:t1]
+        probs = f["templates/sum_probs"][t0:t1]
+        rows = f["templates/residue_offset"][t0 : t1 + 1]
+        p0, p1 = int(rows[0]), int(rows[-1])
+        residues = f["template_residues"]
+        query_index = residues["query_index"][p0:p1]
+        letters = residues["residue"][p0:p1].tobytes().decode("ascii")
+        positions = residues["all_atom_positions"][p0:p1]
+        masks = residues["all_atom_mask"][p0:p1].astype(np.float32)
+        outcomes = []
+        for k in range(t1 - t0):
+            stage = HIT_STAGES[int(stages[k])]
+            template = None
+            if stage == STAGE_OK:
+                a, b = int(rows[k]) - p0, int(rows[k + 1]) - p0
+                template = AlignedTemplate(
+                    domain_name=str(names[k]),
+                    sum_probs=float(probs[k]),
+                    query_index=query_index[a:b],
+                    residues=letters[a:b],
+                    all_atom_positions=positions[a:b],
+                    all_atom_mask=masks[a:b],
+                )
+            outcomes.append(HitOutcome(stage, float(probs[k]), str(reasons[k]), template))
+        return outcomes
 
     def _template_hits(self, t0: int, t1: int) -> list[TemplateHit]:
         f = self._file()

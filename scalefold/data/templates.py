@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import logging
 import os
 import random
@@ -60,7 +61,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol, Union
+from typing import Protocol, TypeVar, Union
 
 import numpy as np
 
@@ -105,6 +106,57 @@ class SkippedHit:
     stage: str
     reason: str
     detail: str
+
+
+@dataclasses.dataclass(frozen=True)
+class AlignedTemplate:
+    """One featurised template in compact form: only the query positions the hit covers.
+
+    :meth:`dense` expands it to AlphaFold's per-template raw features; this compact form is what
+    the dataset store keeps (``scalefold preprocess``), so training needs no mmCIF files.
+    """
+
+    domain_name: str  # "{pdb_id}_{chain}" of the template chain actually used
+    sum_probs: float  # HHsearch Sum_probs of the hit
+    query_index: np.ndarray  # [K] int32, query residue positions covered by the template
+    residues: str  # [K] template residue letter at each covered position
+    all_atom_positions: np.ndarray  # [K, 37, 3] float32
+    all_atom_mask: np.ndarray  # [K, 37] float32
+
+    def dense(self, num_res: int) -> dict[str, object]:
+        """Raw features of this template for a query of ``num_res`` residues (gaps elsewhere)."""
+        positions = np.zeros((num_res, rc.atom_type_num, 3), dtype=np.float32)  # [N_res, 37, 3]
+        mask = np.zeros((num_res, rc.atom_type_num), dtype=np.float32)  # [N_res, 37]
+        letters = np.full(num_res, "-", dtype="<U1")
+        index = np.asarray(self.query_index, dtype=np.int64)
+        positions[index] = self.all_atom_positions
+        mask[index] = self.all_atom_mask
+        letters[index] = list(self.residues)
+        sequence = "".join(letters.tolist())
+        return {
+            "template_aatype": rc.sequence_to_onehot(sequence, rc.HHBLITS_AA_TO_ID),  # [N_res, 22]
+            "template_all_atom_positions": positions,
+            "template_all_atom_masks": mask,
+            "template_domain_names": self.domain_name,
+            "template_sequence": sequence,
+            "template_sum_probs": np.array([self.sum_probs], dtype=np.float32),  # [1]
+        }
+
+
+#: Outcome stages of one hit (:class:`HitOutcome`): usable, dropped by the prefilter (never part
+#: of the ranking), dropped when featurised (ranked, then skipped), or never assessed.
+STAGE_OK, STAGE_PREFILTER, STAGE_FEATURIZE, STAGE_UNPROCESSED = "ok", "prefilter", "featurize", "unprocessed"
+HIT_STAGES = (STAGE_UNPROCESSED, STAGE_OK, STAGE_PREFILTER, STAGE_FEATURIZE)
+
+
+@dataclasses.dataclass(frozen=True)
+class HitOutcome:
+    """What the featurizer makes of one hit for one query (independent of the shuffling seed)."""
+
+    stage: str  # one of HIT_STAGES
+    sum_probs: float = 0.0  # the hit's Sum_probs: its rank among the prefiltered hits
+    reason: str = ""  # TemplateError.reason when the hit was dropped
+    template: AlignedTemplate | None = None  # set when stage == "ok"
 
 
 @dataclasses.dataclass
@@ -302,6 +354,7 @@ class TemplateHitFeaturizer:
         load_structure: ``pdb_id -> MmcifEntry`` (default: parse from ``mmcif_dir``); must raise
             ``FileNotFoundError`` or :class:`ParseError` when the structure is unavailable.
         filters: thresholds, see :class:`TemplateFilter`.
+        structure_cache_size: parsed mmCIF entries kept in memory (``mmcif_dir`` loading only).
     """
 
     def __init__(
@@ -316,6 +369,7 @@ class TemplateHitFeaturizer:
         aligner: SequenceAligner | None = None,
         load_structure: Callable[[str], MmcifEntry] | None = None,
         filters: TemplateFilter = TemplateFilter(),
+        structure_cache_size: int = 32,
     ) -> None:
         if mmcif_dir is None and load_structure is None:
             raise ValueError("give mmcif_dir or load_structure")
@@ -326,7 +380,9 @@ class TemplateHitFeaturizer:
         self.obsolete_pdbs = {k.lower(): v for k, v in (obsolete_pdbs or {}).items()}
         self.allowed_chain_ids = None if allowed_chain_ids is None else frozenset(allowed_chain_ids)
         self.aligner = aligner if aligner is not None else make_aligner(kalign_binary_path)
-        self.load_structure = load_structure if load_structure is not None else self._load_from_dir
+        if load_structure is None:  # parsed entries are reused by the hits of the next queries
+            load_structure = functools.lru_cache(maxsize=structure_cache_size)(self._load_from_dir)
+        self.load_structure = load_structure
         self.filters = filters
 
     # -- public -------------------------------------------------------------------------------
@@ -361,19 +417,15 @@ class TemplateHitFeaturizer:
                 logger.debug("template hit %s skipped by prefilter: %s", _short_name(hit), exc)
                 continue
             candidates.append((hit, pdb_id, chain_id))
-        candidates.sort(key=lambda c: _sum_probs(c[0]), reverse=True)  # stable, like AlphaFold
-        if shuffle_top_k is not None:
-            top = candidates[:shuffle_top_k]
-            random.Random(shuffling_seed).shuffle(top)
-            candidates = top + candidates[shuffle_top_k:]
+        candidates = order_prefiltered_hits(candidates, lambda c: _sum_probs(c[0]), shuffle_top_k, shuffling_seed)
 
-        collected: dict[str, list] = {key: [] for key in TEMPLATE_FEATURE_DTYPES}
+        templates: list[AlignedTemplate] = []
         warnings: list[str] = []
         for hit, pdb_id, chain_id in candidates:
-            if len(collected["template_domain_names"]) >= self.max_hits:
+            if len(templates) >= self.max_hits:
                 break
             try:
-                features, warning = self._featurize_hit(hit, pdb_id, chain_id, query_sequence, cutoff)
+                template, warning = self._featurize_hit(hit, pdb_id, chain_id, query_sequence, cutoff)
             except TemplateError as exc:
                 skipped.append(SkippedHit(hit.name, "featurize", exc.reason, exc.detail))
                 logger.info("template hit %s skipped: %s", _short_name(hit), exc)
@@ -381,9 +433,41 @@ class TemplateHitFeaturizer:
             if warning:
                 warnings.append(warning)
                 logger.info(warning)
-            for key in collected:
-                collected[key].append(features[key])
-        return TemplateSearchResult(self._stack(collected, len(query_sequence)), skipped, warnings)
+            templates.append(template)
+        return TemplateSearchResult(stack_templates(templates, len(query_sequence)), skipped, warnings)
+
+    def assess_hits(
+        self,
+        query_sequence: str,
+        hits: Sequence[TemplateHit],
+        query_pdb_id: str | None = None,
+        max_template_date: Union[str, datetime.date] | None = None,
+    ) -> list[HitOutcome]:
+        """Prefilter *and* featurise every hit (no ordering, no ``max_hits`` stop): one outcome per hit.
+
+        This is the seed-independent part of :meth:`get_templates`; :func:`select_templates` does
+        the rest (ranking, top-``k`` shuffle, first ``max_hits`` usable) and gives the same features.
+        ``scalefold preprocess`` stores these outcomes so training needs no mmCIF directory.
+        """
+        cutoff = self.max_template_date if max_template_date is None else _to_date(max_template_date)
+        outcomes: list[HitOutcome] = []
+        for hit in hits:
+            try:
+                pdb_id, chain_id = self._resolve_pdb_id(hit)
+                self._prefilter(hit, pdb_id, chain_id, query_sequence, query_pdb_id, cutoff)
+            except TemplateError as exc:
+                outcomes.append(HitOutcome(STAGE_PREFILTER, _sum_probs(hit), exc.reason))
+                continue
+            try:
+                template, warning = self._featurize_hit(hit, pdb_id, chain_id, query_sequence, cutoff)
+            except TemplateError as exc:
+                outcomes.append(HitOutcome(STAGE_FEATURIZE, _sum_probs(hit), exc.reason))
+                logger.debug("template hit %s skipped: %s", _short_name(hit), exc)
+                continue
+            if warning:
+                logger.info(warning)
+            outcomes.append(HitOutcome(STAGE_OK, _sum_probs(hit), template=template))
+        return outcomes
 
     # -- steps --------------------------------------------------------------------------------
 
@@ -432,7 +516,7 @@ class TemplateHitFeaturizer:
 
     def _featurize_hit(
         self, hit: TemplateHit, pdb_id: str, chain_id: str, query_sequence: str, cutoff: datetime.date
-    ) -> tuple[dict[str, object], str | None]:
+    ) -> tuple[AlignedTemplate, str | None]:
         """AlphaFold's ``_process_single_hit`` + ``_extract_template_features`` for one hit."""
         mapping = build_query_to_hit_mapping(
             hit.query, hit.hit_sequence, hit.indices_hit, hit.indices_query, query_sequence
@@ -469,29 +553,23 @@ class TemplateHitFeaturizer:
         mask = chain.all_atom_mask  # [N_chain, 37]
         check_ca_ca_distances(positions, mask, self.filters.max_ca_ca_distance, f"{pdb_id}_{chain_id}")
 
-        num_res = len(query_sequence)
-        out_positions = np.zeros((num_res, rc.atom_type_num, 3), dtype=np.float32)  # [N_res, 37, 3]
-        out_mask = np.zeros((num_res, rc.atom_type_num), dtype=np.float32)  # [N_res, 37]
-        out_sequence = ["-"] * num_res
-        for query_index, template_index in mapping.items():
-            out_positions[query_index] = positions[template_index + offset]
-            out_mask[query_index] = mask[template_index + offset]
-            out_sequence[query_index] = template_sequence[template_index]
+        query_index = np.array(sorted(mapping), dtype=np.int32)  # [K]
+        template_index = np.array([mapping[q] for q in query_index.tolist()], dtype=np.int64)  # [K]
+        out_mask = mask[template_index + offset].astype(np.float32)  # [K, 37]
         if out_mask.sum() < self.filters.min_atoms:
             raise TemplateError(
                 "no_resolved_atoms",
                 f"{pdb_id}_{chain_id}: fewer than {self.filters.min_atoms} resolved atoms at the aligned residues",
             )
-        sequence = "".join(out_sequence)
-        features = {
-            "template_aatype": rc.sequence_to_onehot(sequence, rc.HHBLITS_AA_TO_ID),  # [N_res, 22]
-            "template_all_atom_positions": out_positions,
-            "template_all_atom_masks": out_mask,
-            "template_domain_names": f"{pdb_id}_{chain_id}",
-            "template_sequence": sequence,
-            "template_sum_probs": np.array([_sum_probs(hit)], dtype=np.float32),  # [1]
-        }
-        return features, warning
+        template = AlignedTemplate(
+            domain_name=f"{pdb_id}_{chain_id}",
+            sum_probs=_sum_probs(hit),
+            query_index=query_index,
+            residues="".join(template_sequence[t] for t in template_index.tolist()),
+            all_atom_positions=positions[template_index + offset].astype(np.float32),  # [K, 37, 3]
+            all_atom_mask=out_mask,
+        )
+        return template, warning
 
     def _realign(
         self,
@@ -533,13 +611,60 @@ class TemplateHitFeaturizer:
                 return parse_mmcif(path, pdb_id=pdb_id)
         raise FileNotFoundError(f"{pdb_id}.cif not in {self.mmcif_dir}")
 
-    @staticmethod
-    def _stack(collected: dict[str, list], num_res: int) -> dict[str, np.ndarray]:
-        if collected["template_domain_names"]:
-            return {
-                key: np.stack(values, axis=0).astype(TEMPLATE_FEATURE_DTYPES[key]) for key, values in collected.items()
-            }
+
+def stack_templates(templates: Sequence[AlignedTemplate], num_res: int) -> dict[str, np.ndarray]:
+    """Raw template features ``[N_templ, N_res, ...]`` of ``templates`` in the given order."""
+    if not templates:
         return empty_template_features(num_res)
+    dense = [t.dense(num_res) for t in templates]
+    return {
+        key: np.stack([d[key] for d in dense], axis=0).astype(dtype) for key, dtype in TEMPLATE_FEATURE_DTYPES.items()
+    }
+
+
+Item = TypeVar("Item")
+
+
+def order_prefiltered_hits(
+    hits: Sequence[Item], sum_probs: Callable[[Item], float], shuffle_top_k: int | None, seed: int | None
+) -> list[Item]:
+    """Featurisation order of prefiltered hits: best ``sum_probs`` first (stable), then (training,
+    MLPerf reference) the top ``shuffle_top_k`` shuffled with ``random.Random(seed)``.
+
+    ``shuffle_top_k=None`` (validation) keeps the ranking. The caller featurises hits in this order
+    and stops after ``max_hits`` templates.
+    """
+    ranked = sorted(hits, key=sum_probs, reverse=True)
+    if shuffle_top_k is None:
+        return ranked
+    top = ranked[:shuffle_top_k]
+    random.Random(seed).shuffle(top)
+    return top + ranked[shuffle_top_k:]
+
+
+def select_templates(
+    outcomes: Sequence[HitOutcome],
+    num_res: int,
+    max_hits: int,
+    shuffle_top_k: int | None = None,
+    shuffling_seed: int | None = None,
+) -> dict[str, np.ndarray]:
+    """Raw template features from precomputed :meth:`TemplateHitFeaturizer.assess_hits` outcomes.
+
+    Equals ``get_templates(..., shuffle_top_k, shuffling_seed)`` of a featurizer with ``max_hits``
+    on the same hits: prefilter survivors are ranked and shuffled exactly as there, then the first
+    ``max_hits`` usable ones are kept. Raises ``ValueError`` for hits that were never assessed.
+    """
+    unprocessed = sum(o.stage == STAGE_UNPROCESSED for o in outcomes)
+    if unprocessed:
+        raise ValueError(
+            f"{unprocessed} template hit(s) have no precomputed template structure; rebuild the store with "
+            "`scalefold preprocess` (templates are featurised at preprocessing time)"
+        )
+    candidates = [o for o in outcomes if o.stage != STAGE_PREFILTER]
+    ordered = order_prefiltered_hits(candidates, lambda o: o.sum_probs, shuffle_top_k, shuffling_seed)
+    chosen = [o.template for o in ordered if o.stage == STAGE_OK][:max_hits]
+    return stack_templates(chosen, num_res)
 
 
 def empty_template_features(num_res: int) -> dict[str, np.ndarray]:
@@ -639,6 +764,15 @@ def check_ca_ca_distances(positions: np.ndarray, mask: np.ndarray, max_distance:
             "ca_ca_distance",
             f"{name}: Cα of residues {i} and {i + 1} are {distances[i]:.1f} Å apart (> {max_distance})",
         )
+
+
+#: The reference's template cutoff: templates released up to this many days before the query.
+DAYS_BEFORE_RELEASE = 60
+
+
+def template_cutoff(query_release_date: Union[str, datetime.date], days_before_release: int = DAYS_BEFORE_RELEASE):
+    """Latest template release date allowed for a query (MLPerf reference: query date - 60 days)."""
+    return _to_date(query_release_date) - datetime.timedelta(days=days_before_release)
 
 
 def _sum_probs(hit: TemplateHit) -> float:

@@ -132,3 +132,16 @@ def test_sampler_matches_reference_semantics():
     seeds = torch.randint(0, 2**63 - 1, [12], generator=torch.Generator().manual_seed(7))
     expected = list(zip(idx.tolist(), seeds.tolist()))[1::2][1:]
     assert list(sampler) == expected and len(sampler) == 5
+
+
+def test_make_loader_by_name():
+    """--loader names map to the loader classes; an unknown name is a clear error."""
+    from scalefold.data.loader import LOADERS, make_loader
+
+    work = SimulatedSample(FAST, slow_fraction=0.0)
+    assert isinstance(make_loader("pq", work, _pairs(2), deterministic=False), PriorityQueueLoader)
+    in_order = make_loader("inorder", work, _pairs(3), num_workers=1, deterministic=False)
+    assert isinstance(in_order, InOrderLoader) and [p for p, _ in in_order] == [0, 1, 2]
+    assert "dali" in LOADERS
+    with pytest.raises(ValueError, match="unknown loader 'torch'.*pq, inorder, dali"):
+        make_loader("torch", work, _pairs(1))

@@ -216,3 +216,42 @@ def test_mlperf_pickle_with_code_is_refused_even_when_allowed(data_dir: Path, tm
     (root / "pdb_mmcif" / "processed" / "dicts" / "ab").write_bytes(pickle.dumps({"1abc": Evil()}))
     with pytest.raises(pickle.UnpicklingError, match="refusing"):
         MlperfLayout(root, allow_pickle=True).get("1abc_A")
+
+
+def _hhr_hit(index: int, name: str, query: str, q_start: int, template: str, t_start: int, q_len: int, t_len: int):
+    """One ungapped .hhr hit paragraph (1-based starts)."""
+    q_end, t_end = q_start + len(query) - 1, t_start + len(template) - 1
+    return (
+        f"No {index}\n>{name} test hit\n"
+        f"Probab=9.0  E-value=1  Score=2.0  Aligned_cols={len(query)}  Identities=10%  Similarity=0.1  "
+        f"Sum_probs={len(query) / 2}  Template_Neff=1.0\n"
+        f"{'Q query':<17}{q_start} {query} {q_end} ({q_len})\n"
+        f"{'T ' + name:<17}{t_start} {template} {t_end} ({t_len})\n\n"
+    )
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_preprocess_featurises_template_hits_into_the_store(mixed_inputs, tmp_path: Path, workers: int) -> None:
+    """Hits are prefiltered and featurised against the template mmCIF at preprocessing time: the
+    store keeps, per hit, its outcome and the aligned template residues' coordinates (a hit to a
+    chain absent from the template directory fails the prefilter); --no-templates keeps hits only."""
+    mmcif, alignments = mixed_inputs
+    query = parse_mmcif(mmcif / "2q2k.cif").chains["A"]
+    template = parse_mmcif(mmcif / "1aki.cif").chains["A"]
+    hhr = _hhr_hit(1, "1ABC_A", query.sequence[1:4], 2, "AGD", 5, 70, 20)
+    hhr += _hhr_hit(2, "1AKI_A", query.sequence[20:40], 21, template.sequence[5:25], 6, 70, template.num_res)
+    (alignments / "2q2k_A" / "pdb70_hits.hhr").write_text(hhr)
+    out = tmp_path / f"t{workers}.h5"
+    preprocess(mmcif, alignments, out, workers=workers, progress=False)
+    with Store.open(out) as s:
+        outcomes = s.get("2q2k_A")["template_outcomes"]
+    assert [(o.stage, o.reason) for o in outcomes] == [("prefilter", "not_in_template_set"), ("ok", "")]
+    stored = outcomes[1].template
+    assert stored.domain_name == "1aki_A" and stored.residues == template.sequence[5:25]
+    np.testing.assert_array_equal(stored.query_index, np.arange(20, 40))
+    np.testing.assert_array_equal(stored.all_atom_positions, template.all_atom_positions[5:25])
+    np.testing.assert_array_equal(stored.all_atom_mask, template.all_atom_mask[5:25])
+
+    preprocess(mmcif, alignments, tmp_path / "hits_only.h5", workers=1, progress=False, templates=False)
+    with Store.open(tmp_path / "hits_only.h5") as s:
+        assert [o.stage for o in s.get("2q2k_A")["template_outcomes"]] == ["unprocessed", "unprocessed"]

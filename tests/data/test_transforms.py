@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from scalefold.data import transforms as T
-from scalefold.data.transforms.msa import MSA_NUM_CLASSES
+from scalefold.data.transforms.msa import (
+    MSA_NUM_CLASSES,
+    hhblits_profile_reference,
+    nearest_neighbor_clusters_reference,
+)
 
 
 def _last_slice(golden_small: dict) -> dict:
@@ -142,25 +144,42 @@ def test_clustering_assigns_extra_rows_to_most_similar_centre():
     assert feats["target_feat"].shape == (15, 22)
 
 
+@pytest.mark.parametrize(
+    ("num_clusters", "num_extra", "num_res", "gap_weight"),
+    [(124, 900, 64, 0.0), (8, 50, 13, 1.0), (5, 200, 30, 0.5), (4, 0, 10, 0.0)],
+)
+def test_cluster_assignment_fast_path_equals_one_hot_reference(num_clusters, num_extra, num_res, gap_weight):
+    """The embedding-bag cluster assignment equals the one-hot matmul reference (masked centres
+    with [MASK] tokens, masked extra rows, ties to the lowest centre; gaps weighted or not)."""
+    g = torch.Generator().manual_seed(num_extra)
+    feats = {
+        "msa": torch.randint(0, 23, (num_clusters, num_res), generator=g),
+        "msa_mask": (torch.rand(num_clusters, num_res, generator=g) > 0.1).float(),
+        "extra_msa": torch.randint(0, 22, (num_extra, num_res), generator=g),
+        "extra_msa_mask": (torch.rand(num_extra, num_res, generator=g) > 0.1).float(),
+    }
+    feats["msa"][1] = feats["msa"][0]  # identical centres: ties must go to the first
+    fast = T.nearest_neighbor_clusters(dict(feats), gap_weight)["extra_cluster_assignment"]
+    reference = nearest_neighbor_clusters_reference(dict(feats), gap_weight)["extra_cluster_assignment"]
+    assert fast.dtype == torch.int64 and torch.equal(fast, reference)
+    if num_extra:
+        assert fast.unique().numel() > 1
+
+
+@pytest.mark.parametrize(("num_seq", "num_res"), [(1, 7), (37, 11), (3000, 64)])
+def test_hhblits_profile_bincount_equals_one_hot_mean(num_seq, num_res):
+    """The bincount profile equals the mean one-hot of the MSA bit for bit."""
+    msa = torch.randint(0, MSA_NUM_CLASSES, (num_seq, num_res), generator=torch.Generator().manual_seed(num_seq))
+    fast = T.make_hhblits_profile({"msa": msa})["hhblits_profile"]
+    assert fast.dtype == torch.float32 and torch.equal(fast, hhblits_profile_reference(msa))
+
+
 def test_block_deletion_keeps_query():
     """MSA block deletion (optional, off in MLPerf) never removes the query row."""
     feats = _random_msa_feats(50, 10)
     out = T.block_delete_msa(dict(feats), 0.3, 5, False, T.make_generator(0))
     assert torch.equal(out["msa"][0], feats["msa"][0])
     assert out["msa"].shape[0] < 50 and out["msa_mask"].shape[0] == out["msa"].shape[0]
-
-
-def test_order_template_hits_shuffles_only_top_k_deterministically():
-    """Training: hits ranked by sum_probs, the top k shuffled with random.Random(seed), the rest
-    kept in rank order; validation (k=None) keeps the ranking. Same seed -> same order."""
-    hits = [(f"h{i}", float(p)) for i, p in enumerate(random.Random(0).sample(range(100), 30))]
-    ranked = sorted(hits, key=lambda h: h[1], reverse=True)
-    assert T.order_template_hits(hits, lambda h: h[1], None, 5) == ranked
-    a = T.order_template_hits(hits, lambda h: h[1], 20, seed=7)
-    b = T.order_template_hits(hits, lambda h: h[1], 20, seed=7)
-    c = T.order_template_hits(hits, lambda h: h[1], 20, seed=8)
-    assert a == b and a != c
-    assert sorted(a[:20]) == sorted(ranked[:20]) and a[20:] == ranked[20:]
 
 
 def test_crop_and_pad_window_and_zero_padding():

@@ -133,6 +133,26 @@ def parse_mmcif_string(text: str, pdb_id: str | None = None, path: str | None = 
     return _parse_document(doc, path=path, pdb_id=pdb_id)
 
 
+def read_entry_header(path: PathLike) -> tuple[str, str | None, frozenset[str]]:
+    """``(pdb_id, release_date, author chain ids)`` of an mmCIF file without building its structure.
+
+    Cheap metadata for template prefiltering (release dates and which chains exist).
+    Raises :class:`MmcifError` like :func:`parse_mmcif`.
+    """
+    path = str(path)
+    try:
+        doc = gemmi.cif.read(path)
+    except FileNotFoundError as exc:
+        raise MmcifError("missing_file", f"mmCIF file not found ({exc})", path) from exc
+    except (ValueError, RuntimeError, UnicodeDecodeError) as exc:
+        raise MmcifError("corrupt_mmcif", f"corrupt or truncated mmCIF: {exc}", path) from exc
+    if len(doc) == 0:
+        raise MmcifError("corrupt_mmcif", "no data block in file", path)
+    block = doc[0]
+    chains = frozenset(_values(block, "_atom_site.auth_asym_id"))
+    return _pdb_id(block, path, None), _release_date(block, path), chains
+
+
 def check_chain_usable(entry: MmcifEntry, chain: MmcifChain) -> None:
     """Raise :class:`MmcifError` (reason ``no_resolved_ca``) when no residue has a resolved Cα."""
     ca = rc.atom_order["CA"]
@@ -423,4 +443,4 @@ def _parse_document(doc: gemmi.cif.Document, path: str | None, pdb_id: str | Non
     )
 
 
-__all__ = ["MmcifChain", "MmcifEntry", "parse_mmcif", "parse_mmcif_string", "check_chain_usable"]
+__all__ = ["MmcifChain", "MmcifEntry", "parse_mmcif", "parse_mmcif_string", "check_chain_usable", "read_entry_header"]

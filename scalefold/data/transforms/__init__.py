@@ -3,7 +3,7 @@
 * :mod:`.schema`    -- the batch interface (every feature's symbolic shape);
 * :mod:`.geometry`  -- supervision features from aatype + atom37 (atom14, frames, torsions, pseudo-beta);
 * :mod:`.msa`       -- MSA clustering, BERT masking, cluster profiles, ``msa_feat`` / ``target_feat``;
-* :mod:`.templates` -- template hit ordering, residue re-indexing, template mask;
+* :mod:`.templates` -- template residue re-indexing, template mask;
 * :mod:`.crop_pad`  -- contiguous crop, template subsampling, padding to fixed shapes.
 
 :mod:`scalefold.data.pipeline` composes them into a processed sample.
@@ -40,7 +40,7 @@ from scalefold.data.transforms.msa import (
     summarize_clusters,
 )
 from scalefold.data.transforms.schema import FEATURE_SCHEMA, INTEGER_FEATURES
-from scalefold.data.transforms.templates import fix_templates_aatype, make_template_mask, order_template_hits
+from scalefold.data.transforms.templates import fix_templates_aatype, make_template_mask
 
 __all__ = [
     "FEATURE_SCHEMA",
@@ -61,7 +61,6 @@ __all__ = [
     "make_msa_mask",
     "make_template_mask",
     "nearest_neighbor_clusters",
-    "order_template_hits",
     "pad_to_schema",
     "pseudo_beta",
     "random_crop_and_subsample_templates",

@@ -58,10 +58,24 @@ def make_msa_mask(feats: Features) -> Features:
 
 
 def make_hhblits_profile(feats: Features) -> Features:
-    """Per-residue residue-class frequencies over the whole MSA: ``hhblits_profile`` [N_res, 22]."""
+    """Per-residue residue-class frequencies over the whole MSA: ``hhblits_profile`` [N_res, 22].
+
+    Counted with one ``bincount`` instead of averaging a ``[N_seq, N_res, 22]`` one-hot (the
+    reference, :func:`hhblits_profile_reference`); counts are exact in float32, so ``count / N_seq``
+    equals the one-hot mean bit for bit.
+    """
     if "hhblits_profile" not in feats:
-        feats["hhblits_profile"] = one_hot(feats["msa"], MSA_NUM_CLASSES).mean(dim=0)
+        msa = feats["msa"]
+        num_seq, num_res = msa.shape
+        flat = (torch.arange(num_res, device=msa.device)[None, :] * MSA_NUM_CLASSES + msa).reshape(-1)
+        counts = torch.bincount(flat, minlength=num_res * MSA_NUM_CLASSES).reshape(num_res, MSA_NUM_CLASSES)
+        feats["hhblits_profile"] = counts.to(torch.float32) / num_seq
     return feats
+
+
+def hhblits_profile_reference(msa: torch.Tensor) -> torch.Tensor:
+    """Plain definition of ``hhblits_profile``: mean one-hot over the MSA rows ([N_res, 22])."""
+    return one_hot(msa, MSA_NUM_CLASSES).mean(dim=0)
 
 
 def sample_msa(feats: Features, max_seq: int, generator: torch.Generator, keep_extra: bool = True) -> Features:
@@ -154,14 +168,8 @@ def _sample_categorical(probs: torch.Tensor, generator: torch.Generator, eps: fl
     return draws.squeeze(-1).reshape(probs.shape[:-1])
 
 
-def nearest_neighbor_clusters(feats: Features, gap_agreement_weight: float = 0.0, chunk_size: int = 512) -> Features:
-    """Assign each extra sequence to the cluster centre it agrees with most (Hamming similarity).
-
-    Writes ``extra_cluster_assignment`` [N_extra] (int64). Gaps count with ``gap_agreement_weight``,
-    ``[MASK]`` never counts. Ties go to the lowest centre index. Extra rows are one-hot encoded
-    ``chunk_size`` at a time to bound memory; agreements are small integer sums (exact in float32
-    for the default weights), so chunking does not change the result.
-    """
+def _agreement_table(feats: Features, gap_agreement_weight: float) -> torch.Tensor:
+    """Weighted one-hot of the cluster centres ``[N_clust, N_res, 23]`` (masked positions zero)."""
     msa = feats["msa"]
     weights = torch.cat(
         [
@@ -170,10 +178,46 @@ def nearest_neighbor_clusters(feats: Features, gap_agreement_weight: float = 0.0
             torch.zeros(1, device=msa.device),
         ]
     )  # [23]
-    sample_one_hot = feats["msa_mask"][:, :, None] * one_hot(msa, MSA_NUM_CLASSES_WITH_MASK)
-    num_seq, num_res, _ = sample_one_hot.shape
+    return feats["msa_mask"][:, :, None] * one_hot(msa, MSA_NUM_CLASSES_WITH_MASK) * weights
+
+
+def nearest_neighbor_clusters(feats: Features, gap_agreement_weight: float = 0.0) -> Features:
+    """Assign each extra sequence to the cluster centre it agrees with most (Hamming similarity).
+
+    Writes ``extra_cluster_assignment`` [N_extra] (int64). Gaps count with ``gap_agreement_weight``,
+    ``[MASK]`` never counts. Ties go to the lowest centre index.
+
+    ``agreement[e, c] = sum_r mask[e, r] * table[c, r, extra_msa[e, r]]`` is a gather-and-sum, done
+    as one ``embedding_bag`` over the ``[N_res * 23, N_clust]`` table: ``N_extra * N_res * N_clust``
+    additions instead of the reference's one-hot matmul (23x the work plus a ``[N_extra, N_res, 23]``
+    one-hot, :func:`nearest_neighbor_clusters_reference`). Agreements are sums of the weights
+    (integers for the default weights), so both give the same assignment.
+    """
+    extra_msa, extra_mask = feats["extra_msa"], feats["extra_msa_mask"]
+    table = _agreement_table(feats, gap_agreement_weight)  # [N_clust, N_res, 23]
+    num_clust, num_res, _ = table.shape
+    if extra_msa.shape[0] == 0:
+        feats["extra_cluster_assignment"] = torch.zeros(0, dtype=torch.int64, device=extra_msa.device)
+        return feats
+    table = table.reshape(num_clust, num_res * MSA_NUM_CLASSES_WITH_MASK).transpose(0, 1).contiguous()
+    index = torch.arange(num_res, device=extra_msa.device)[None, :] * MSA_NUM_CLASSES_WITH_MASK + extra_msa
+    agreement = F.embedding_bag(
+        index, table, mode="sum", per_sample_weights=extra_mask.to(table.dtype)
+    )  # [N_extra, N_clust]
+    feats["extra_cluster_assignment"] = torch.argmax(agreement, dim=1).to(torch.int64)
+    return feats
+
+
+def nearest_neighbor_clusters_reference(
+    feats: Features, gap_agreement_weight: float = 0.0, chunk_size: int = 512
+) -> Features:
+    """Plain one-hot matmul version of :func:`nearest_neighbor_clusters` (the reference's einsum
+    ``mrc,nrc->mn``), extra rows one-hot encoded ``chunk_size`` at a time."""
+    msa = feats["msa"]
+    table = _agreement_table(feats, gap_agreement_weight)  # [N_clust, N_res, 23]
+    num_seq, num_res, _ = table.shape
     # einsum("mrc,nrc,c->mn") as matmuls: [chunk, R*23] @ [R*23, N_seq]
-    centres = (sample_one_hot * weights).reshape(num_seq, num_res * MSA_NUM_CLASSES_WITH_MASK).transpose(0, 1)
+    centres = table.reshape(num_seq, num_res * MSA_NUM_CLASSES_WITH_MASK).transpose(0, 1)
     extra_msa, extra_mask = feats["extra_msa"], feats["extra_msa_mask"]
     assignments = []
     for start in range(0, extra_msa.shape[0], chunk_size):

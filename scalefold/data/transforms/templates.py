@@ -1,41 +1,15 @@
-"""Template transforms: hit ordering for training, residue re-indexing, template mask.
+"""Template transforms: residue re-indexing and template mask.
 
-Supplementary 1.2.3 (template search) / 1.2.9: in training the top ``k`` (20) prefiltered hits
-are shuffled before the first ``max_templates`` (4) that featurise successfully are kept; the
-pipeline later picks a random prefix of a random permutation of those (see ``crop_pad``).
+Which hits become templates (top-20 shuffle, first 4 usable) is decided when the raw features
+are built (:func:`scalefold.data.templates.order_prefiltered_hits`); the pipeline later picks a
+random prefix of a random permutation of those (see ``crop_pad``).
 """
 
 from __future__ import annotations
 
-import random
-from collections.abc import Callable, Sequence
-from typing import TypeVar
-
 import torch
 
 from scalefold.data.transforms.msa import Features, hhblits_to_our_restypes
-
-Hit = TypeVar("Hit")
-
-
-def order_template_hits(
-    hits: Sequence[Hit],
-    sum_probs: Callable[[Hit], float],
-    shuffle_top_k: int | None,
-    seed: int | None,
-) -> list[Hit]:
-    """Order prefiltered hits for featurisation: best ``sum_probs`` first, top ``k`` shuffled.
-
-    ``shuffle_top_k=None`` (validation) keeps the ranking. The shuffle is Python's
-    ``random.Random(seed).shuffle``, as in the reference featuriser, so it is deterministic in
-    ``seed``. The caller featurises hits in the returned order and stops after ``max_templates``.
-    """
-    ranked = sorted(hits, key=sum_probs, reverse=True)
-    if shuffle_top_k is None:
-        return ranked
-    top, rest = ranked[:shuffle_top_k], ranked[shuffle_top_k:]
-    random.Random(seed).shuffle(top)
-    return top + rest
 
 
 def fix_templates_aatype(feats: Features) -> Features:
