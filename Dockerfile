@@ -33,5 +33,6 @@ RUN python -c "import torch; print(f'torch=={torch.__version__}')" > /tmp/torch-
  && rm /tmp/torch-pin.txt
 
 COPY launch ./launch
+COPY data ./data
 COPY run.sub ./
-RUN chmod +x launch/run_and_time.sh
+RUN chmod +x launch/run_and_time.sh data/*.sh

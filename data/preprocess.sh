@@ -22,28 +22,55 @@ case "${1:-}" in
   raw)
     [[ $# -eq 4 ]] || usage
     pdb=$2 ops=$3 store=$4
-    # OpenProteinSet keeps each chain's files in a3m/ and hhr/ subdirectories; the store builder reads
-    # one flat directory per chain: link the files into <store>.alignments/<chain>/.
+    # OpenProteinSet keeps each chain's files in a3m/ and hhr/ subdirectories, and stores identical
+    # chains once (duplicate_pdb_chains.txt: one line per group of identical chains). The store
+    # builder reads one flat directory per chain: link the files into <store>.alignments/<chain>/
+    # and every duplicate chain to the directory of its group's stored chain.
     flat="${store}.alignments"
     echo "$(date -Is) linking ${ops}/pdb/*/{a3m,hhr}/* -> ${flat}"
-    "${PYTHON}" - "${ops}/pdb" "${flat}" <<'PY'
+    "${PYTHON}" - "${ops}/pdb" "${flat}" "${ops}/duplicate_pdb_chains.txt" <<'PY'
 import os, sys
-src, dst = sys.argv[1:3]
+src, dst, duplicates = sys.argv[1:4]
+if not os.path.isdir(src):
+    sys.exit(f"preprocess.sh: OpenProteinSet chain directory not found: {src}")
+os.makedirs(dst, exist_ok=True)
+stored = set()
 for chain in os.scandir(src):
     if not chain.is_dir():
         continue
+    stored.add(chain.name)
     out = os.path.join(dst, chain.name)
     os.makedirs(out, exist_ok=True)
     for sub in os.scandir(chain.path):
-        files = os.scandir(sub.path) if sub.is_dir() else [sub]
-        for f in files:
+        for f in (os.scandir(sub.path) if sub.is_dir() else [sub]):
             link = os.path.join(out, f.name)
             if not os.path.lexists(link):
                 os.symlink(os.path.abspath(f.path), link)
+linked = 0
+if os.path.isfile(duplicates):
+    with open(duplicates) as fh:
+        for line in fh:
+            group = line.split()
+            rep = next((c for c in group if c in stored), None)
+            for chain in group:
+                link = os.path.join(dst, chain)
+                if rep is not None and chain != rep and not os.path.lexists(link):
+                    os.symlink(rep, link)  # relative: <flat>/<chain> -> <flat>/<rep>
+                    linked += 1
+else:
+    print(f"preprocess.sh: no {duplicates}: duplicate chains get no alignments", file=sys.stderr)
+print(f"{len(stored)} chain directories, {linked} duplicate chains linked")
 PY
+    [[ -d "${pdb}/raw" ]] || { echo "$0: ${pdb}/raw not found (the mmCIF mirror of download_pdb_mmcif.sh)" >&2; exit 1; }
+    clusters=()
+    if [[ -f "${pdb}/clusters-by-entity-40.txt" ]]; then
+      clusters=(--cluster-file "${pdb}/clusters-by-entity-40.txt")
+    else
+      echo "$0: warning: no ${pdb}/clusters-by-entity-40.txt: chains get no cluster id (the benchmark's training filter needs it)" >&2
+    fi
     echo "$(date -Is) preprocess with ${WORKERS} workers -> ${store}"
-    "${SCALEFOLD}" preprocess --mmcif-dir "${pdb}/raw" --alignments-dir "${flat}" \
-      --cluster-file "${pdb}/clusters-by-entity-40.txt" --workers "${WORKERS}" --out "${store}" --no-progress
+    "${SCALEFOLD}" preprocess --mmcif-dir "${pdb}/raw" --alignments-dir "${flat}" "${clusters[@]}" \
+      --workers "${WORKERS}" --out "${store}" --no-progress
     ;;
   mlperf)
     [[ $# -eq 3 ]] || usage

@@ -6,11 +6,14 @@ The real submission (sbatch on a local Slurm) is tested in test_slurm_submission
 
 from __future__ import annotations
 
+import gzip
+import json
 import os
 import re
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +30,18 @@ pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="the launch
 
 def _clean_env(**extra: str) -> dict[str, str]:
     """The caller's environment without Slurm/launch variables (a test may itself run inside a job)."""
-    drop = {*LAYOUT_VARS, "CONT", "DATADIR", "LOGDIR", "SEED", "SEED_BASE", "NEXP", "DATESTAMP", "LOCAL_RANKS", "BP_SIZE"}
+    drop = {
+        *LAYOUT_VARS,
+        "CONT",
+        "DATADIR",
+        "LOGDIR",
+        "SEED",
+        "SEED_BASE",
+        "NEXP",
+        "DATESTAMP",
+        "LOCAL_RANKS",
+        "BP_SIZE",
+    }
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in drop}
     env.update(extra)
     return env
@@ -234,12 +248,34 @@ def test_run_and_time_maps_the_environment_to_train_flags():
     cmd = argv[1:]
     assert cmd[:2] == ["scalefold", "train"]
     pairs = dict(zip(cmd[2::2], cmd[3::2]))
-    assert pairs["--preset"] == "mlperf" and pairs["--store"] == "/data/store.h5" and pairs["--out"] == "/results/run_D_1"
+    assert (
+        pairs["--preset"] == "mlperf" and pairs["--store"] == "/data/store.h5" and pairs["--out"] == "/results/run_D_1"
+    )
     expected = {"--precision": "bf16", "--max-steps": "1200", "--eval-every": "40", "--target-lddt": "0.8",
                 "--seed": "42", "--num-async-eval-ranks": "32", "--dap": "8", "--bp": "2",
                 "--init-from": "/data/ckpt.pt", "--num-workers": "6"}  # fmt: skip
     for flag, value in expected.items():
         assert cmd[cmd.index(flag) + 1] == value
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in LAUNCH.glob("config_*.sh") if p.name != "config_common.sh"))
+def test_every_config_yields_flags_scalefold_train_accepts(config):
+    """What run_and_time.sh makes of each config's environment parses with the real `scalefold train`
+    parser (flag names, types and choices), with the config's layout."""
+    from scalefold.cli import build_parser
+
+    proc = _bash(
+        f"set -euo pipefail; source launch/{config}; DRYRUN=1 ./launch/run_and_time.sh",
+        INIT_CHECKPOINT="/data/ckpt.pt", SLURM_PROCID="0", DATA_ROOT="/data", RESULTS_ROOT="/results",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    argv = shlex.split(proc.stdout)
+    args = build_parser().parse_args(argv[argv.index("scalefold") + 1 :])  # argparse exits on a bad flag
+    lay = _layout(config)
+    assert args.command == "train" and args.preset == ("tiny" if config == "config_local_cpu.sh" else "mlperf")
+    assert (args.dap or 1) == int(lay["DAP_SIZE"])
+    assert (args.num_async_eval_ranks or 0) == int(lay["NUM_ASYNC_VAL_RANKS"])
+    assert args.init_from == "/data/ckpt.pt" and args.store == "/data/store.h5"
 
 
 def test_run_and_time_plain_data_parallel_needs_no_parallel_flags():
@@ -266,9 +302,112 @@ def test_run_and_time_prints_result_and_keeps_the_exit_status(tmp_path):
     assert bad.returncode == 1 and "exit status 1" in bad.stdout
 
 
+def test_throughput_instance_id_reaches_the_mlperf_logger():
+    """run.sub's SCALEFOLD_MLPERF_INSTANCE is what `scalefold train` tags its MLPerf events with."""
+    from scalefold.train.mlperf_logging import throughput_instance
+
+    assert throughput_instance({}) is None and throughput_instance({"SCALEFOLD_MLPERF_INSTANCE": ""}) is None
+    assert throughput_instance({"SCALEFOLD_MLPERF_INSTANCE": "3"}) == 3
+    with pytest.raises(ValueError, match="SCALEFOLD_MLPERF_INSTANCE='x'"):
+        throughput_instance({"SCALEFOLD_MLPERF_INSTANCE": "x"})
+    _, cmds = _dryrun("config_local_cpu.sh", NUM_INSTANCES="2")
+    trains = [c for c in cmds if "--mpi=none" in c]
+    assert [c[c.index("srun") - 1] for c in trains] == ["SCALEFOLD_MLPERF_INSTANCE=0", "SCALEFOLD_MLPERF_INSTANCE=1"]
+
+
+def test_dockerfile_matches_the_submission():
+    """The image (not buildable here: no Docker engine) is checked against what run.sub expects of it:
+    an NGC PyTorch base, every COPY source present and not excluded from the build context, the
+    checkout at the container workdir run.sub runs run_and_time.sh from, the issue's packages and
+    defaults."""
+    text = (REPO / "Dockerfile").read_text()
+    assert re.search(r"^ARG FROM_IMAGE=nvcr\.io/nvidia/pytorch:\d\d\.\d\d-py3$", text, re.MULTILINE)
+    assert re.search(r"^FROM \$\{FROM_IMAGE\}$", text, re.MULTILINE)
+    ignored = {
+        ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines() if ln.strip()[:1] not in ("", "#")
+    }
+    copies = re.findall(r"^COPY (.+)$", text, re.MULTILINE)
+    sources = [src for line in copies for src in line.split()[:-1]]
+    assert {"pyproject.toml", "scalefold", "launch", "run.sub"} <= set(sources)
+    for src in sources:
+        assert (REPO / src).exists() and src not in ignored, src
+    (workdir,) = re.findall(r"^WORKDIR (\S+)$", text, re.MULTILINE)
+    run_sub = (REPO / "run.sub").read_text()
+    assert f"RUN_AND_TIME={workdir}/launch/run_and_time.sh" in run_sub
+    assert f"--container-workdir={workdir}" in run_sub
+    for needed in ("kalign", "mlperf-logging", "mpi]", "PIP_NO_CACHE_DIR=1", "OMP_NUM_THREADS=1"):
+        assert needed in text, needed
+
+
+# ----------------------------------------------------------------------------------------------
+# data/ scripts
+# ----------------------------------------------------------------------------------------------
+
+
+def _scalefold_bin() -> str:
+    found = shutil.which("scalefold", path=str(Path(sys.executable).parent)) or shutil.which("scalefold")
+    if found is None:
+        pytest.skip("the `scalefold` console script is not installed")
+    return found
+
+
+def test_preprocess_script_builds_a_store_from_the_download_layout(data_dir, tmp_path):
+    """data/preprocess.sh raw on the layout the download scripts produce: gzipped mmCIF under
+    PDB_DIR/raw/<xy>/, OpenProteinSet chains with a3m/ subdirectories, one chain stored once for a
+    group of identical chains (duplicate_pdb_chains.txt), the RCSB cluster file."""
+    pdb, ops = tmp_path / "pdb_mmcif", tmp_path / "open_protein_set"
+    (pdb / "raw" / "q2").mkdir(parents=True)
+    (pdb / "raw" / "q2" / "2q2k.cif.gz").write_bytes(gzip.compress((data_dir / "mmcif" / "2q2k.cif").read_bytes()))
+    (pdb / "clusters-by-entity-40.txt").write_text("1ABC_1 2Q2K_2\n3ZEE_1\n")  # 2q2k entity 2 = chains A, B
+    chain_dir = ops / "pdb" / "2q2k_A" / "a3m"
+    chain_dir.mkdir(parents=True)
+    for f in (data_dir / "alignments" / "2q2k_A").iterdir():
+        shutil.copy(f, chain_dir / f.name)
+    (ops / "duplicate_pdb_chains.txt").write_text("2q2k_A 2q2k_B\n")  # B has no directory of its own
+    store = tmp_path / "store.h5"
+    proc = subprocess.run(["bash", "data/preprocess.sh", "raw", str(pdb), str(ops), str(store)], cwd=REPO,
+                          env=_clean_env(WORKERS="1", SCALEFOLD=_scalefold_bin(), PYTHON=sys.executable),
+                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "1 chain directories, 1 duplicate chains linked" in proc.stdout
+    assert (tmp_path / "store.h5.alignments" / "2q2k_B").resolve() == (tmp_path / "store.h5.alignments" / "2q2k_A")
+    stats = dict(re.findall(r"^\s*(\w+): (.+)$", proc.stdout, re.MULTILINE))  # `scalefold data-stats` output
+    assert (stats["chains"], stats["chains_without_msa"], stats["clustered_chains"]) == ("2", "0", "2")
+    report = json.loads((tmp_path / "store.h5.report.json").read_text())
+    assert report["chains_written"] == 2 and report["chains_skipped"] == 0
+
+
+def test_preprocess_script_names_what_is_missing(tmp_path):
+    usage = _bash("bash data/preprocess.sh raw only-two-args x")
+    assert usage.returncode == 2 and "usage:" in usage.stderr
+    (tmp_path / "ops" / "pdb").mkdir(parents=True)
+    proc = _bash(f"bash data/preprocess.sh raw {tmp_path / 'nopdb'} {tmp_path / 'ops'} {tmp_path / 's.h5'}",
+                 SCALEFOLD="false", PYTHON=sys.executable)  # fmt: skip
+    assert proc.returncode == 1 and f"{tmp_path / 'nopdb'}/raw not found" in proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("curl") is None or shutil.which("sha256sum") is None, reason="needs curl, sha256sum")
+def test_download_mlperf_refuses_a_checkpoint_with_the_wrong_sha256(tmp_path):
+    """The checkpoint only lands at its final name when its sha256 is the benchmark's; a corrupt
+    download is kept aside as .bad with both hashes in the error."""
+    server = tmp_path / "server"
+    server.mkdir()
+    (server / "mlperf_hpc_openfold_resumable_checkpoint_b518be46.pt").write_bytes(b"not the checkpoint")
+    out = tmp_path / "out"
+    proc = _bash(f"bash data/download_mlperf.sh {out}", MLPERF_DATA_URL=f"file://{server}")
+    assert proc.returncode == 1
+    assert (
+        "sha256 mismatch" in proc.stderr
+        and "b518be4677048f2c0f94889c91e2da73655a73b825a8aa7f8b6f5e580d8ffbed" in proc.stderr
+    )
+    assert sorted(p.name for p in out.iterdir()) == ["mlperf_hpc_openfold_resumable_checkpoint.pt.bad"]
+    missing = _bash(f"bash data/download_mlperf.sh {tmp_path / 'out2'}", MLPERF_DATA_URL=f"file://{tmp_path}/nothing")
+    assert missing.returncode != 0 and not (tmp_path / "out2" / "mlperf_hpc_openfold_resumable_checkpoint.pt").exists()
+
+
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (apt-get install shellcheck)")
 def test_scripts_are_shellcheck_clean():
     scripts = ["run.sub", *sorted(str(p.relative_to(REPO)) for p in LAUNCH.glob("*.sh")), "tests/slurm_setup.sh",
-               *sorted(str(p.relative_to(REPO)) for p in (REPO / "data").glob("*.sh"))]  # fmt: skip
+               *sorted(str(p.relative_to(REPO)) for p in (REPO / "data").glob("*.sh")), ".ci/run"]  # fmt: skip
     proc = subprocess.run(["shellcheck", "-x", *scripts], cwd=REPO, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stdout
