@@ -2,6 +2,8 @@
 
 Same as ``scalefold bench loader``; run ``python bench/loader_stall.py --json --plot stall.png``.
 The implementation lives in :mod:`scalefold.data.bench_cli` so the installed CLI has it too.
+``--with-dali`` also runs the DALI backend of ``bench/dali_loader.py`` (needs nvidia-dali), the
+measurement behind leaving DALI out of ScaleFold.
 """
 
 import argparse
@@ -13,11 +15,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from scalefold.data.bench_cli import add_bench_loader_parser  # noqa: E402
 
 
+def _dali_factory(sample_fn, pairs, **kwargs):
+    sys.path.append(str(Path(__file__).resolve().parent))
+    from dali_loader import DaliLoader
+
+    return DaliLoader(sample_fn, pairs, **kwargs)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="loader_stall")
     sub = parser.add_subparsers(dest="bench_command")
-    add_bench_loader_parser(sub)
+    loader_parser = add_bench_loader_parser(sub)
+    loader_parser.add_argument(
+        "--with-dali", action="store_true", help="also run the DALI backend of bench/dali_loader.py (needs nvidia-dali)"
+    )
     args = parser.parse_args(["loader", *(sys.argv[1:] if argv is None else argv)])
+    args.extra_loaders = {"dali": _dali_factory} if args.with_dali else None
     return args.handler(args)
 
 

@@ -18,6 +18,7 @@ import json
 import os
 import random
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,8 +121,15 @@ def run_loop(loader, steps: int, step_seconds: float, name: str) -> LoaderRun:
     return run
 
 
-def run_loader_benchmark(cfg: LoaderBenchConfig, with_dali: bool = False) -> dict[str, Any]:
-    """Priority-queue vs in-order loader (and, with ``with_dali``, the DALI backend) on the same workload."""
+def run_loader_benchmark(
+    cfg: LoaderBenchConfig, extra_loaders: Mapping[str, Callable[..., Any]] | None = None
+) -> dict[str, Any]:
+    """Priority-queue vs in-order loader on the same workload.
+
+    ``extra_loaders`` maps a name to a factory ``(sample_fn, pairs, num_workers=, prefetch_factor=,
+    mp_context=) -> loader`` run on the same workload too (``bench/loader_stall.py --with-dali``);
+    its results appear as ``{name}_wait_s``, ``{name}_loop_s``, ``{name}_wait_fraction``.
+    """
     workload = SimulatedSample(cfg.base_seconds, cfg.slow_fraction, cfg.slow_factor, workload_seed=cfg.seed)
     # More pairs than steps so the queue never drains at the end of the loop.
     pairs = [(i, i) for i in range(cfg.steps + cfg.num_workers * cfg.prefetch_factor)]
@@ -132,10 +140,8 @@ def run_loader_benchmark(cfg: LoaderBenchConfig, with_dali: bool = False) -> dic
         ),
         "in_order": run_loop(InOrderLoader(workload, pairs, **common), cfg.steps, cfg.step_seconds, "in_order"),
     }
-    if with_dali:
-        from scalefold.data.dali_loader import DaliLoader
-
-        runs["dali"] = run_loop(DaliLoader(workload, pairs, **common), cfg.steps, cfg.step_seconds, "dali")
+    for name, factory in (extra_loaders or {}).items():
+        runs[name] = run_loop(factory(workload, pairs, **common), cfg.steps, cfg.step_seconds, name)
     pq, io = runs["priority_queue"], runs["in_order"]
     result = {
         "benchmark": "loader_stall",
@@ -150,14 +156,13 @@ def run_loader_benchmark(cfg: LoaderBenchConfig, with_dali: bool = False) -> dic
         "wait_fraction": pq.total_wait / pq.loop_seconds,
         "in_order_wait_fraction": io.total_wait / io.loop_seconds,
     }
-    if with_dali:
-        dali = runs["dali"]
-        result.update(
-            dali_wait_s=dali.total_wait,
-            dali_loop_s=dali.loop_seconds,
-            dali_wait_fraction=dali.total_wait / dali.loop_seconds,
-            dali_vs_pq_wait=dali.total_wait / pq.total_wait if pq.total_wait > 0 else float("inf"),
-        )
+    extra = [name for name in runs if name not in ("priority_queue", "in_order")]
+    for name in extra:
+        run = runs[name]
+        result[f"{name}_wait_s"] = run.total_wait
+        result[f"{name}_loop_s"] = run.loop_seconds
+        result[f"{name}_wait_fraction"] = run.total_wait / run.loop_seconds
+    result["extra_loaders"] = extra
     result["_runs"] = runs
     return result
 
@@ -193,10 +198,11 @@ def format_table(result: dict[str, Any]) -> str:
         f"{'in_order':<16}{result['in_order_wait_s']:>10.3f}{result['in_order_loop_s']:>10.2f}{result['in_order_wait_fraction']:>11.2%}",
         f"wait ratio (pq / in-order): {result['wait_ratio']:.3f}",
     ]
-    if "dali_wait_s" in result:
+    for i, name in enumerate(result.get("extra_loaders", ())):
         lines.insert(
-            4,
-            f"{'dali':<16}{result['dali_wait_s']:>10.3f}{result['dali_loop_s']:>10.2f}{result['dali_wait_fraction']:>11.2%}",
+            4 + i,
+            f"{name:<16}{result[f'{name}_wait_s']:>10.3f}{result[f'{name}_loop_s']:>10.2f}"
+            f"{result[f'{name}_wait_fraction']:>11.2%}",
         )
     return "\n".join(lines)
 
@@ -213,7 +219,7 @@ def _cmd_bench_loader(args: argparse.Namespace) -> int:
         seed=args.seed,
         mp_context=args.mp_context,
     )
-    result = run_loader_benchmark(cfg, with_dali=args.with_dali)
+    result = run_loader_benchmark(cfg, extra_loaders=getattr(args, "extra_loaders", None))
     runs = result.pop("_runs")
     if args.plot:
         plot_waits(runs, args.plot)
@@ -224,7 +230,7 @@ def _cmd_bench_loader(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_bench_loader_parser(bench_subparsers) -> None:
+def add_bench_loader_parser(bench_subparsers) -> argparse.ArgumentParser:
     """``loader`` under an existing ``scalefold bench`` sub-parser group."""
     d = LoaderBenchConfig()
     p = bench_subparsers.add_parser("loader", help="loader stall: priority-queue vs in-order loader")
@@ -239,8 +245,8 @@ def add_bench_loader_parser(bench_subparsers) -> None:
     p.add_argument("--prefetch", type=int, default=d.prefetch_factor, help="queue depth per worker")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--mp-context", choices=("fork", "forkserver", "spawn"), default=None)
-    p.add_argument("--with-dali", action="store_true", help="also run the DALI loader backend (needs nvidia-dali)")
     p.set_defaults(handler=_cmd_bench_loader)
+    return p
 
 
 def add_bench_parser(subparsers) -> argparse._SubParsersAction:

@@ -23,8 +23,9 @@ reason, and logged. Workers open their resources lazily inside ``sample_fn`` (e.
 are safe under ``spawn``, ``forkserver`` and ``fork``. ``close()`` (or leaving the ``with``
 block, or exhausting the iterator) stops every worker; no process outlives the loader.
 
-With Dynamic Axial Parallelism one rank per DAP group loads and the ``broadcast`` hook ships
-each batch to the group's other ranks (identity by default).
+With Dynamic Axial Parallelism one rank per DAP group loads: :func:`group_batches` iterates its
+loader and broadcasts each batch to the group's other ranks, which run no loader. (The per-batch
+``broadcast`` hook of the loaders is applied on the loading rank; identity by default.)
 
 :class:`Sampler` produces the ``(index, seed)`` pairs with the reference's
 ``InitialTrainingSampler`` semantics.
@@ -576,9 +577,10 @@ class InOrderLoader(_LoaderBase):
     _round_robin = True
 
 
-#: Loader backends selectable by name (``--loader``): ScaleFold's priority queue (default), the
-#: reference in-order loader, and the optional DALI backend (:mod:`scalefold.data.dali_loader`).
-LOADERS = ("pq", "inorder", "dali")
+#: Loader backends selectable by name (``--loader``): ScaleFold's priority queue (default) and the
+#: reference in-order loader. (A DALI backend was measured slower than both and is not offered:
+#: ``bench/dali_loader.py`` has it and the numbers.)
+LOADERS = ("pq", "inorder")
 
 
 def make_loader(kind: str, sample_fn: SampleFn, sampler: Iterable[tuple[int, int]], **kwargs):
@@ -591,16 +593,47 @@ def make_loader(kind: str, sample_fn: SampleFn, sampler: Iterable[tuple[int, int
         logger.info("loader %r always delivers in sampler order; deterministic=False has no effect", kind)
     if kind == "inorder":
         return InOrderLoader(sample_fn, sampler, **kwargs)
-    if kind == "dali":
-        from scalefold.data.dali_loader import DaliLoader
-
-        return DaliLoader(sample_fn, sampler, **kwargs)
     raise ValueError(f"unknown loader {kind!r}; choose one of {', '.join(LOADERS)}")
 
 
 def identity_broadcast(batch: Any) -> Any:
     """The default ``broadcast`` hook: no DAP group, nothing to send."""
     return batch
+
+
+def group_batches(
+    loader: Iterable[tuple[int, Any]] | None, src: int, group=None, device=None
+) -> Iterator[tuple[int, Any]]:
+    """One loader per DAP group: the same ``(position, batch)`` sequence on every rank of ``group``.
+
+    The group's loader rank (global rank ``src``) passes its loader (any of the loaders here) and
+    iterates it; the other ranks pass ``None`` and receive each batch (a dict of tensors) through
+    :func:`scalefold.distributed.data.broadcast_batch`, allocated on ``device``. Per batch the
+    loader rank first broadcasts the position (``None``: no more data, every rank stops), then the
+    tensors. All ranks of the group must consume the same number of batches (the training loop
+    steps in lockstep); leaving early on the loader rank closes its loader.
+    """
+    import torch.distributed as dist
+
+    from scalefold.distributed.data import broadcast_batch
+
+    is_src = dist.get_rank() == src
+    if is_src != (loader is not None):
+        raise ValueError(f"group_batches: rank {dist.get_rank()} must pass a loader exactly when it is src={src}")
+    iterator = iter(loader) if is_src else None
+    try:
+        while True:
+            item = next(iterator, None) if is_src else None
+            header = [None if item is None else int(item[0])]
+            dist.broadcast_object_list(header, src=src, group=group)
+            if header[0] is None:
+                return
+            yield header[0], broadcast_batch(item[1] if is_src else None, src=src, group=group, device=device)
+    finally:
+        if is_src:
+            for resource in (iterator, loader):  # a generator, then the loader: stop its workers
+                if hasattr(resource, "close"):
+                    resource.close()
 
 
 __all__ = [
@@ -611,5 +644,6 @@ __all__ = [
     "InOrderLoader",
     "SkippedSample",
     "identity_broadcast",
+    "group_batches",
     "default_mp_context",
 ]

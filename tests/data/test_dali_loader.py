@@ -1,15 +1,22 @@
-"""The optional DALI loader backend: same interface and batches as the native loaders (skipped without DALI)."""
+"""The DALI loader of ``bench/dali_loader.py`` (benchmark-only: measured slower, not part of
+ScaleFold) builds the same batches as the native loaders, so its timing is a fair comparison.
+Skipped without DALI."""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from scalefold.data.bench_cli import SimulatedSample
-from scalefold.data.dali_loader import DaliLoader, dali_available
 from scalefold.data.loader import InOrderLoader
 from scalefold.data.pipeline import FeatureConfig
 from scalefold.train.sample import StoreSample
+
+sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))  # appended: shadows nothing
+from dali_loader import DaliLoader, dali_available  # noqa: E402
 
 AVAILABLE, DETAIL = dali_available()
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason=DETAIL)

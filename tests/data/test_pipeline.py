@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from scalefold import residue_constants as rc
+from scalefold.data import transforms as T
 from scalefold.data.pipeline import (
     FeatureConfig,
     TrainingChainFilter,
@@ -87,17 +88,37 @@ def _raw_from_golden(golden_small: dict) -> dict:
 
 def test_training_sample_reproduces_reference_golden_batch(golden_small):
     """Processing the golden chain's raw features with the golden data seed reproduces the
-    reference batch exactly -- every key, shape, dtype and value of both recycling slices
-    (MSA sampling, BERT masking, clustering, profiles, crop, padding, use_clamped_fape)."""
+    reference batch -- every key, shape and dtype of both recycling slices; integer and mask
+    features (MSA sampling, BERT masking, clustering, crop, template subsampling, padding,
+    use_clamped_fape) bit for bit, floating features to float32 rounding.
+
+    Floating features are not compared bitwise: the golden was written on another machine, and
+    float32 transcendental functions (``atan`` of the deletion features, the frame square roots)
+    differ there in the last ulp at some positions. Torsions on a degenerate frame (the chain
+    start's pre-omega) are rounding noise in both implementations and are skipped (see
+    test_transforms::test_degenerate_torsion_frame_is_rounding_noise)."""
     raw = _raw_from_golden(golden_small)
     cfg = FeatureConfig.from_reference_config(golden_small["config"])
     sample = process_training_features(raw, cfg, seed=golden_small["data"]["data_seed"])
     golden = {k: v[0] for k, v in golden_small["batch"].items()}
     assert set(sample) == set(golden)
     num_used = golden["aatype"].shape[-1]
+    templ_pos = golden["template_all_atom_positions"].movedim(-1, 0)  # [R, N_templ, N_res, 37, 3]
+    templ_aatype = golden["template_aatype"].movedim(-1, 0)
+    templ_mask = golden["template_all_atom_mask"].movedim(-1, 0)
+    degenerate = T.degenerate_torsion_frames(T.torsion_atoms(templ_aatype, templ_pos, templ_mask)[0])
+    degenerate = degenerate.movedim(0, -1)[..., None, :].expand(*degenerate.shape[1:], 2, degenerate.shape[0])
+    assert degenerate.any() and not (degenerate[..., 0, :] & (golden["template_torsion_angles_mask"] > 0)).any()
     for key, ref in golden.items():
-        assert sample[key].dtype == ref.dtype, key
-        torch.testing.assert_close(sample[key][..., :num_used], ref, atol=0, rtol=0, msg=key)
+        value = sample[key][..., :num_used]
+        assert value.shape == ref.shape and value.dtype == ref.dtype, key
+        if key in ("template_torsion_angles_sin_cos", "template_alt_torsion_angles_sin_cos"):
+            value, ref = value[~degenerate], ref[~degenerate]
+        is_mask = key.endswith("mask") or key.endswith("exists") or key in ("bert_mask", "use_clamped_fape")
+        if not ref.is_floating_point() or is_mask:
+            torch.testing.assert_close(value, ref, atol=0, rtol=0, msg=key)
+        else:
+            torch.testing.assert_close(value, ref, atol=5e-6, rtol=1e-6, msg=key)
 
 
 def test_feature_config_from_reference_config(golden_small):

@@ -19,12 +19,14 @@ from scalefold.data.transforms.geometry import (
     atom14_ground_truth,
     atom14_masks,
     backbone_frames,
+    degenerate_torsion_frames,
     frames_from_3_points,
     pseudo_beta,
     rigid_group_frames,
     structure_features,
     template_structure_features,
     torsion_angles,
+    torsion_atoms,
 )
 from scalefold.data.transforms.msa import (
     block_delete_msa,
@@ -49,6 +51,7 @@ __all__ = [
     "atom14_masks",
     "backbone_frames",
     "block_delete_msa",
+    "degenerate_torsion_frames",
     "correct_msa_restypes",
     "crop_extra_msa",
     "filter_features",
@@ -71,4 +74,5 @@ __all__ = [
     "summarize_clusters",
     "template_structure_features",
     "torsion_angles",
+    "torsion_atoms",
 ]

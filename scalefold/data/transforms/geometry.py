@@ -249,20 +249,20 @@ def backbone_frames(rigid_groups: Features) -> Features:
     }
 
 
-def torsion_angles(
+def torsion_atoms(
     aatype: torch.Tensor, all_atom_positions: torch.Tensor, all_atom_mask: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Torsion angles (pre-omega, phi, psi, chi1..4) as unit (sin, cos) pairs.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The four atoms defining each of the 7 torsions: positions ``[*, N, 7, 4, 3]``, mask ``[*, N, 7]``.
 
-    Returns ``(sin_cos [*, N, 7, 2], alt_sin_cos [*, N, 7, 2], mask [*, N, 7])``; the alternative
-    adds pi to pi-periodic chis. Residue types > 20 (gaps in templates) count as UNK.
+    Backbone: pre-omega (CA-, C-, N, CA), phi (C-, N, CA, C), psi (N, CA, C, O); the previous
+    residue of the first one is a zero pad (its atoms sit at the origin, mask 0). Side chain:
+    chi1..chi4 from the residue type's chi-atom table (UNK / gaps: index 0, mask 0).
     """
     aatype = torch.clamp(aatype.long(), max=20)
     pos, mask = all_atom_positions, all_atom_mask
     prev_pos = torch.cat([pos.new_zeros([*pos.shape[:-3], 1, 37, 3]), pos[..., :-1, :, :]], dim=-3)
     prev_mask = torch.cat([mask.new_zeros([*mask.shape[:-2], 1, 37]), mask[..., :-1, :]], dim=-2)
 
-    # Four atoms per backbone torsion: pre-omega (CA-, C-, N, CA), phi (C-, N, CA, C), psi (N, CA, C, O).
     pre_omega_pos = torch.cat([prev_pos[..., 1:3, :], pos[..., :2, :]], dim=-2)
     phi_pos = torch.cat([prev_pos[..., 2:3, :], pos[..., :3, :]], dim=-2)
     psi_pos = torch.cat([pos[..., :3, :], pos[..., 4:5, :]], dim=-2)
@@ -280,6 +280,36 @@ def torsion_angles(
         [pre_omega_pos[..., None, :, :], phi_pos[..., None, :, :], psi_pos[..., None, :, :], chis_pos], dim=-3
     )  # [*, N, 7, 4, 3]
     torsions_mask = torch.cat([pre_omega_mask[..., None], phi_mask[..., None], psi_mask[..., None], chis_mask], -1)
+    return torsions_pos, torsions_mask
+
+
+def degenerate_torsion_frames(torsions_pos: torch.Tensor, min_area: float = 1e-2) -> torch.Tensor:
+    """Torsions whose Gram-Schmidt frame is ill-defined: ``[*, N, 7]`` bool.
+
+    The frame of a torsion is built on its atoms 1, 2, 0 (:func:`frames_from_3_points`). When two
+    of them coincide -- typically the pre-omega of the first residue, whose previous-residue atoms
+    are the zero pad, or missing atoms left at the origin -- the second axis is pure rounding
+    noise, so the (sin, cos) there is an arbitrary unit vector that changes with the last bit of
+    the coordinates (1 ulp flips it). In real data such torsions are masked out (their atoms are
+    padding or unresolved); their values are implementation-defined, so comparisons with the
+    reference skip them. ``min_area``
+    (squared Angstrom) bounds ``|(a2 - a1) x (a0 - a2)|``; real backbone/side-chain triples give ~2.
+    """
+    a0, a1, a2 = torsions_pos[..., 0, :], torsions_pos[..., 1, :], torsions_pos[..., 2, :]
+    area = torch.linalg.vector_norm(torch.cross(a2 - a1, a0 - a2, dim=-1), dim=-1)
+    return area < min_area
+
+
+def torsion_angles(
+    aatype: torch.Tensor, all_atom_positions: torch.Tensor, all_atom_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torsion angles (pre-omega, phi, psi, chi1..4) as unit (sin, cos) pairs.
+
+    Returns ``(sin_cos [*, N, 7, 2], alt_sin_cos [*, N, 7, 2], mask [*, N, 7])``; the alternative
+    adds pi to pi-periodic chis. Residue types > 20 (gaps in templates) count as UNK.
+    """
+    aatype = torch.clamp(aatype.long(), max=20)
+    torsions_pos, torsions_mask = torsion_atoms(aatype, all_atom_positions, all_atom_mask)
 
     # Frame on atoms 1, 2 (origin), 0; express atom 3 in it: sin = z, cos = y.
     rot, trans = frames_from_3_points(torsions_pos[..., 1, :], torsions_pos[..., 2, :], torsions_pos[..., 0, :])

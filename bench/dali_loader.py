@@ -1,28 +1,33 @@
-"""Optional loader backend on NVIDIA DALI's parallel external source (issue 3, item 7).
+"""DALI loader backend -- measured, slower than the native loaders, so not part of ScaleFold.
 
-:class:`DaliLoader` has the interface of :class:`~scalefold.data.loader.PriorityQueueLoader`
-(``DaliLoader(sample_fn, sampler, num_workers=..., prefetch_factor=...)``; iterating yields
-``(position, batch)``; ``start`` / ``close`` / ``skipped``), but the work is done by a CPU DALI
-pipeline (``device_id=None``) whose only operator is ``fn.external_source(parallel=True)``: DALI's
-Python worker processes call ``sample_fn(index, seed)`` for the sampler's pairs, and the PyTorch
-iterator hands the outputs back as tensors.
+Issue 3 asked for a loader backend on NVIDIA DALI's parallel external source, to be kept only if
+the loader benchmark shows it is not slower than the native loader. It is slower, so ScaleFold
+ships only its own loaders (:mod:`scalefold.data.loader`); this module stays in ``bench/`` so the
+measurement can be repeated: ``python bench/loader_stall.py --with-dali`` (needs
+``pip install nvidia-dali-cuda120`` or ``-cuda130``; CPU-only pipeline, ``device_id=None``).
 
-What DALI does *not* give (measured and documented in ``docs``/the lead's README):
+:class:`DaliLoader` has the native loaders' interface (``DaliLoader(sample_fn, sampler,
+num_workers=..., prefetch_factor=...)``; iterating yields ``(position, batch)``); its only DALI
+operator is ``fn.external_source(parallel=True)``: DALI's Python worker processes call
+``sample_fn(index, seed)`` and the PyTorch iterator hands the outputs back as tensors.
 
-* delivery is strictly in sampler order (DALI's prefetch queue), i.e. the semantics of the
-  in-order loader: a slow sample blocks every step behind it -- the stall ScaleFold's
-  priority-queue loader removes;
-* no crash recovery: a worker process that dies ends the pipeline. Exceptions *inside*
-  ``sample_fn`` are retried ``max_attempts`` times in the worker, then the sample is skipped and
-  recorded in :attr:`skipped`, like the native loaders do;
-* ``sample_timeout`` and ``worker_init`` are not supported (DALI has no per-worker hooks).
+Measured (DALI 2.4.0, 2-core shared CPU box, 4 workers, prefetch 4, same workload and loop for
+all three loaders; wait = time the loop waited for batches):
 
-Use it via ``--loader dali`` (:func:`scalefold.data.loader.make_loader`; needs the ``dali``
-extra: ``pip install nvidia-dali-cuda120``, or ``-cuda130``). It stays optional and off by default:
-on the loader-stall workload (``python bench/loader_stall.py --with-dali``: 200 steps of 50 ms,
-prep 50 ms with 10 % of samples 10x slower, 4 workers, prefetch 4; 2-core shared CPU box, DALI
-2.4.0) the waits were priority queue 0.018 s, in-order 0.36 s, DALI 1.15 s (10 % of its loop
-time) -- DALI is slower than both native loaders here, being in-order by construction.
+=====================================================  ==============  ==========  ========
+workload                                               priority queue  in order    DALI
+=====================================================  ==============  ==========  ========
+200 steps of 50 ms, prep 50 ms, 10 % of samples x10    0.012 s         0.38 s      1.17 s
+  (heavy tail, ScaleFold Fig. 4), run 2 of 2           (0.12 %)        (3.6 %)     (10.3 %)
+150 steps of 30 ms, prep 150 ms, no slow samples       loop 5.79 s     5.79 s      6.41 s
+  (loader-bound throughput)
+=====================================================  ==============  ==========  ========
+
+Why: DALI's prefetch queue delivers strictly in sampler order (a slow sample blocks every step
+behind it -- the stall the priority-queue loader removes), and it adds a per-sample copy through
+its own buffers. It also has no crash recovery (a dead worker ends the pipeline), no per-sample
+timeout and no worker-init hook. Exceptions inside ``sample_fn`` are retried ``max_attempts``
+times in the worker, then the sample is skipped and recorded in :attr:`skipped`.
 """
 
 from __future__ import annotations
@@ -138,7 +143,7 @@ class DaliLoader:
     ) -> None:
         available, detail = dali_available()
         if not available:
-            raise RuntimeError(f"--loader dali needs NVIDIA DALI: {detail}; install the 'dali' extra")
+            raise RuntimeError(f"the DALI loader needs NVIDIA DALI: {detail}; pip install nvidia-dali-cuda120")
         if num_workers < 1 or prefetch_factor < 1 or max_attempts < 1:
             raise ValueError("num_workers, prefetch_factor and max_attempts must be >= 1")
         if sample_timeout is not None:
