@@ -3,7 +3,9 @@ Operations, Parallel Evoformer + Branch Parallelism (BP), gradient sync and the 
 
 * ``primitives``      -- differentiable scatter / gather (sum or split backward) / all_to_all;
 * ``axial``           -- the named layout-switch calls the model makes (identity when DAP is off);
-* ``async_ops``       -- launch/wait pair overlapping a collective with independent compute;
+* ``async_ops``       -- Duality Async Operations: launch/wait pair overlapping a collective with
+  independent compute in forward and its reverse in backward;
+* ``volume``          -- the analytic bytes of one DAP Evoformer block (checked against the counter);
 * ``branch_parallel`` -- BP exchanges and per-branch dropout streams;
 * ``grad_sync``       -- which gradients are summed over DAP / BP, then the DP mean;
 * ``layout``          -- world = DP x BP x DAP + eval ranks, validation;
@@ -13,6 +15,6 @@ Operations, Parallel Evoformer + Branch Parallelism (BP), gradient sync and the 
 
 from scalefold.distributed.context import ParallelContext, setup_model_parallel
 from scalefold.distributed.group import CommStats, DAPGroup
-from scalefold.distributed.layout import ParallelLayout
+from scalefold.distributed.layout import LayoutError, ParallelLayout
 
-__all__ = ["CommStats", "DAPGroup", "ParallelContext", "ParallelLayout", "setup_model_parallel"]
+__all__ = ["CommStats", "DAPGroup", "LayoutError", "ParallelContext", "ParallelLayout", "setup_model_parallel"]

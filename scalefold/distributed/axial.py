@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from scalefold.distributed import async_ops as A
 from scalefold.distributed import primitives as P
 from scalefold.distributed.group import DAPGroup
 
@@ -82,6 +83,18 @@ class Plane:
         x = _pad_to(x, ROWS, self.padded(self.rows))
         return P.all_to_all(x, ROWS, COLS, self.group).narrow(COLS, 0, self.cols)
 
+    # -- overlapped versions (Duality Async Operations): launch now, ``.wait()`` for the result --
+
+    def col_to_row_async(self, x: torch.Tensor) -> Later:
+        x = _pad_to(x, ROWS, self.padded(self.rows))
+        return Later(A.all_to_all_async(x, ROWS, COLS, self.group), lambda y: y.narrow(COLS, 0, self.cols))
+
+    def gather_rows_async(self, x: torch.Tensor, grad: str = "sum") -> Later:
+        return Later(A.gather_async(x, ROWS, self.group, grad=grad), lambda y: y.narrow(ROWS, 0, self.rows))
+
+    def gather_cols_async(self, x: torch.Tensor, grad: str = "sum") -> Later:
+        return Later(A.gather_async(x, COLS, self.group, grad=grad), lambda y: y.narrow(COLS, 0, self.cols))
+
     # -- masks and dropout (no gradient, no communication) -----------------------------------
 
     def local(self, t: torch.Tensor, dim: int, real: int) -> torch.Tensor:
@@ -99,6 +112,19 @@ class Plane:
         if mask.shape[sharded] == 1:
             return mask
         return self.local(mask, sharded, full[sharded])
+
+
+class Later:
+    """A result to :meth:`wait` for: an overlapped collective (then ``post``), or a ready tensor."""
+
+    def __init__(self, pending: A.Overlapped | torch.Tensor, post: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self._pending, self._post = pending, post
+
+    def wait(self) -> torch.Tensor:
+        if isinstance(self._pending, torch.Tensor):
+            return self._pending
+        y = self._pending.wait()
+        return y if self._post is None else self._post(y)
 
 
 class Axial(NamedTuple):
@@ -137,6 +163,21 @@ def col_to_row(x: torch.Tensor, plane: Plane | None) -> torch.Tensor:
     return x if plane is None else plane.col_to_row(x)
 
 
+def col_to_row_async(x: torch.Tensor, plane: Plane | None) -> Later:
+    """Launch :func:`col_to_row` (overlapped with the compute before ``.wait()``)."""
+    return Later(x) if plane is None else plane.col_to_row_async(x)
+
+
+def gather_rows_async(x: torch.Tensor, plane: Plane | None, grad: str = "sum") -> Later:
+    """Launch :func:`gather_rows` (overlapped with the compute before ``.wait()``)."""
+    return Later(x) if plane is None else plane.gather_rows_async(x, grad=grad)
+
+
+def gather_cols_async(x: torch.Tensor, plane: Plane | None, grad: str = "sum") -> Later:
+    """Launch :func:`gather_cols` (overlapped with the compute before ``.wait()``)."""
+    return Later(x) if plane is None else plane.gather_cols_async(x, grad=grad)
+
+
 def mask_rows(mask: torch.Tensor, plane: Plane | None) -> torch.Tensor:
     """A replicated mask ``[*, A, B]`` -> the rows of the row-sharded layout."""
     return mask if plane is None else plane.local(mask, -2, plane.rows)
@@ -158,6 +199,10 @@ __all__ = [
     "gather_cols",
     "row_to_col",
     "col_to_row",
+    "Later",
+    "col_to_row_async",
+    "gather_rows_async",
+    "gather_cols_async",
     "mask_rows",
     "mask_cols",
 ]

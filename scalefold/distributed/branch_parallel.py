@@ -45,7 +45,11 @@ class Branches:
         return self.branch == PAIR_BRANCH
 
     def enter(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(_SumGradOverBranches.apply(x, self) for x in xs)
+        """Identity; backward sums the gradients of all ``xs`` over the pair in one all-reduce.
+
+        One autograd node for all inputs: the two ranks run different branches, so separate
+        nodes would reach their all-reduces in a rank-dependent order (a hang)."""
+        return _SumGradOverBranches.apply(self, *xs)
 
     def share(self, x: torch.Tensor | None, branch: int, shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
         """The output of ``branch`` (``x`` on its owner, ``None`` on the peer) on both ranks."""
@@ -56,15 +60,19 @@ class Branches:
 
 class _SumGradOverBranches(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, bp: Branches) -> torch.Tensor:
+    def forward(ctx, bp: Branches, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.bp = bp
-        return x.view_as(x)
+        return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.bp.group)
-        return grad, None
+    def backward(ctx, *grads: torch.Tensor):
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=ctx.bp.group)
+        out, offset = [], 0
+        for g in grads:
+            out.append(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        return (None, *out)
 
 
 class _Broadcast(torch.autograd.Function):

@@ -51,6 +51,16 @@ class ParallelContext:
         return self.coords[0] if self.is_train_rank else 0
 
     @property
+    def dp_rank(self) -> int:
+        """Data-parallel index of this training rank (-1 on evaluation ranks)."""
+        return self.coords[0] if self.is_train_rank else -1
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas: the global batch size (one sample per DAP group / BP pair)."""
+        return self.layout.dp
+
+    @property
     def is_loader_rank(self) -> bool:
         """One loader per DAP group and BP pair: the rank with bp_rank == dap_rank == 0."""
         return self.is_train_rank and self.coords[1:] == (0, 0)

@@ -31,21 +31,24 @@ class CommStats:
 @dataclass(eq=False)
 class DAPGroup:
     """One DAP group as seen from one of its ranks: ``group`` (``None`` = the default group),
-    ``size`` ranks, this rank's index ``rank`` inside it, and a :class:`CommStats` counter."""
+    ``size`` ranks, this rank's index ``rank`` inside it, and a :class:`CommStats` counter.
+    ``overlap`` (default on) runs the model's overlapped collectives asynchronously (Duality Async
+    Operations, :mod:`scalefold.distributed.async_ops`); off, the same calls are synchronous."""
 
     group: dist.ProcessGroup | None
     size: int
     rank: int
     stats: CommStats = field(default_factory=CommStats)
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"invalid DAP group: rank {self.rank} of size {self.size}")
 
     @classmethod
-    def world(cls) -> DAPGroup:
+    def world(cls, overlap: bool = True) -> DAPGroup:
         """The whole default process group as one DAP group (tests, benchmarks)."""
-        return cls(group=None, size=dist.get_world_size(), rank=dist.get_rank())
+        return cls(group=None, size=dist.get_world_size(), rank=dist.get_rank(), overlap=overlap)
 
 
 __all__ = ["CommStats", "DAPGroup"]

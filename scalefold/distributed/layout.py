@@ -16,6 +16,10 @@ from dataclasses import dataclass
 BP_SIZES = (1, 2)
 
 
+class LayoutError(ValueError):
+    """An invalid DP x BP x DAP (+ eval) rank layout (raised before any work starts)."""
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
     world_size: int
@@ -34,21 +38,21 @@ class ParallelLayout:
     def validate(self, parallel_evoformer: bool = False, crop_size: int | None = None) -> ParallelLayout:
         """Raise ``ValueError`` on an invalid layout; returns ``self``."""
         if self.dap < 1:
-            raise ValueError(f"--dap must be >= 1, got {self.dap}")
+            raise LayoutError(f"--dap must be >= 1, got {self.dap}")
         if self.bp not in BP_SIZES:
-            raise ValueError(f"--bp must be 1 or 2 (the MSA and the pair branch), got {self.bp}")
+            raise LayoutError(f"--bp must be 1 or 2 (the MSA and the pair branch), got {self.bp}")
         if self.bp > 1 and not parallel_evoformer:
-            raise ValueError("--bp 2 needs --parallel-evoformer (only its two branches are independent)")
+            raise LayoutError("--bp 2 needs --parallel-evoformer (only its two branches are independent)")
         if not 0 <= self.num_eval_ranks < self.world_size:
-            raise ValueError(f"{self.num_eval_ranks} evaluation ranks leave no training rank in a world of {self.world_size}")
+            raise LayoutError(f"{self.num_eval_ranks} evaluation ranks leave no training rank in a world of {self.world_size}")
         group = self.dap * self.bp
         if self.num_train_ranks % group:
-            raise ValueError(
+            raise LayoutError(
                 f"{self.num_train_ranks} training ranks (world {self.world_size} - {self.num_eval_ranks} eval) "
                 f"are not divisible by bp x dap = {self.bp} x {self.dap} = {group}"
             )
         if crop_size is not None and crop_size % self.dap:
-            raise ValueError(f"--dap {self.dap} does not divide the crop size {crop_size}")
+            raise LayoutError(f"--dap {self.dap} does not divide the crop size {crop_size}")
         return self
 
     # -- rank arithmetic -------------------------------------------------------------------------
@@ -84,4 +88,4 @@ class ParallelLayout:
         )
 
 
-__all__ = ["BP_SIZES", "ParallelLayout"]
+__all__ = ["BP_SIZES", "LayoutError", "ParallelLayout"]

@@ -46,48 +46,65 @@ def split_local(x: torch.Tensor, dim: int, g: DAPGroup) -> torch.Tensor:
     return x.narrow(dim, g.rank * chunk, chunk)
 
 
-def all_gather_raw(x: torch.Tensor, dim: int, g: DAPGroup) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along ``dim`` (no autograd)."""
+class Pending:
+    """A collective that may still be in flight: :meth:`wait` returns its result (once)."""
+
+    def __init__(self, work: dist.Work | None, finish) -> None:
+        self._work, self._finish = work, finish
+
+    def wait(self) -> torch.Tensor:
+        if self._finish is None:
+            raise RuntimeError("Pending.wait() called twice on the same collective")
+        if self._work is not None:
+            self._work.wait()
+        out, self._finish, self._work = self._finish(), None, None
+        return out
+
+
+def start_all_gather(x: torch.Tensor, dim: int, g: DAPGroup, async_op: bool = False) -> Pending:
+    """Concatenate every rank's ``x`` along ``dim`` (no autograd); ``async_op``: do not wait."""
     p = _pos(x, dim)
     flat = x.reshape(-1)
     out = flat.new_empty(g.size * flat.numel())
-    _ALL_GATHER(out, flat.contiguous(), group=g.group)
+    work = _ALL_GATHER(out, flat.contiguous(), group=g.group, async_op=async_op)
     g.stats.add("all_gather", x.numel() * x.element_size() * (g.size - 1))
-    return out.view((g.size,) + tuple(x.shape)).movedim(0, p).flatten(p, p + 1)
+    shape = (g.size,) + tuple(x.shape)
+    return Pending(work if async_op else None, lambda: out.view(shape).movedim(0, p).flatten(p, p + 1))
 
 
-def reduce_scatter_raw(x: torch.Tensor, dim: int, g: DAPGroup) -> torch.Tensor:
+def start_reduce_scatter(x: torch.Tensor, dim: int, g: DAPGroup, async_op: bool = False) -> Pending:
     """Sum ``x`` over the group and keep this rank's chunk along ``dim`` (no autograd)."""
     _check_divisible(x, dim, g, "reduce_scatter")
     p = _pos(x, dim)
     parts = x.unflatten(p, (g.size, x.shape[p] // g.size)).movedim(p, 0).contiguous()
     out = x.new_empty(parts.shape[1:])
-    _REDUCE_SCATTER(out.view(-1), parts.view(-1), group=g.group)
+    work = _REDUCE_SCATTER(out.view(-1), parts.view(-1), group=g.group, async_op=async_op)
     g.stats.add("reduce_scatter", out.numel() * out.element_size() * (g.size - 1))
-    return out
+    return Pending(work if async_op else None, lambda: out)
 
 
-def all_to_all_raw(
-    x: torch.Tensor, split_dim: int, cat_dim: int, g: DAPGroup, async_op: bool = False
-) -> torch.Tensor | tuple[torch.Tensor, dist.Work]:
+def start_all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, g: DAPGroup, async_op: bool = False) -> Pending:
     """Send chunk ``k`` of ``split_dim`` to rank ``k``; concatenate the received chunks along
-    ``cat_dim`` (no autograd). With ``async_op`` returns ``(pending, work)``: call
-    :func:`finish_all_to_all` after ``work.wait()``."""
+    ``cat_dim`` (no autograd)."""
     _check_divisible(x, split_dim, g, "all_to_all")
     sp, cp = _pos(x, split_dim), _pos(x, cat_dim)
     parts = x.unflatten(sp, (g.size, x.shape[sp] // g.size)).movedim(sp, 0).contiguous()
     out = torch.empty_like(parts)
     work = dist.all_to_all_single(out, parts, group=g.group, async_op=async_op)
     g.stats.add("all_to_all", x.numel() * x.element_size() * (g.size - 1) // g.size)
-    if async_op:
-        return (out, cp), work
-    return finish_all_to_all((out, cp))
+    return Pending(work if async_op else None, lambda: out.movedim(0, cp).flatten(cp, cp + 1))
 
 
-def finish_all_to_all(pending: tuple[torch.Tensor, int]) -> torch.Tensor:
-    """Lay the received chunks of an all_to_all out along its ``cat_dim``."""
-    out, cp = pending
-    return out.movedim(0, cp).flatten(cp, cp + 1)
+def all_gather_raw(x: torch.Tensor, dim: int, g: DAPGroup) -> torch.Tensor:
+    return start_all_gather(x, dim, g).wait()
+
+
+def reduce_scatter_raw(x: torch.Tensor, dim: int, g: DAPGroup) -> torch.Tensor:
+    return start_reduce_scatter(x, dim, g).wait()
+
+
+def all_to_all_raw(x: torch.Tensor, split_dim: int, cat_dim: int, g: DAPGroup) -> torch.Tensor:
+    return start_all_to_all(x, split_dim, cat_dim, g).wait()
 
 
 class _Scatter(torch.autograd.Function):
@@ -148,10 +165,13 @@ def all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, g: DAPGroup) -> to
 __all__ = [
     "GATHER_GRADS",
     "split_local",
+    "Pending",
+    "start_all_gather",
+    "start_reduce_scatter",
+    "start_all_to_all",
     "all_gather_raw",
     "reduce_scatter_raw",
     "all_to_all_raw",
-    "finish_all_to_all",
     "scatter",
     "gather",
     "all_to_all",

@@ -31,7 +31,17 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from scalefold.distributed.axial import COLS, ROWS, Axial, col_to_row, mask_cols, mask_rows, planes, row_to_col
+from scalefold.distributed.axial import (
+    COLS,
+    ROWS,
+    Axial,
+    col_to_row,
+    col_to_row_async,
+    mask_cols,
+    mask_rows,
+    planes,
+    row_to_col,
+)
 from scalefold.distributed.branch_parallel import MSA_BRANCH, PAIR_BRANCH, branch_rng, branch_seeds
 from scalefold.model.dropout import DropoutColumnwise, DropoutRowwise
 from scalefold.model.msa_attention import MSAColumnAttention, MSARowAttentionWithPairBias
@@ -124,8 +134,9 @@ class EvoformerBlockCore(nn.Module):
         msa, pair = split_planes(dap)
         m = m + self.msa_transition(m, mask=mask_cols(msa_mask, msa))
         z = z + self.outer_product_mean(m, mask=msa_mask, msa_plane=msa)
-        m = col_to_row(m, msa)
-        return m, self.pair_stack(z, pair_mask, pair)
+        m = col_to_row_async(m, msa)  # overlapped with the pair stack (forward and backward)
+        z = self.pair_stack(z, pair_mask, pair)
+        return m.wait(), z
 
     def pair_stack(self, z: torch.Tensor, pair_mask: torch.Tensor, pair=None) -> torch.Tensor:
         """Triangle updates and pair transition (Alg. 6 lines 6-11); ``z`` row-sharded in and out."""

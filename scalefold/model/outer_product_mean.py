@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from scalefold.distributed.axial import gather_cols, mask_cols
+from scalefold.distributed.axial import gather_cols_async, mask_cols
 from scalefold.model.msa_attention import chunked
 from scalefold.model.primitives import LayerNorm, Linear
 
@@ -52,8 +52,9 @@ class OuterProductMean(nn.Module):
         # mask: [*, N_seq, N_res, 1]
 
         m = self.layer_norm(m)
+        b = gather_cols_async(self.linear_2(m) * mask, msa_plane)  # overlaps the left projection
         a = self.linear_1(m) * mask
-        b = gather_cols(self.linear_2(m) * mask, msa_plane)
+        b = b.wait()
         # a, b: [*, N_seq, N_res, C]
         a = a.transpose(-2, -3)
         b = b.transpose(-2, -3)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from scalefold.distributed.axial import gather_cols, gather_rows
+from scalefold.distributed.axial import gather_cols_async, gather_rows, gather_rows_async
 from scalefold.model.msa_attention import chunked
 from scalefold.model.primitives import Attention, LayerNorm, Linear
 
@@ -52,21 +52,27 @@ class TriangleMultiplicativeUpdate(nn.Module):
         # mask: [*, N_res, N_res, 1]
         z = self.layer_norm_in(z)
 
-        a = torch.sigmoid(self.linear_a_g(z)) * mask
-        a = a * self.linear_a_p(z)
-        b = torch.sigmoid(self.linear_b_g(z)) * mask
-        b = b * self.linear_b_p(z)
-        # a, b: [*, N_res, N_res, C]
+        # The projection DAP gathers (b outgoing, a incoming) first: its all-gather overlaps the
+        # other projection (Duality Async Operation; identity without DAP).
         if self.outgoing:
-            b = gather_rows(b, plane)
+            b = gather_rows_async(self._project(z, mask, self.linear_b_g, self.linear_b_p), plane)
+            a = self._project(z, mask, self.linear_a_g, self.linear_a_p)
+            b = b.wait()
         else:
-            a = gather_cols(a, plane)
+            a = gather_cols_async(self._project(z, mask, self.linear_a_g, self.linear_a_p), plane)
+            b = self._project(z, mask, self.linear_b_g, self.linear_b_p)
+            a = a.wait()
+        # a, b: [*, N_res, N_res, C]
 
         x = self._combine(a, b)
         # x: [*, N_res, N_res, C]
         x = self.linear_z(self.layer_norm_out(x))
         # x: [*, N_res, N_res, c_z]
         return x * torch.sigmoid(self.linear_g(z))
+
+    @staticmethod
+    def _project(z: torch.Tensor, mask: torch.Tensor, gate: nn.Module, proj: nn.Module) -> torch.Tensor:
+        return torch.sigmoid(gate(z)) * mask * proj(z)
 
     def _combine(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """Channel-wise matrix product over the shared edge ``k``."""

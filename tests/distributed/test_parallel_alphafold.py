@@ -47,7 +47,7 @@ def _step(model, loss_fn, batch):
     return out, loss.detach()
 
 
-def _worker(rank: int, world: int, dap: int, bp: int, parallel: bool) -> None:
+def _check(rank: int, world: int, dap: int, bp: int, parallel: bool) -> None:
     model, loss_fn = _model(parallel)
     reference = copy.deepcopy(model)
     batch = make_synthetic_batch(N_RES, N_CLUST, N_EXTRA, N_TEMPL, num_recycling_iters=1, dtype=torch.float64, seed=3)
@@ -60,17 +60,32 @@ def _worker(rank: int, world: int, dap: int, bp: int, parallel: bool) -> None:
     out, loss = _step(model, loss_fn, local)
     ctx.sync_grads(model)
 
-    torch.testing.assert_close(loss, ref_loss, **TOL)
+    where = f"dap {dap} bp {bp} rank {rank}"
+    torch.testing.assert_close(loss, ref_loss, **TOL, msg=lambda m: f"{where} loss: {m}")
     for key in ("msa", "pair", "single", "final_atom_positions", "distogram_logits", "plddt"):
-        torch.testing.assert_close(out[key], ref_out[key], **TOL, msg=lambda m, key=key: f"{key}: {m}")
+        torch.testing.assert_close(out[key], ref_out[key], **TOL, msg=lambda m, key=key: f"{where} {key}: {m}")
+    checked = 0
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
         if q.grad is None:
             assert p.grad is None or not p.grad.any(), name
             continue
-        torch.testing.assert_close(p.grad, q.grad, **TOL, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, q.grad, **TOL, msg=lambda m, name=name: f"{where} {name}: {m}")
+        checked += q.grad.abs().sum() > 0
+    assert checked > 0.9 * sum(1 for _ in model.parameters()), f"{where}: only {checked} non-zero gradients"
 
 
-@pytest.mark.parametrize("dap", [2, 4])
-def test_alphafold_dap_equals_single_rank(dap):
-    """DAP 2 / 4: loss, outputs and all gradients == the single-rank model."""
-    run_processes(_worker, dap, dap, 1, False)
+def _worker(rank: int, world: int, cases: list) -> None:
+    for dap, bp, parallel in cases:
+        _check(rank, world, dap, bp, parallel)
+
+
+def test_alphafold_dap2_and_bp2_equal_single_rank():
+    """2 processes: DAP 2 (Evoformer) and BP 2 (Parallel Evoformer): loss, outputs and all
+    gradients == the serial single-rank model."""
+    run_processes(_worker, 2, [(2, 1, False), (1, 2, True)])
+
+
+def test_alphafold_dap4_and_bp2_dap2_equal_single_rank():
+    """4 processes: DAP 4, BP 2 x DAP 2 (Parallel Evoformer) and DP 2 x DAP 2 (every replica on
+    the same sample, so the DP mean is the single-rank gradient) == the serial single-rank model."""
+    run_processes(_worker, 4, [(4, 1, False), (2, 2, True), (2, 1, False)])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from scalefold.distributed import async_ops as A
 from scalefold.distributed import axial
 from scalefold.distributed import primitives as P
 from scalefold.distributed.group import DAPGroup
@@ -91,15 +92,70 @@ def _padding_worker(rank: int, world: int) -> None:
     assert total.item() == rows * cols
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_collectives_match_single_process_math(world):
-    """gather (sum / split backward), scatter, all_to_all: values and gradients vs the full math."""
-    run_processes(_primitives_worker, world)
+def _async_worker(rank: int, world: int) -> None:
+    """Duality Async Operations: launch, independent compute, wait -- values and gradients equal
+    the synchronous collectives and the single-process math (the reverse collective is launched
+    by the wait's backward and waited by the launch's backward)."""
+    x = _full(0, 1, 2 * world, 3 * world, 4)
+    w_all = [_full(1 + r, *x.shape) for r in range(world)]
+    w = w_all[rank]
+    grads = {}
+    for overlap in (True, False):
+        g = DAPGroup.world(overlap=overlap)
+        local = _chunk(x, -3, rank, world).clone().requires_grad_()
+        other = _full(7, 3, 3).requires_grad_()
+        pending_a2a = A.all_to_all_async(local * 2.0, -2, -3, g)
+        pending_gather = A.gather_async(local * 3.0, -3, g, grad="sum")
+        independent = other @ other  # runs while both collectives are in flight
+        y, full = pending_a2a.wait(), pending_gather.wait()
+        torch.testing.assert_close(y, 2.0 * _chunk(x, -2, rank, world), rtol=0, atol=0)
+        torch.testing.assert_close(full, 3.0 * x, rtol=0, atol=0)
+        ((y * _chunk(w, -2, rank, world)).sum() + (full * w).sum() + independent.sum()).backward()
+        grads[overlap] = local.grad
+        with pytest.raises(RuntimeError, match="twice"):
+            pending_a2a.wait()
+    torch.testing.assert_close(grads[True], grads[False], rtol=0, atol=0)
+    # all_to_all: rank k's loss weights its columns; gather "sum": every rank's weights count
+    a2a_weights = torch.cat([_chunk(w_all[k], -2, k, world) for k in range(world)], dim=-2)
+    expected = 2.0 * _chunk(a2a_weights, -3, rank, world) + 3.0 * _chunk(sum(w_all), -3, rank, world)
+    torch.testing.assert_close(grads[True], expected, rtol=1e-13, atol=1e-13)
 
 
-def test_padded_layout_switches_round_trip():
-    """Plane with non-divisible sizes: scatter -> row_to_col -> col_to_row -> gather is exact."""
-    run_processes(_padding_worker, 2)
+def _bf16_worker(rank: int, world: int) -> None:
+    """bf16 activations: gather (async, reduce-scatter backward) and all_to_all are exact."""
+    g = DAPGroup.world()
+    x = _full(0, 1, 2 * world, 3 * world, 3).bfloat16()
+    local = _chunk(x, -3, rank, world).clone().requires_grad_()
+    full = A.gather_async(local, -3, g).wait()
+    switched = P.all_to_all(local, -2, -3, g)
+    assert full.dtype == switched.dtype == torch.bfloat16
+    assert torch.equal(full, x) and torch.equal(switched, _chunk(x, -2, rank, world))
+    (full.float().sum() + 2 * switched.float().sum()).backward()
+    assert local.grad.dtype == torch.bfloat16 and torch.equal(local.grad, torch.full_like(local, world + 2.0))
+
+
+def _two_rank_worker(rank: int, world: int) -> None:
+    _primitives_worker(rank, world)
+    _padding_worker(rank, world)
+    _async_worker(rank, world)
+    _bf16_worker(rank, world)
+
+
+def test_collectives_match_single_process_math_2():
+    """2 ranks: gather (sum / split backward), scatter, all_to_all vs the full math; padded layout
+    switches (scatter -> row_to_col -> col_to_row -> gather exact, padding never leaks); async
+    launch/wait pairs == synchronous collectives in values and gradients."""
+    run_processes(_two_rank_worker, 2)
+
+
+def test_collectives_match_single_process_math_4():
+    """4 ranks: the same collectives and async pairs."""
+    run_processes(_four_rank_worker, 4)
+
+
+def _four_rank_worker(rank: int, world: int) -> None:
+    _primitives_worker(rank, world)
+    _async_worker(rank, world)
 
 
 def test_calls_are_identity_when_dap_is_off():

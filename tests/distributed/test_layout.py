@@ -1,0 +1,45 @@
+"""The rank layout: world = DP x BP x DAP training ranks + evaluation ranks (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from scalefold.distributed.layout import ParallelLayout
+
+
+def test_rank_arithmetic_dap_groups_are_consecutive():
+    layout = ParallelLayout(world_size=18, dap=4, bp=2, num_eval_ranks=2).validate(parallel_evoformer=True)
+    assert (layout.num_train_ranks, layout.dp) == (16, 2)
+    assert layout.dap_groups() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert layout.bp_groups()[:2] == [[0, 4], [1, 5]]
+    assert layout.dp_groups()[0] == [0, 8]
+    assert layout.eval_ranks() == [16, 17]
+    for r in range(16):
+        assert layout.rank_of(*layout.coords(r)) == r
+    assert layout.coords(13) == (1, 1, 1)
+    with pytest.raises(ValueError, match="not a training rank"):
+        layout.coords(16)
+    assert "dp 2 x bp 2 x dap 4" in layout.describe() and "+ 2 eval" in layout.describe()
+
+
+@pytest.mark.parametrize(
+    "kwargs, validate, message",
+    [
+        ({"world_size": 6, "dap": 4}, {}, "not divisible by bp x dap = 1 x 4"),
+        ({"world_size": 9, "dap": 2, "num_eval_ranks": 2}, {}, r"7 training ranks \(world 9 - 2 eval\)"),
+        ({"world_size": 4, "dap": 2, "bp": 2}, {}, "--bp 2 needs --parallel-evoformer"),
+        ({"world_size": 4, "bp": 3}, {"parallel_evoformer": True}, "--bp must be 1 or 2"),
+        ({"world_size": 4, "dap": 0}, {}, "--dap must be >= 1"),
+        ({"world_size": 4, "dap": 4}, {"crop_size": 30}, "--dap 4 does not divide the crop size 30"),
+        ({"world_size": 2, "num_eval_ranks": 2}, {}, "leave no training rank"),
+    ],
+)
+def test_invalid_layouts_are_rejected_with_a_clear_message(kwargs, validate, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelLayout(**kwargs).validate(**validate)
+
+
+def test_valid_layouts():
+    ParallelLayout(world_size=8, dap=8).validate(crop_size=256)
+    ParallelLayout(world_size=5, dap=2, bp=2, num_eval_ranks=1).validate(parallel_evoformer=True, crop_size=256)
+    assert ParallelLayout(world_size=1).validate().dp == 1
