@@ -1,6 +1,6 @@
 """``scalefold evaluate``: per-target and mean lDDT-Cα of a checkpoint on a store's validation chains.
 
-The targets are the validation split training uses (:func:`scalefold.train.loop.split_chains`:
+The targets are the validation split training uses (:func:`scalefold.train.loop.validation_chain_ids`:
 chains released in the CAMEO window, at most ``val_max_sequence_length`` residues, the training
 preset's ``eval_max_chains``) or an explicit list of chain ids. Each target goes through the
 validation data pipeline with the reference's per-target seed
@@ -99,16 +99,11 @@ def validation_chains(store_path: PathLike, preset: str, max_chains: int | None 
     from scalefold.data.store import Store
     from scalefold.inference.weights import TRAINING_PRESET_OF
     from scalefold.train.config import TrainConfig
-    from scalefold.train.loop import split_chains
+    from scalefold.train.loop import validation_chain_ids
 
     cfg = TrainConfig.from_preset(TRAINING_PRESET_OF[preset], overrides={"eval_max_chains": max_chains})
     with Store.open(store_path) as store:
-        try:
-            _, _, val_ids = split_chains(store, cfg)
-        except ValueError as exc:  # e.g. a store without training chains
-            raise InferenceError(
-                f"{store_path}: cannot split the store ({exc}); name the targets with --chains"
-            ) from exc
+        val_ids = validation_chain_ids(store, cfg)
     if not val_ids:
         raise InferenceError(
             f"{store_path}: no validation chains released in [{cfg.val_min_date}, {cfg.val_max_date}] "

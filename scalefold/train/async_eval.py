@@ -37,9 +37,12 @@ receive when a reply is due, so idle periods never hit the process-group timeout
 
 Failures are reported, never a hang: an exception on any evaluation rank (setup or scoring) is
 shared within the evaluation group, the first evaluation rank sends FAILED with the messages, and
-every training rank raises ``RuntimeError`` at its next :meth:`~AsyncEvalClient.should_stop`. A dead
-evaluation process breaks the gloo connection (reported immediately); a stuck one is reported
-after ``timeout_s`` without progress while a reply is due.
+every training rank raises ``RuntimeError`` at its next :meth:`~AsyncEvalClient.should_stop`. The
+evaluation ranks then wait for training's sentinel (sent by :meth:`~AsyncEvalClient.close`) before
+they raise too, so a launcher that tears the job down when one process fails (torchrun) does not
+kill training before it has ended its run (``run_stop status=aborted``). A dead evaluation process
+breaks the gloo connection (reported immediately); a stuck one is reported after ``timeout_s``
+without progress while a reply is due.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import gc
 import math
 import queue
 import struct
+import sys
 import threading
 import time
 from collections import deque
@@ -209,12 +213,14 @@ class AsyncEvalClient:
         self.dtype = dtype
         self.timeout_s = timeout_s
         self.results: list[EvalResult] = []
+        self._taken = 0
         self._main = runtime.is_main_train_rank
         self._eval_rank = runtime.eval_ranks[0]
         self._lock = threading.Lock()
         self._stop = False
         self._failure: str | None = None
         self._failure_raised = False
+        self._reported = False
         self._closed = False
         self._done = threading.Event()
         self._due: deque[int] = deque()  # steps whose reply is due, in order
@@ -239,6 +245,20 @@ class AsyncEvalClient:
         """Whether an evaluation reached the target (the first evaluation rank logged ``run_stop``)."""
         with self._lock:
             return self._stop
+
+    def take_results(self) -> list[EvalResult]:
+        """Evaluations finished since the last call, in submission order (main training rank; for
+        ``metrics.jsonl`` and the console). :attr:`results` keeps all of them."""
+        with self._lock:
+            new = self.results[self._taken :]
+            self._taken = len(self.results)
+        return new
+
+    @property
+    def failed(self) -> bool:
+        """Whether the evaluation ranks failed, are stuck or were lost (main training rank)."""
+        with self._lock:
+            return self._failure is not None
 
     def submit(self, step: int, epoch: int, swa_flat: torch.Tensor) -> None:
         """Queue the SWA weights of ``step`` for evaluation (main training rank; no-op elsewhere).
@@ -308,7 +328,7 @@ class AsyncEvalClient:
         self._outbox.put((_header(SENTINEL), None))  # also ends the sender thread after a failure
         while not self._done.is_set() and self._check_progress():
             self._done.wait(_POLL_S * 10)
-        self._sender.join(timeout=1.0)
+        self._sender.join(timeout=min(self.timeout_s, 30.0))  # the sentinel is on its way
         self._listener.join(timeout=1.0)
         if self._failure is not None and not self._failure_raised:
             self._failure_raised = True
@@ -316,10 +336,13 @@ class AsyncEvalClient:
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str, reported: bool = False) -> None:
+        """Record the failure; ``reported``: the first evaluation rank replied FAILED and now waits
+        for the end-of-training sentinel (its connection is alive)."""
         with self._lock:
             if self._failure is None:
                 self._failure = message
+                self._reported = reported
         self._done.set()  # nothing more will come
         self._replies_due.release()  # wakes the listener if it waits for a reply that won't come
 
@@ -357,8 +380,10 @@ class AsyncEvalClient:
         bridge = self.runtime.bridge_group
         while True:
             header, payload = self._outbox.get()
+            sentinel = int(header[0]) == SENTINEL
             try:
-                if self._failure is None:
+                # after a failure only the sentinel goes out, and only to evaluation ranks that await it
+                if self._failure is None or (sentinel and self._reported):
                     dist.send(header, dst=self._eval_rank, group=bridge, tag=_TAG_HEADER)
                     if payload is not None:
                         dist.send(payload, dst=self._eval_rank, group=bridge, tag=_TAG_PAYLOAD)
@@ -369,7 +394,7 @@ class AsyncEvalClient:
             finally:
                 if payload is not None:
                     self._free.put(payload)
-            if int(header[0]) == SENTINEL:
+            if sentinel:
                 return
 
     def _listen_loop(self) -> None:
@@ -386,7 +411,10 @@ class AsyncEvalClient:
                 return
             kind, step, epoch, score, stop, message = decode_reply(reply)
             if kind == FAILED:
-                self._fail(message)
+                with self._lock:
+                    due = self._due[0] if self._due else None
+                what = "the end of training" if due == -1 else f"the SWA weights of step {due}"
+                self._fail(f"{message} (reply to {what})", reported=True)
                 return
             with self._lock:
                 self._last_progress = time.monotonic()
@@ -433,6 +461,40 @@ class _EvalShard:
         if self._cache is not None:
             return ((i, b, False) for i, b in zip(self.indices, self._cache))  # the cache yields copies
         return ((i, b, True) for i, b in zip(self.indices, self._batches))
+
+
+def store_eval_cache(store_path: str, chain_ids: Sequence[str], features: Any, runtime: Runtime,
+                     num_workers: int = 0) -> EvalCache:  # fmt: skip
+    """This evaluation rank's :class:`EvalCache` of the validation chains ``chain_ids`` of a store.
+
+    Targets are spread over the evaluation group by LPT with cost L² (residue counts from the
+    store's chain table); each target keeps the reference's fixed validation seed
+    (:class:`~scalefold.train.sample.StoreSample` in ``"eval"`` mode). Nothing is computed here:
+    :func:`run_eval_rank` builds the features once at its start, while training runs its first
+    cycle (``num_workers`` loader workers), and every evaluation replays them from host memory.
+    """
+    from scalefold.data.store import Store
+    from scalefold.train.sample import StoreSample
+
+    if not runtime.is_eval_rank:
+        raise ValueError(f"rank {runtime.rank} is not an evaluation rank")
+    with Store.open(store_path) as store:
+        table = store.chain_table()
+    length_of = dict(zip((str(c) for c in table["chain_id"]), (int(n) for n in table["length"])))
+    missing = [c for c in chain_ids if c not in length_of]
+    if missing:
+        raise KeyError(f"{store_path}: validation chains {missing[:10]} are not in the store")
+    return EvalCache(
+        StoreSample(str(store_path), list(chain_ids), features, mode="eval"),
+        [(i, 0) for i in range(len(chain_ids))], [length_of[c] for c in chain_ids],
+        rank=runtime.eval_ranks.index(runtime.rank), num_ranks=len(runtime.eval_ranks), num_workers=num_workers,
+    )  # fmt: skip
+
+
+def _say(line: str) -> None:
+    """One console line, written at once (ranks share the launcher's stdout)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def _error_text(exc: BaseException) -> str:
@@ -484,7 +546,11 @@ def run_eval_rank(
         if inbox is not None:  # answer training's next request with the failure
             inbox.receive()
             inbox.reply(encode_reply(FAILED, inbox.step, inbox.epoch, message=error))
+        ended = inbox is not None and int(inbox.header[0]) == SENTINEL  # that request was the sentinel
+        _await_end_of_training(runtime, None if ended else inbox)
         raise RuntimeError(f"asynchronous evaluation failed: {error}")
+    _say(f"scalefold: evaluation rank {runtime.rank}: {len(shard.indices)} of {shard.num_targets} validation "
+         f"targets (LPT, cost ~ L^2), features cached in host memory")  # fmt: skip
 
     results: list[EvalResult] = []
     stopped = False
@@ -514,8 +580,12 @@ def run_eval_rank(
                 if mllog is not None:
                     mllog.eval_start(epoch)
             dist.broadcast(weights, src=runtime.main_eval_rank, group=runtime.eval_group)
+            t0 = time.perf_counter()
             score = _evaluate(runtime, model, shard, score_fn)
             stopped = score >= target
+            if first:
+                _say(f"scalefold: evaluated the SWA weights of step {step}: lDDT-Cα {score:.4f} in "
+                     f"{time.perf_counter() - t0:.2f} s" + (f" (target {target:g} reached)" if stopped else ""))  # fmt: skip
             results.append(EvalResult(step, epoch, score, stopped))
             if inbox is not None:
                 if mllog is not None:
@@ -527,6 +597,7 @@ def run_eval_rank(
         except _GroupFailure as exc:
             if inbox is not None:
                 inbox.reply_failure(str(exc))
+            _await_end_of_training(runtime, inbox)
             raise RuntimeError(f"asynchronous evaluation failed: {exc}") from None
         except Exception as exc:
             if inbox is not None:
@@ -590,6 +661,23 @@ class _Inbox:
             self.reply(encode_reply(FAILED, self.step, self.epoch, message=message))
         except Exception:  # noqa: BLE001 -- the training side then sees the broken connection
             pass
+
+
+def _await_end_of_training(runtime: Runtime, inbox: _Inbox | None) -> None:
+    """After a failure the whole evaluation group knows: drop training's requests until its
+    end-of-training sentinel, then release the other evaluation ranks.
+
+    So no evaluation process exits (which makes a launcher such as torchrun tear the job down)
+    before training has seen the failure, ended its run and logged ``run_stop status=aborted``.
+    Best effort: if training or a peer is gone, there is nothing left to wait for.
+    """
+    try:
+        if inbox is not None:
+            while int(inbox.receive()[0]) != SENTINEL:
+                pass
+        dist.barrier(group=runtime.eval_group)
+    except Exception:  # noqa: BLE001 -- the caller raises the failure anyway
+        pass
 
 
 def _setup_eval_rank(runtime: Runtime, build_model: Callable[[], nn.Module],
@@ -664,6 +752,6 @@ def _score_shard(model: nn.Module, shard: _EvalShard, score_fn: Callable[[nn.Mod
 
 
 __all__ = [
-    "AsyncEvalClient", "EvalResult", "run_eval_rank", "swa_flat_buffer", "bind_flat_parameters",
+    "AsyncEvalClient", "EvalResult", "run_eval_rank", "store_eval_cache", "swa_flat_buffer", "bind_flat_parameters",
     "encode_reply", "decode_reply", "REPLY_BYTES",
 ]  # fmt: skip

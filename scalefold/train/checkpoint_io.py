@@ -4,7 +4,7 @@ Content (the MLPerf reference checkpoint format, plus what an exact resume needs
 
     {"alphafold_state_dict": model weights,  "optimizer_state_dict": torch.optim.Adam layout,
      "iteration": int,  "swa_state_dict": {"averaged_model.n_averaged", "averaged_model.module.<name>"},
-     "rng_state": {...},  "data_position": {...},  "format_version": int}
+     "rng_state": {...},  "data_position": {...},  "model_preset": str,  "format_version": int}
 
 Writes go to a temporary file in the same directory, are flushed and fsync'ed, then renamed over the
 target (``os.replace`` is atomic on POSIX), and the directory is fsync'ed: a crash or a failed write
@@ -96,8 +96,9 @@ def build_checkpoint(
     swa_state: Mapping[str, torch.Tensor] | None = None,
     rng_state: Mapping[str, Any] | None = None,
     data_position: Mapping[str, Any] | None = None,
+    model_preset: str | None = None,
 ) -> dict[str, Any]:
-    """The checkpoint dictionary (reference keys first)."""
+    """The checkpoint dictionary (reference keys first); ``model_preset`` names the model config."""
     checkpoint: dict[str, Any] = {
         "alphafold_state_dict": dict(model_state),
         "optimizer_state_dict": dict(optimizer_state),
@@ -110,6 +111,8 @@ def build_checkpoint(
         checkpoint["rng_state"] = dict(rng_state)
     if data_position is not None:
         checkpoint["data_position"] = dict(data_position)
+    if model_preset is not None:
+        checkpoint["model_preset"] = str(model_preset)
     return checkpoint
 
 

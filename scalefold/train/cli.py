@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from scalefold.train.config import PRECISIONS, PRESETS
+from scalefold.train.config import PRECISIONS, PRESETS, preset_from_env
 
 EXIT_ABORTED = 2  # the run aborted (too many non-finite steps): run_stop status=aborted was logged
+EXIT_BAD_INPUT = 3  # a bad configuration or checkpoint, refused before training
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
@@ -19,13 +20,15 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
         "SCALEFOLD_<OPTION> environment variables, then these flags. Launch under torchrun, srun or mpirun "
         "for data-parallel training.",
     )
-    p.add_argument("--preset", choices=sorted(PRESETS), default="demo", help="run preset (default: demo)")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="run preset (default: SCALEFOLD_PRESET, else PRESET "
+                   "of a config_*.sh environment, else demo)")
     p.add_argument("--config", help="TOML/YAML file of training options (between the preset and the environment)")
     p.add_argument("--out", help="run directory (metrics.jsonl, MLPerf log, checkpoints/, curves.png)")
     p.add_argument("--store", help="dataset store (a synthetic one is created there if absent)")
     p.add_argument("--max-steps", type=int, help="training steps")
     p.add_argument("--eval-every", type=int, help="evaluate the SWA weights every N steps (0 = never)")
     p.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (0 = never)")
+    p.add_argument("--keep-last", type=int, help="checkpoints kept in --out/checkpoints (the newest K)")
     p.add_argument("--resume", action="store_true", default=None, help="continue from the newest checkpoint in --out")
     p.add_argument("--init-from", help="start from a reference-format checkpoint (weights + Adam state)")
     p.add_argument("--seed", type=int, help="run seed (data order, recycling counts, dropout)")
@@ -44,23 +47,41 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_train(args: argparse.Namespace) -> int:
+    from scalefold.checkpoint.adapters import CheckpointError as ReferenceCheckpointError
+    from scalefold.distributed.layout import LayoutError
+    from scalefold.train.checkpoint_io import CheckpointError
     from scalefold.train.config import TrainConfig
     from scalefold.train.loop import TrainingAborted, train
 
     overrides = {
         "out": args.out, "store": args.store, "max_steps": args.max_steps, "eval_every": args.eval_every,
-        "checkpoint_every": args.checkpoint_every, "resume": args.resume, "init_from": args.init_from,
+        "checkpoint_every": args.checkpoint_every, "keep_last": args.keep_last, "resume": args.resume, "init_from": args.init_from,
         "seed": args.seed, "deterministic": args.deterministic, "precision": args.precision, "lr": args.lr,
         "target_lddt": args.target_lddt, "num_workers": args.num_workers, "progress": args.progress,
         "num_async_eval_ranks": args.num_async_eval_ranks, "compile": args.compile, "dap": args.dap,
         "bp": args.bp, "parallel_evoformer": args.parallel_evoformer,
     }  # fmt: skip
-    cfg = TrainConfig.from_preset(args.preset, overrides=overrides, config_file=args.config)
+    preset = args.preset or preset_from_env()
+    if preset not in PRESETS:
+        print(f"scalefold train: unknown preset {preset!r} from the environment; expected one of {sorted(PRESETS)}",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_BAD_INPUT
+    try:
+        cfg = TrainConfig.from_preset(preset, overrides=overrides, config_file=args.config)
+    except (KeyError, ValueError, FileNotFoundError) as exc:  # bad config file / environment / flag value
+        print(f"scalefold train: configuration error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
     try:
         result = train(cfg)
     except TrainingAborted as exc:
         print(f"scalefold train: aborted: {exc}", file=sys.stderr, flush=True)
         return EXIT_ABORTED
+    except LayoutError as exc:  # --dap / --bp / --parallel-evoformer vs the launch's world size
+        print(f"scalefold train: invalid parallel layout: {exc}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    except (CheckpointError, ReferenceCheckpointError) as exc:  # corrupt / mismatching --init-from or --resume
+        print(f"scalefold train: checkpoint error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
     if result.out is not None:
         print(f"run directory: {result.out}")
     return 0

@@ -1,9 +1,12 @@
 """Training-run configuration: one dataclass, three presets, overridable by env vars and CLI flags.
 
 Precedence (lowest first): preset -> config file (``--config FILE``: TOML or YAML, a flat table of
-field names, or the fields under a ``[train]`` table) -> environment (``SCALEFOLD_<FIELD>``, e.g.
-``SCALEFOLD_MAX_STEPS=200``, what a Slurm ``config_*.sh`` exports) -> explicit overrides (CLI flags).
-Unknown keys (in the file or the overrides) are rejected with their names.
+field names, or the fields under a ``[train]`` table) -> the variables a Slurm ``launch/config_*.sh``
+exports (``MAX_STEPS``, ``VAL_EVERY``, ``PRECISION``, ... see :data:`SLURM_CONFIG_ENV`; read only when
+``DGXSYSTEM`` is set, the variable every system config exports, so a stray ``SEED`` in an interactive
+shell changes nothing) -> ``SCALEFOLD_<FIELD>`` variables (e.g. ``SCALEFOLD_MAX_STEPS=200``, any
+field) -> explicit overrides (CLI flags). Unknown keys (in the file or the overrides) are rejected
+with their names; unparsable environment values are rejected naming the variable.
 
 Presets:
 
@@ -24,6 +27,16 @@ from pathlib import Path
 from typing import Any
 
 ENV_PREFIX = "SCALEFOLD_"
+#: Set by every ``launch/config_*.sh``: its presence says "the environment is a Slurm submission's".
+SLURM_CONFIG_MARKER = "DGXSYSTEM"
+#: ``config_*.sh`` variable -> training option (the names ``run_and_time.sh`` maps to flags).
+SLURM_CONFIG_ENV = {
+    "PRESET": "preset", "PRECISION": "precision", "MAX_STEPS": "max_steps", "VAL_EVERY": "eval_every",
+    "CHECKPOINT_EVERY": "checkpoint_every", "TARGET_LDDT": "target_lddt", "SEED": "seed",
+    "INIT_CHECKPOINT": "init_from", "NUM_ASYNC_VAL_RANKS": "num_async_eval_ranks", "DAP_SIZE": "dap",
+    "BP_SIZE": "bp", "PARALLEL_EVOFORMER": "parallel_evoformer", "SUBMISSION_ORG": "submission_org",
+    "SUBMISSION_PLATFORM": "submission_platform",
+}  # fmt: skip
 PRECISIONS = ("fp32", "tf32", "bf16", "fp64")
 
 
@@ -80,6 +93,10 @@ class TrainConfig:
     parallel_evoformer: bool = False
     # torch.compile of the Evoformer / extra-MSA blocks (eager fallback when compilation fails)
     compile: bool = False
+    compile_backend: str = "inductor"  # torch.compile backend ("aot_eager": tracing only, fast to build)
+    # MLPerf log: submission_org, and the platform logged as "{nodes}x{platform}" ("": the device type)
+    submission_org: str = "ScaleFold"
+    submission_platform: str = ""
 
     # -----------------------------------------------------------------------------------------
 
@@ -126,16 +143,34 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
     def with_env(self, env: Mapping[str, str]) -> TrainConfig:
-        """Values of ``SCALEFOLD_<FIELD>`` variables, converted to the field's type."""
+        """Values of the ``config_*.sh`` variables (when ``DGXSYSTEM`` is set), then of the
+        ``SCALEFOLD_<FIELD>`` variables, converted to the field's type. ``PRESET`` is not applied
+        here (the preset is chosen first, see :func:`preset_from_env`)."""
         changes: dict[str, Any] = {}
+        if env.get(SLURM_CONFIG_MARKER):
+            for var, name in SLURM_CONFIG_ENV.items():
+                raw = env.get(var)
+                if raw not in (None, "") and name != "preset":  # config_common.sh exports empty defaults
+                    changes[name] = _parse(raw, getattr(self, name), name, var)
         for f in dataclasses.fields(self):
             raw = env.get(ENV_PREFIX + f.name.upper())
-            if raw is not None:
-                changes[f.name] = _parse(raw, getattr(self, f.name), f.name)
+            if raw is not None and f.name != "preset":
+                changes[f.name] = _parse(raw, getattr(self, f.name), f.name, ENV_PREFIX + f.name.upper())
         return self.replace(**changes) if changes else self
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def preset_from_env(env: Mapping[str, str] | None = None, default: str = "demo") -> str:
+    """The preset a launch asks for: ``SCALEFOLD_PRESET``, else ``PRESET`` of a ``config_*.sh``
+    environment (``DGXSYSTEM`` set), else ``default``."""
+    env = os.environ if env is None else env
+    if env.get(ENV_PREFIX + "PRESET"):
+        return env[ENV_PREFIX + "PRESET"]
+    if env.get(SLURM_CONFIG_MARKER) and env.get("PRESET"):
+        return env["PRESET"]
+    return default
 
 
 def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -172,23 +207,32 @@ def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     return dict(data)
 
 
-def _parse(raw: str, current: Any, name: str) -> Any:
-    if isinstance(current, bool):
-        if raw.lower() in ("1", "true", "yes", "on"):
-            return True
-        if raw.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a boolean")
-    if isinstance(current, tuple):
-        return tuple(int(x) for x in raw.split(","))
-    if isinstance(current, int):
-        return int(raw)
-    if isinstance(current, float):
-        return float(raw)
-    if current is None:  # Optional fields: init_from (a path) and the int overrides
-        if raw.lower() in ("", "none"):
-            return None
-        return raw if name == "init_from" else int(raw)
+_OPTIONAL_STR_FIELDS = ("init_from",)
+
+
+def _parse(raw: str, current: Any, name: str, var: str | None = None) -> Any:
+    """``raw`` (an environment value) converted to the type of field ``name``; errors name ``var``."""
+    var = var or ENV_PREFIX + name.upper()
+    raw = raw.strip()
+    try:
+        if isinstance(current, bool):
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError("not a boolean (1/0, true/false, yes/no, on/off)")
+        if isinstance(current, tuple):
+            return tuple(int(x) for x in raw.split(","))
+        if isinstance(current, int):
+            return int(raw)
+        if isinstance(current, float):
+            return float(raw)
+        if current is None:  # Optional fields: init_from (a path) and the int overrides
+            if raw.lower() in ("", "none"):
+                return None
+            return raw if name in _OPTIONAL_STR_FIELDS else int(raw)
+    except ValueError as exc:
+        raise ValueError(f"environment variable {var}={raw!r} is not valid for option {name!r}: {exc}") from None
     return raw
 
 
@@ -221,4 +265,7 @@ def _tiny() -> dict[str, Any]:
 
 PRESETS = {"mlperf": _mlperf, "demo": _demo, "tiny": _tiny}
 
-__all__ = ["TrainConfig", "PRESETS", "PRECISIONS", "ENV_PREFIX", "load_config_file"]
+__all__ = [
+    "TrainConfig", "PRESETS", "PRECISIONS", "ENV_PREFIX", "SLURM_CONFIG_ENV", "SLURM_CONFIG_MARKER",
+    "load_config_file", "preset_from_env",
+]  # fmt: skip

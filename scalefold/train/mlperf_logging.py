@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -141,6 +142,19 @@ def default_log_path(out_dir: Union[str, Path], instance: int | None = None, dat
     datestamp = datestamp or time.strftime("%y%m%d%H%M%S")
     suffix = f"_{instance}" if instance is not None else ""
     return Path(out_dir) / f"mlperf_{datestamp}{suffix}.log"
+
+
+INSTANCE_ENV = "SCALEFOLD_MLPERF_INSTANCE"
+
+
+def throughput_instance(env: dict[str, str] | None = None) -> int | None:
+    """The throughput-mode instance id ``run.sub`` gives each concurrent training (``None``: not set)."""
+    value = (os.environ if env is None else env).get(INSTANCE_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"{INSTANCE_ENV}={value!r}: expected a non-negative integer (the throughput instance id)")
+    return int(value)
 
 
 class MLPerfLogger:

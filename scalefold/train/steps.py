@@ -12,10 +12,11 @@
 
 from __future__ import annotations
 
+import functools
 import random
 import signal
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -88,8 +89,8 @@ MASTER_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.flo
 def setup_precision(precision: str, deterministic: bool) -> tuple[torch.dtype, bool]:
     """(master/compute dtype of the model, whether bf16 autocast is on); sets the TF32 switches.
 
-    ``bf16``: fp32 master weights and bf16 autocast (the structure module, and the loss here, run in
-    fp32); ``tf32``: fp32 with TF32 tensor-core matmuls/convolutions (CUDA); ``fp64``: CPU reference.
+    ``bf16``: fp32 master weights and bf16 autocast (the structure module and the heads run in fp32,
+    :func:`keep_fp32_regions`, and so does the loss, :func:`float_outputs`); ``tf32``: fp32 with TF32 tensor-core matmuls/convolutions (CUDA); ``fp64``: CPU reference.
     """
     if precision not in MASTER_DTYPES:
         raise ValueError(f"unknown precision {precision!r}; expected one of {sorted(MASTER_DTYPES)}")
@@ -106,25 +107,100 @@ def float_outputs(outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.float() if v.is_floating_point() and v.dtype != torch.float64 else v for k, v in outputs.items()}
 
 
-def compile_blocks(model: torch.nn.Module) -> int:
-    """``torch.compile`` the forward of every Evoformer and extra-MSA block; returns how many.
+#: Regions that stay in fp32 under bf16 autocast (ScaleFold / the MLPerf reference): the structure
+#: module (frames, IPA geometry) and the output heads (pLDDT, distogram, masked MSA, ...).
+FP32_REGIONS = ("structure_module", "auxiliary_heads")
+_REDUCED = (torch.bfloat16, torch.float16)
 
-    Compilation errors fall back to eager (``torch._dynamo`` ``suppress_errors``), so ``--compile``
-    never breaks a run; the loss stays that of the eager model up to rounding.
+
+def _to_fp32(x: object) -> object:
+    if isinstance(x, torch.Tensor):
+        return x.float() if x.dtype in _REDUCED else x
+    if isinstance(x, Mapping):
+        return {k: _to_fp32(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_fp32(v) for v in x)
+    return x
+
+
+def run_in_fp32(module: torch.nn.Module) -> torch.nn.Module:
+    """Make ``module`` compute in fp32 inside a bf16 autocast region: its forward runs with autocast
+    disabled and its reduced-precision floating inputs cast to fp32 (parameters are fp32 master
+    weights already). Idempotent; returns ``module``."""
+    if getattr(module, "_scalefold_fp32", False):
+        return module
+    inner = module.forward
+
+    @functools.wraps(inner)
+    def forward(*args: object, **kwargs: object) -> object:
+        device_type = next((p.device.type for p in module.parameters()), "cpu")
+        with torch.autocast(device_type, enabled=False):
+            return inner(*_to_fp32(args), **_to_fp32(kwargs))
+
+    module.forward = forward
+    module._scalefold_fp32 = True
+    return module
+
+
+def keep_fp32_regions(model: torch.nn.Module, regions: Sequence[str] = FP32_REGIONS) -> list[str]:
+    """Apply :func:`run_in_fp32` to the named submodules of ``model`` that exist; returns their names."""
+    done = []
+    for name in regions:
+        sub = getattr(model, name, None)
+        if isinstance(sub, torch.nn.Module):
+            run_in_fp32(sub)
+            done.append(name)
+    return done
+
+
+#: Regions ``--compile`` compiles: the blocks of these stacks (each block's ``forward`` separately,
+#: so one compiled graph serves all blocks of a stack with equal shapes).
+COMPILE_REGIONS = ("evoformer_stack", "extra_msa_stack", "template_pair_stack")
+
+
+def compile_blocks(model: torch.nn.Module, regions: Sequence[str] = COMPILE_REGIONS, backend: str = "inductor") -> int:
+    """``torch.compile`` the forward of every block of the ``regions`` stacks; returns how many.
+
+    The eager module stays the reference (the compiled forward computes the same function, equal up to
+    rounding; ``tests/train/test_precision_compile.py`` compares them). A block whose compilation fails
+    at run time falls back to eager (``torch._dynamo`` ``suppress_errors``), so ``--compile`` never
+    breaks a run.
     """
     if not hasattr(torch, "compile"):
         warnings.warn("torch.compile is unavailable: running eager", stacklevel=2)
         return 0
-    import torch._dynamo
+    from torch import _dynamo
 
-    torch._dynamo.config.suppress_errors = True
+    _dynamo.config.suppress_errors = True
     count = 0
-    for stack_name in ("evoformer_stack", "extra_msa_stack"):
+    for stack_name in regions:
         stack = getattr(model, stack_name, None)
         for block in getattr(stack, "blocks", []):
-            block.forward = torch.compile(block.forward, dynamic=False)
+            if getattr(block, "_scalefold_compiled", False):
+                continue
+            block.forward = torch.compile(block.forward, dynamic=False, backend=backend)
+            block._scalefold_compiled = True
             count += 1
     return count
+
+
+def warm_up(model: torch.nn.Module, batch: dict[str, torch.Tensor], autocast: bool = False) -> None:
+    """One training forward (a no-grad recycling pass, then the grad pass) and backward on ``batch``,
+    gradients discarded: ``torch.compile`` traces and compiles its regions for both grad modes here,
+    before ``run_start``, not in the timed run. ``batch`` needs >= 2 recycling slices for the no-grad
+    pass. The model's weights and the optimizer state are not touched (no step)."""
+    was_training = model.training
+    model.train()
+    device_type = batch["aatype"].device.type
+    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
+        outputs = model(batch)
+    loss = sum(v.float().mean() for v in outputs.values() if v.is_floating_point() and v.requires_grad)
+    if isinstance(loss, torch.Tensor):
+        loss.backward()
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.zero_()  # in place: the optimizer's flat gradient views stay attached
+    model.train(was_training)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,6 +240,20 @@ class StopRequest:
         self._previous.clear()
 
 
+def nonfinite_terms_to_nan(loss: torch.Tensor, terms: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The detached ``loss``, or NaN if any reported loss term is non-finite.
+
+    :class:`~scalefold.losses.AlphaFoldLoss` replaces a non-finite term by a constant 0 (as the
+    reference does), which can leave a finite loss, even zero gradients, on a step whose model output
+    was garbage; the loop treats such a step as non-finite and skips it. No host synchronisation.
+    """
+    loss = loss.detach()
+    if not terms:
+        return loss
+    finite = torch.stack([v.detach().to(loss.device, torch.float64).reshape(()) for v in terms.values()]).isfinite().all()
+    return torch.where(finite, loss, torch.full_like(loss, float("nan")))
+
+
 def allreduce_step_stats(
     loss: torch.Tensor, stop: bool, group: dist.ProcessGroup | None, world_size: int
 ) -> tuple[float, bool]:
@@ -186,5 +276,5 @@ def broadcast_float(value: float, src: int, group: dist.ProcessGroup | None, dev
 
 __all__ = [
     "sample_pairs", "recycling_count", "forward_seed", "to_device", "step_batch", "setup_precision",
-    "float_outputs", "compile_blocks", "StopRequest", "allreduce_step_stats", "broadcast_float",
+    "float_outputs", "run_in_fp32", "keep_fp32_regions", "FP32_REGIONS", "COMPILE_REGIONS", "compile_blocks", "warm_up", "nonfinite_terms_to_nan", "StopRequest", "allreduce_step_stats", "broadcast_float",
 ]  # fmt: skip

@@ -8,6 +8,8 @@ import json
 import math
 import os
 import socket
+import subprocess
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -26,6 +28,7 @@ from scalefold.train.async_eval import (
     run_eval_rank,
     swa_flat_buffer,
 )
+from scalefold.train.mlperf_logging import check_log
 from scalefold.train.runtime import Runtime
 
 LENGTHS = [10, 14, 8, 12, 9]  # residues of the validation targets
@@ -136,6 +139,7 @@ def _train_side(runtime, out: Path, target: float, max_cycles: int, max_pending:
                 assert time.monotonic() - t_start < 60, "no evaluation result within 60 s"
     except RuntimeError as exc:
         error, error_after_s = str(exc), time.monotonic() - t_start
+    close_started = time.time()
     client.close()
     if not client.target_reached:
         mllog.run_stop(mll.STATUS_ABORTED)
@@ -149,7 +153,7 @@ def _train_side(runtime, out: Path, target: float, max_cycles: int, max_pending:
         "expected": {str(k): v for k, v in expected.items()}, "answers": answers, "stopped_at": stopped_at,
         "results": [[r.step, r.epoch, r.score, r.target_reached] for r in client.results],
         "target_reached": client.target_reached, "error": error, "error_after_s": error_after_s,
-        "max_submit_s": max(submit_s, default=0.0), "threads_alive": threads_alive,
+        "max_submit_s": max(submit_s, default=0.0), "threads_alive": threads_alive, "close_started": close_started,
     }  # fmt: skip
 
 
@@ -193,6 +197,10 @@ SCENARIOS = {
         2, 1, {"target": UNREACHABLE, "max_cycles": 200},
         {"target": UNREACHABLE, "score_fn": _score, "use_cache": False, "lengths": None},
     ),
+    "eval_misconfigured_no_submission": (  # the same, and training ends before its first submission
+        2, 1, {"target": UNREACHABLE, "max_cycles": 0},
+        {"target": UNREACHABLE, "score_fn": _score, "use_cache": False, "lengths": None},
+    ),
 }  # fmt: skip
 
 
@@ -215,6 +223,7 @@ def _rank_main(rank: int, port: int, scenario: str, out: str) -> None:
         record["ok"] = True
     except Exception as exc:  # noqa: BLE001 -- recorded for the test to check
         record.update(ok=False, exception=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+    record["ended"] = time.time()
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(record))
     os._exit(0)  # no teardown: a failed peer may leave gloo connections half-open
 
@@ -324,6 +333,8 @@ def test_failing_eval_rank_is_reported_to_training(tmp_path):
     assert train["error_after_s"] < 30
     for r in (1, 2):
         assert not records[r]["ok"] and "boom on purpose" in records[r]["exception"]
+        # the evaluation ranks waited for training to end (its sentinel) before raising
+        assert records[r]["ended"] >= train["close_started"]
 
 
 @pytest.mark.distributed
@@ -352,12 +363,176 @@ def test_stuck_eval_rank_times_out(tmp_path):
 @pytest.mark.distributed
 def test_eval_setup_error_is_reported_at_the_first_submission(tmp_path):
     """A misconfigured evaluation rank (callable eval_batches without target_lengths) answers the
-    first submission with the error; both sides raise it."""
+    first submission (step 2) with the error; both sides raise it.
+
+    Training never waits for evaluation, so the cycles that ran before the reply arrived answered
+    ``should_stop() == False`` (how many depends on timing); the error names the first submission,
+    and no result was ever produced."""
     records = _launch(tmp_path, "eval_misconfigured", deadline_s=90)
     train, ev = records[0], records[1]
     assert train["ok"] and train["error"] and "needs target_lengths" in train["error"]
-    assert train["results"] == [] and train["answers"] == []
+    assert f"reply to the SWA weights of step {STEPS_PER_CYCLE}" in train["error"]  # the first submission
+    assert train["results"] == [] and set(train["answers"]) <= {False}
+    assert train["error_after_s"] < 30 and not train["threads_alive"]
     assert not ev["ok"] and "needs target_lengths" in ev["exception"]
+    assert ev["ended"] >= train["close_started"]  # it raised only once training had ended
+
+
+@pytest.mark.distributed
+def test_eval_setup_error_without_submissions_is_raised_by_close(tmp_path):
+    """Training ends before its first submission: the misconfigured evaluation rank answers the
+    end-of-training sentinel with its error, close() raises it, and both processes end."""
+    records = _launch(tmp_path, "eval_misconfigured_no_submission", deadline_s=90)
+    train, ev = records[0], records[1]
+    assert not train["ok"] and "needs target_lengths" in train["exception"], train
+    assert "(reply to the end of training)" in train["exception"]
+    assert not ev["ok"] and "needs target_lengths" in ev["exception"]
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: `scalefold train` under torch.distributed.run with evaluation ranks
+# ---------------------------------------------------------------------------------------------
+
+# Compliance-checker rules (hpc 3.0.0) a few-step tiny-preset CPU run cannot meet: the dataset
+# counts, the full model's parameter count, the reference checkpoint hash, accuracy >= 0.8, the
+# target these tests set (not 0.8), the evaluation interval (not 40) and the data sizes the tiny
+# preset shrinks. Everything else must pass, with two ranks writing the one log.
+TINY_ASYNC_RUN_FAILURES = [
+    "eval_accuracy", "eval_samples", "init_checkpoint_sha256sum", "max_extra_msa", "max_msa_clusters",
+    "max_templates", "model_parameters_count", "num_recycling_iters", "target_avg_lddt_ca_value", "train_samples",
+    "train_sequence_crop_size", "val_every_iters",
+]  # fmt: skip
+E2E_EVAL_EVERY = 2
+E2E_LR = "0.01"  # large enough that the SWA weights of steps 2 and 4 score differently
+
+
+def _scalefold_train(cwd: Path, nproc: int, *args: str, timeout: float = 480, check: bool = True,
+                     env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+    """``[python -m torch.distributed.run --nproc-per-node N] -m scalefold train ARGS`` in a clean environment
+    (both validation chains of the tiny store: ``SCALEFOLD_EVAL_MAX_CHAINS=0``)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SCALEFOLD_", "SLURM_", "OMPI_", "PMI_"))}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    env.update(OMP_NUM_THREADS="1", SCALEFOLD_EVAL_MAX_CHAINS="0", **(env_extra or {}))
+    launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(_free_port())]
+    cmd = [sys.executable, *(launcher if nproc > 1 else []), "-m", "scalefold", "train", *args]
+    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0 or not check, f"{' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def _run_records(out: Path) -> tuple[list[dict], list[dict], list[dict]]:
+    """(training records, evaluation records) of ``metrics.jsonl``, and the events of the one MLPerf log."""
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    (log,) = out.glob("*.log")
+    return [r for r in lines if "loss" in r], [r for r in lines if "eval_lddt_ca" in r], _mllog(log)
+
+
+@pytest.fixture(scope="module")
+def e2e_store(tmp_path_factory) -> Path:
+    """The tiny preset's synthetic store, synthesised once for the end-to-end runs."""
+    from scalefold.data.synthetic import synthesize
+    from scalefold.train.config import TrainConfig
+
+    cfg = TrainConfig.from_preset("tiny", env={})
+    store = tmp_path_factory.mktemp("e2e_store") / "store.h5"
+    synthesize(store, num_chains=cfg.synth_num_chains, num_families=cfg.synth_num_families,
+               length_range=tuple(cfg.synth_length_range), seed=cfg.synth_seed)  # fmt: skip
+    return store
+
+
+@pytest.mark.distributed
+def test_train_cli_with_one_eval_rank_stops_at_the_target(tmp_path, e2e_store):
+    """``torch.distributed.run --nproc-per-node 2 -m scalefold train --preset tiny --num-async-eval-ranks 1
+    --target-lddt 0.01``: rank 1 evaluates, the first evaluation (step 2) reaches the target, rank 1
+    logs eval_* and run_stop success (once, nothing evaluated after it), training sees the stop flag
+    at a later cycle and ends long before --max-steps; the log passes the compliance checker except
+    the small-run rules."""
+    out, max_steps = tmp_path / "run", 40
+    proc = _scalefold_train(
+        tmp_path, 2, "--preset", "tiny", "--out", str(out), "--store", str(e2e_store), "--num-async-eval-ranks", "1",
+        "--target-lddt", "0.01", "--max-steps", str(max_steps), "--eval-every", str(E2E_EVAL_EVERY),
+        "--checkpoint-every", "0", "--lr", E2E_LR,
+    )  # fmt: skip
+    console = proc.stdout + proc.stderr
+    assert "scalefold: rank 1/2 backend gloo role eval" in console
+    assert "scalefold: evaluation rank 1: 2 of 2 validation targets" in console
+    train_recs, eval_recs, events = _run_records(out)
+    last = train_recs[-1]["step"]
+    assert [r["step"] for r in train_recs] == list(range(1, last + 1))
+    assert E2E_EVAL_EVERY < last < max_steps and last % E2E_EVAL_EVERY == 0  # stopped at a cycle boundary
+    assert [r["step"] for r in eval_recs] == [E2E_EVAL_EVERY] and eval_recs[0]["eval_lddt_ca"] >= 0.01
+
+    keys = [e["key"] for e in events]
+    for key in ("init_start", "init_stop", "run_start", "run_stop", "eval_start", "eval_accuracy", "eval_stop"):
+        assert keys.count(key) == 1, f"{key} logged {keys.count(key)} times"
+    by_key = {e["key"]: e for e in events}
+    for key in ("eval_start", "eval_accuracy", "eval_stop", "run_stop"):  # the evaluation rank's lines
+        assert by_key[key]["metadata"]["file"].endswith("async_eval.py"), by_key[key]
+    assert by_key["run_stop"]["metadata"]["status"] == "success"
+    assert by_key["eval_accuracy"]["value"] == eval_recs[0]["eval_lddt_ca"]
+    assert by_key["eval_accuracy"]["metadata"]["epoch_num"] == E2E_EVAL_EVERY  # samples: 1 training rank x 2 steps
+    assert by_key["number_of_ranks"]["value"] == 2 and by_key["global_batch_size"]["value"] == 1
+    assert keys.index("run_start") < keys.index("eval_start") < keys.index("eval_accuracy") < keys.index("run_stop")
+    epoch_stops = [e["metadata"]["epoch_num"] for e in events if e["key"] == "epoch_stop"]
+    # training went on (without waiting) until it saw the stop flag
+    assert epoch_stops == list(range(E2E_EVAL_EVERY, last + 1, E2E_EVAL_EVERY))
+
+    report = check_log(next(out.glob("*.log")))
+    assert not report.ok and report.failed_rules == TINY_ASYNC_RUN_FAILURES, report.output[-4000:]
+    assert report.warnings == []
+
+
+@pytest.mark.distributed
+def test_train_cli_eval_rank_failure_aborts_the_run(tmp_path, e2e_store):
+    """An evaluation rank that cannot work (a validation window without chains) answers the first
+    submission with its error: the training rank ends its run itself (``scalefold train: aborted``,
+    ``run_stop status=aborted`` logged once, by training) before the launcher reports the failed
+    evaluation process; nothing hangs."""
+    out = tmp_path / "run"
+    proc = _scalefold_train(
+        tmp_path, 2, "--preset", "tiny", "--out", str(out), "--store", str(e2e_store), "--num-async-eval-ranks", "1",
+        "--max-steps", "40", "--eval-every", str(E2E_EVAL_EVERY), "--checkpoint-every", "0", check=False,
+        env_extra={"SCALEFOLD_VAL_MIN_DATE": "2030-01-01", "SCALEFOLD_VAL_MAX_DATE": "2030-12-31"},
+    )  # fmt: skip
+    console = proc.stdout + proc.stderr
+    assert proc.returncode != 0, console[-4000:]
+    error = "asynchronous evaluation failed: no validation targets on any evaluation rank"
+    assert f"scalefold train: aborted: {error} (reply to the SWA weights of step {E2E_EVAL_EVERY})" in console, console[
+        -4000:
+    ]
+    train_recs, eval_recs, events = _run_records(out)
+    assert eval_recs == [] and E2E_EVAL_EVERY <= len(train_recs) < 40
+    keys = [e["key"] for e in events]
+    assert "eval_accuracy" not in keys and keys.count("run_stop") == 1
+    (run_stop,) = [e for e in events if e["key"] == "run_stop"]
+    assert run_stop["metadata"]["status"] == "aborted" and run_stop["metadata"]["file"].endswith("loop.py")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_train_cli_async_eval_equals_synchronous_eval(tmp_path, e2e_store):
+    """1 training + 2 evaluation ranks (one validation chain each by LPT), unreachable target, deterministic:
+    every cycle's evaluation arrives in metrics.jsonl and equals, bit for bit, the synchronous evaluation
+    (``--num-async-eval-ranks 0``) of the same run; training logs run_stop aborted, after all evaluations."""
+    common = ("--preset", "tiny", "--store", str(e2e_store), "--target-lddt", "1.5", "--max-steps", "4",
+              "--eval-every", str(E2E_EVAL_EVERY), "--checkpoint-every", "0", "--lr", E2E_LR, "--deterministic")  # fmt: skip
+    _scalefold_train(tmp_path, 1, *common, "--out", str(tmp_path / "sync"))
+    proc = _scalefold_train(tmp_path, 3, *common, "--out", str(tmp_path / "async"), "--num-async-eval-ranks", "2")
+    console = proc.stdout + proc.stderr
+    for rank in (1, 2):
+        assert f"scalefold: evaluation rank {rank}: 1 of 2 validation targets" in console
+    sync_train, sync_eval, _ = _run_records(tmp_path / "sync")
+    async_train, async_eval, events = _run_records(tmp_path / "async")
+    assert [r["loss"] for r in async_train] == [r["loss"] for r in sync_train]  # the same training
+    sync_scores = {r["step"]: r["eval_lddt_ca"] for r in sync_eval}
+    assert len(set(sync_scores.values())) == 3, sync_scores  # steps 0, 2, 4 differ: the weights matter
+    assert [(r["step"], r["eval_lddt_ca"]) for r in async_eval] == [(s, sync_scores[s]) for s in (2, 4)]
+
+    keys = [e["key"] for e in events]
+    assert [e["value"] for e in events if e["key"] == "eval_accuracy"] == [sync_scores[2], sync_scores[4]]
+    assert keys.count("run_stop") == 1 and keys[-1] == "run_stop"
+    assert events[-1]["metadata"]["status"] == "aborted" and events[-1]["metadata"]["file"].endswith("loop.py")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from scalefold.train.sample import StoreSample
 from scalefold.train.steps import forward_seed, recycling_count, sample_pairs, step_batch
 
 WORLD = 2
+ANNOUNCE = re.compile(r"scalefold: rank (\d+)/(\d+) backend (\w+) role (train|eval)\n")
 
 
 def _free_port() -> int:
@@ -61,10 +63,16 @@ def ddp_run(tmp_path_factory):
 
 
 def test_every_rank_announces_itself(ddp_run):
-    """Each rank prints exactly one ``scalefold: rank r/2 backend gloo role train`` line."""
+    """Each rank prints its ``scalefold: rank r/2 backend gloo role train`` line exactly once, whole.
+
+    The ranks share the stdout pipe; the announcement is one atomic write, so each line is intact.
+    It is searched anywhere in stdout (another process's unterminated output, e.g. a launcher warning,
+    may precede it on the same line), and nothing else on stdout may carry a torn copy of it.
+    """
     _, _, proc = ddp_run
-    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("scalefold: rank ")]
-    assert sorted(lines) == [f"scalefold: rank {r}/{WORLD} backend gloo role train" for r in range(WORLD)]
+    found = ANNOUNCE.findall(proc.stdout)
+    assert sorted(found) == [(str(r), str(WORLD), "gloo", "train") for r in range(WORLD)], proc.stdout[-2000:]
+    assert len(re.findall(r"scalefold: rank \d", proc.stdout)) == WORLD  # no torn or repeated announcement
 
 
 def test_two_rank_step_equals_averaged_gradient_reference(ddp_run):

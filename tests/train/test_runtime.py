@@ -142,3 +142,86 @@ def test_mpirun_launch_bootstraps_gloo_through_mpi4py(tmp_path):
         ["mpi", "0", "2", "0", "[0]", "[1]", "3.0"],
         ["mpi", "1", "2", "1", "[0]", "[1]", "3.0"],
     ]
+
+
+_BOOT_SCRIPT = """
+import json, sys
+import torch, torch.distributed as dist
+from scalefold.train.runtime import init_distributed, shutdown
+runtime = init_distributed(num_async_eval_ranks=1, timeout_s=300)
+t = torch.tensor([float(runtime.rank + 1)])
+dist.all_reduce(t)
+print(json.dumps({"launcher": runtime.launcher, "rank": runtime.rank, "world": runtime.world_size,
+                  "local_rank": runtime.local_rank, "backend": runtime.backend, "train": runtime.train_ranks,
+                  "eval": runtime.eval_ranks, "sum": float(t)}), flush=True)
+shutdown(runtime)
+"""
+
+
+def _free_port_in(lo: int, hi: int) -> int:
+    import random
+    import socket
+
+    for _ in range(200):
+        port = random.randrange(lo, hi)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    pytest.skip(f"no free port in [{lo}, {hi})")
+
+
+def _launcher_env(launcher: str, rank: int, world: int, port: int) -> dict[str, str]:
+    if launcher == "torchrun":
+        return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+    if launcher == "slurm":  # srun without torchrun: master = first node, port derived from the job id
+        return {"SLURM_PROCID": str(rank), "SLURM_NTASKS": str(world), "SLURM_LOCALID": str(rank),
+                "SLURM_NODEID": "0", "SLURM_NNODES": "1", "SLURM_TASKS_PER_NODE": f"{world}",
+                "SLURM_JOB_NODELIST": "127.0.0.1", "SLURM_JOB_ID": str(port - SLURM_PORT_BASE)}  # fmt: skip
+    return {"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": str(world),  # mpirun (Open MPI)
+            "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("launcher", ["torchrun", "slurm", "mpi"])
+def test_each_launcher_environment_bootstraps_real_gloo_groups(tmp_path, launcher):
+    """Two processes started with only a launcher's environment (torchrun, srun, Open MPI's mpirun)
+    find their ranks through the one code path, form a gloo group (all-reduce of 1 + 2 = 3) and split
+    into 1 training + 1 evaluation rank."""
+    import json
+    import os
+    import sys
+
+    world = 2
+    port = _free_port_in(SLURM_PORT_BASE + 1000, SLURM_PORT_BASE + 19000)
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("SLURM_", "OMPI_", "PMI_", "PMIX_")) and k not in (
+                "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}  # fmt: skip
+    base["OMP_NUM_THREADS"] = "1"
+    script = tmp_path / "boot.py"
+    script.write_text(_BOOT_SCRIPT)
+    procs = [
+        subprocess.Popen([sys.executable, str(script)], env={**base, **_launcher_env(launcher, r, world, port)},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        for r in range(world)
+    ]
+    outputs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=300)
+            assert p.returncode == 0, out + err
+            outputs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert outputs == [
+        {"launcher": launcher, "rank": r, "world": world, "local_rank": r, "backend": "gloo", "train": [0],
+         "eval": [1], "sum": 3.0}
+        for r in range(world)
+    ]  # fmt: skip

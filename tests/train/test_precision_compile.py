@@ -1,0 +1,104 @@
+"""Numerics of a training step: bf16 regions kept in fp32, non-finite detection, ``--compile`` vs eager."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from scalefold.model import AlphaFold, AlphaFoldConfig
+from scalefold.model.features import make_synthetic_batch
+from scalefold.train.steps import FP32_REGIONS, compile_blocks, keep_fp32_regions, nonfinite_terms_to_nan, warm_up
+
+N_RES, N_CLUST, N_EXTRA, N_TEMPL = 12, 4, 6, 2
+
+
+def _tiny(seed: int = 0) -> AlphaFold:
+    torch.manual_seed(seed)
+    return AlphaFold(AlphaFoldConfig.from_preset("tiny"), activation_checkpointing=False)
+
+
+def _batch():
+    return make_synthetic_batch(N_RES, N_CLUST, N_EXTRA, N_TEMPL, num_recycling_iters=1, seed=1)
+
+
+def _linear_output_dtypes(model: nn.Module) -> dict[str, set[torch.dtype]]:
+    """Record the output dtype of every Linear during the next forward, per top-level submodule."""
+    seen: dict[str, set[torch.dtype]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            top = name.split(".")[0]
+            module.register_forward_hook(lambda m, i, o, top=top: seen.setdefault(top, set()).add(o.dtype))
+    return seen
+
+
+def test_bf16_computes_in_bf16_but_structure_module_and_heads_in_fp32():
+    """Under bf16 autocast the Evoformer's matmuls run in bf16, while every Linear of the structure module
+    and of the heads runs in fp32, and the heads' outputs equal the heads run in plain fp32."""
+    model = _tiny().train()
+    assert keep_fp32_regions(model) == list(FP32_REGIONS)
+    seen = _linear_output_dtypes(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(_batch())
+    assert seen["evoformer_stack"] == {torch.bfloat16}
+    assert seen["structure_module"] == {torch.float32}
+    assert seen["auxiliary_heads"] == {torch.float32}
+    for key in ("distogram_logits", "masked_msa_logits", "lddt_logits", "plddt", "final_atom_positions"):
+        assert out[key].dtype == torch.float32, key
+    # the heads' result from the (bf16) trunk outputs is what fp32 heads compute from fp32 copies
+    trunk = {k: out[k] for k in ("single", "pair", "msa", "sm_single") if k in out}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        heads_bf16 = model.auxiliary_heads(trunk)
+    fp32 = _tiny().auxiliary_heads
+    fp32.load_state_dict(model.auxiliary_heads.state_dict())
+    heads_fp32 = fp32({k: v.float() for k, v in trunk.items()})
+    for key, value in heads_fp32.items():
+        assert torch.equal(heads_bf16[key], value), key
+
+
+def test_nonfinite_terms_make_the_step_loss_nan():
+    """A step whose loss module dropped a non-finite term reports NaN (the loop then skips it)."""
+    loss = torch.tensor(3.0, requires_grad=True)
+    assert nonfinite_terms_to_nan(loss, {"fape": torch.tensor(1.0), "chi": torch.tensor(2.0)}) == 3.0
+    assert torch.isnan(nonfinite_terms_to_nan(loss, {"fape": torch.tensor(float("nan")), "chi": torch.tensor(2.0)}))
+    assert torch.isnan(nonfinite_terms_to_nan(loss, {"x": torch.tensor(float("inf"))}))
+
+
+def test_compiled_blocks_equal_eager():
+    """torch.compile of the Evoformer / extra-MSA / template-pair blocks (dynamo + AOTAutograd, the
+    ``aot_eager`` backend: fast on CPU) traces every block without falling back, and forward outputs
+    and parameter gradients equal the eager model's."""
+    from torch import _dynamo
+
+    eager, compiled = _tiny(), _tiny()
+    eager.eval(), compiled.eval()  # no dropout: same function
+    n_blocks = sum(len(getattr(compiled, s).blocks) for s in ("evoformer_stack", "extra_msa_stack",
+                                                              "template_pair_stack"))  # fmt: skip
+    _dynamo.reset()
+    _dynamo.utils.counters.clear()
+    assert compile_blocks(compiled, backend="aot_eager") == n_blocks
+    assert compile_blocks(compiled, backend="aot_eager") == 0  # idempotent
+    batch = _batch()
+    out_e, out_c = eager(batch), compiled(batch)
+    frames = _dynamo.utils.counters["frames"]
+    assert frames["ok"] >= 1 and frames["ok"] == frames["total"], dict(frames)  # compiled, no fallback
+    for key, value in out_e.items():
+        if value.is_floating_point():
+            torch.testing.assert_close(out_c[key], value, rtol=1e-5, atol=1e-5, msg=key)
+    (out_e["final_atom_positions"].sum() + out_e["distogram_logits"].mean()).backward()
+    (out_c["final_atom_positions"].sum() + out_c["distogram_logits"].mean()).backward()
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        if p.grad is None:
+            assert q.grad is None, name
+        else:
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+    # warm_up (what the loop runs before run_start) compiles the training-mode graphs, so a training
+    # step afterwards compiles nothing new
+    warm_up(compiled, batch)
+    assert all(torch.count_nonzero(p.grad) == 0 for p in compiled.parameters() if p.grad is not None)
+    compiled_frames = frames["ok"]
+    compiled.train()
+    out = compiled(batch)
+    out["final_atom_positions"].sum().backward()
+    assert frames["ok"] == compiled_frames == frames["total"]
+    _dynamo.reset()
