@@ -18,14 +18,21 @@ out and how finished batches are delivered:
 Robustness (both loaders): a worker that dies (segfault, OOM kill, ``os._exit``) or exceeds
 ``sample_timeout`` is replaced and its samples are retried; a sample that fails
 ``max_attempts`` times (exception or crash) is skipped and recorded in :attr:`skipped` with the
-reason, and logged. Workers open their resources lazily inside ``sample_fn`` (e.g. a
-:class:`~scalefold.data.store.Store`, which re-opens its HDF5 file per process), so the loaders
-are safe under ``spawn``, ``forkserver`` and ``fork``. ``close()`` (or leaving the ``with``
-block, or exhausting the iterator) stops every worker; no process outlives the loader.
+reason, and logged. Without a ``replace`` hook the skipped position is simply missing from the
+output; with one (the training loop's choice) the position gets a replacement ``(index, seed)``
+drawn by the hook, so the loader always delivers exactly ``len(sampler)`` batches -- every rank of
+a distributed run then takes the same number of steps -- and only a position whose
+``max_replacements`` replacements all fail too stops the loader with an error. Workers open
+their resources lazily inside ``sample_fn`` (e.g. a :class:`~scalefold.data.store.Store`, which
+re-opens its HDF5 file per process), so the loaders are safe under ``spawn``, ``forkserver`` and
+``fork``. ``close()`` (or leaving the ``with`` block, or exhausting the iterator) stops every
+worker; no process outlives the loader.
 
 With Dynamic Axial Parallelism one rank per DAP group loads: :func:`group_batches` iterates its
-loader and broadcasts each batch to the group's other ranks, which run no loader. (The per-batch
-``broadcast`` hook of the loaders is applied on the loading rank; identity by default.)
+loader and broadcasts each batch to the group's other ranks, which run no loader; an explicit
+end-of-data (or loader-failure) header tells the receivers when to stop, so they never wait for a
+batch that will not come. (The per-batch ``broadcast`` hook of the loaders is applied on the
+loading rank; identity by default.)
 
 :class:`Sampler` produces the ``(index, seed)`` pairs with the reference's
 ``InitialTrainingSampler`` semantics.
@@ -51,11 +58,14 @@ logger = logging.getLogger(__name__)
 
 SampleFn = Callable[[int, int], Any]
 BroadcastFn = Callable[[Any], Any]
+# replace(position, replacement number (1, 2, ...), indices that failed so far) -> (index, seed)
+ReplaceFn = Callable[[int, int, frozenset], tuple[int, int]]
 
 # The reference draws per-sample seeds uniformly in [0, 2**63 - 1).
 SEED_HIGH = 2**63 - 1
 DEFAULT_PREFETCH_FACTOR = 4
 DEFAULT_MAX_ATTEMPTS = 3
+DEFAULT_MAX_REPLACEMENTS = 8
 WORKER_JOIN_TIMEOUT_S = 2.0
 POLL_INTERVAL_S = 0.05
 
@@ -160,13 +170,15 @@ def default_mp_context() -> str:
 
 @dataclass
 class SkippedSample:
-    """A sample given up after ``attempts`` failures."""
+    """A sample given up after ``attempts`` failures (``replaced_by``: the ``(index, seed)`` built
+    for its position instead, when the loader has a ``replace`` hook)."""
 
     position: int
     index: int
     seed: int
     attempts: int
     reason: str
+    replaced_by: tuple[int, int] | None = None
 
 
 @dataclass
@@ -227,6 +239,8 @@ class _Engine:
         sample_timeout: float | None,
         mp_context: str | None,
         worker_init: Callable[[int], None] | None,
+        replace: ReplaceFn | None = None,
+        max_replacements: int = DEFAULT_MAX_REPLACEMENTS,
     ) -> None:
         self.sample_fn = sample_fn
         self.pairs = list(pairs)
@@ -248,6 +262,10 @@ class _Engine:
         self.retries: list[tuple[int, _Task]] = []  # heap: retried samples go first
         self.finished: set[int] = set()  # delivered or skipped
         self.skipped: list[SkippedSample] = []
+        self.replace = replace
+        self.max_replacements = max_replacements
+        self.replacements: dict[int, int] = {}  # position -> replacements drawn for it
+        self.failed_indices: set[int] = set()
         self.next_position = 0  # ordered mode: the position to deliver next
         self.restarts = 0
         self.error: BaseException | None = None
@@ -353,8 +371,26 @@ class _Engine:
             "skipping sample at position %d (index %d) after %d attempts: %s",
             task.position, task.index, task.attempts, reason,
         )  # fmt: skip
-        self.skipped.append(SkippedSample(task.position, task.index, task.seed, task.attempts, reason))
-        self.finished.add(task.position)
+        skip = SkippedSample(task.position, task.index, task.seed, task.attempts, reason)
+        self.skipped.append(skip)
+        self.failed_indices.add(task.index)
+        if self.replace is None:
+            self.finished.add(task.position)  # the position is missing from the output
+            return
+        k = self.replacements.get(task.position, 0) + 1
+        if k > self.max_replacements:  # raised in the bookkeeping thread: the consumer gets the error
+            raise RuntimeError(
+                f"sample at position {task.position}: {self.max_replacements} replacement samples failed as well "
+                f"(last: index {task.index}: {reason.splitlines()[0]})"
+            )
+        self.replacements[task.position] = k
+        index, seed = self.replace(task.position, k, frozenset(self.failed_indices))
+        skip.replaced_by = (int(index), int(seed))
+        logger.warning(
+            "sample at position %d: replacement %d/%d is index %d (seed %d)",
+            task.position, k, self.max_replacements, index, seed,
+        )  # fmt: skip
+        heapq.heappush(self.retries, (task.position, _Task(task.position, int(index), int(seed))))
 
     def _handle_message(self, w: _Worker, message: tuple) -> None:
         kind, position, payload = message
@@ -446,6 +482,8 @@ class _LoaderBase:
         mp_context: str | None = None,
         broadcast: BroadcastFn | None = None,
         worker_init: Callable[[int], None] | None = None,
+        replace: ReplaceFn | None = None,
+        max_replacements: int = DEFAULT_MAX_REPLACEMENTS,
     ) -> None:
         if num_workers < 1:
             raise ValueError("num_workers must be >= 1")
@@ -460,9 +498,20 @@ class _LoaderBase:
         self.mp_context = mp_context
         self.broadcast = broadcast
         self.worker_init = worker_init
+        self.replace = replace
+        self.max_replacements = max_replacements
         self._engine: _Engine | None = None
-        self.skipped: list[SkippedSample] = []
+        self._skipped: list[SkippedSample] = []
         self.restarts = 0
+
+    @property
+    def skipped(self) -> list[SkippedSample]:
+        """Samples given up so far, in the order they were given up (live while iterating)."""
+        engine = self._engine
+        if engine is None:
+            return list(self._skipped)
+        with engine.cond:
+            return list(engine.skipped)
 
     @property
     def queue_depth(self) -> int:
@@ -491,6 +540,8 @@ class _LoaderBase:
             sample_timeout=self.sample_timeout,
             mp_context=self.mp_context,
             worker_init=self.worker_init,
+            replace=self.replace,
+            max_replacements=self.max_replacements,
         )
         self._engine.start(wait_ready)
 
@@ -499,7 +550,7 @@ class _LoaderBase:
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.close()
-            self.skipped = list(engine.skipped)
+            self._skipped = list(engine.skipped)
             self.restarts = engine.restarts
 
     @property
@@ -520,7 +571,7 @@ class _LoaderBase:
                     batch = self.broadcast(batch)
                 yield position, batch
         finally:
-            self.skipped = list(engine.skipped)
+            self._skipped = list(engine.skipped)
             self.restarts = engine.restarts
             self.close()
 
@@ -553,6 +604,10 @@ class PriorityQueueLoader(_LoaderBase):
         mp_context: ``"forkserver"`` (default where available), ``"spawn"`` or ``"fork"``.
         broadcast: hook applied to each batch before it is yielded (DAP: send to the group).
         worker_init: called with the worker id in each worker process before its first sample.
+        replace: ``(position, k, failed_indices) -> (index, seed)``, called (in the loader's own
+            thread, never in a worker) for the ``k``-th replacement of a skipped sample's position;
+            ``None``: skipped positions are left out.
+        max_replacements: replacements tried per position before the loader fails.
     """
 
     def __init__(
@@ -601,17 +656,25 @@ def identity_broadcast(batch: Any) -> Any:
     return batch
 
 
+class DataLoaderFailed(RuntimeError):
+    """The loader rank of a DAP group failed; raised on the group's other ranks (:func:`group_batches`)."""
+
+
 def group_batches(
-    loader: Iterable[tuple[int, Any]] | None, src: int, group=None, device=None
+    loader: Iterable[tuple[int, Any]] | None, src: int, group=None, device=None, with_batch: bool = True
 ) -> Iterator[tuple[int, Any]]:
     """One loader per DAP group: the same ``(position, batch)`` sequence on every rank of ``group``.
 
     The group's loader rank (global rank ``src``) passes its loader (any of the loaders here) and
     iterates it; the other ranks pass ``None`` and receive each batch (a dict of tensors) through
     :func:`scalefold.distributed.data.broadcast_batch`, allocated on ``device``. Per batch the
-    loader rank first broadcasts the position (``None``: no more data, every rank stops), then the
-    tensors. All ranks of the group must consume the same number of batches (the training loop
-    steps in lockstep); leaving early on the loader rank closes its loader.
+    loader rank first broadcasts a header: the position, or ``None`` (no more data: every rank
+    stops), or the loader's error (every other rank raises :class:`DataLoaderFailed` naming it, instead
+    of waiting for a batch that never comes); then the tensors. With ``with_batch=False`` only the
+    header travels and the other ranks get ``(position, None)``: the caller broadcasts the batch
+    itself (the training loop sends the step's slice of it). All ranks of the group must consume the
+    same number of batches (the training loop steps in lockstep); leaving early on the loader rank
+    closes its loader.
     """
     import torch.distributed as dist
 
@@ -623,11 +686,25 @@ def group_batches(
     iterator = iter(loader) if is_src else None
     try:
         while True:
-            item = next(iterator, None) if is_src else None
-            header = [None if item is None else int(item[0])]
+            item = None
+            if is_src:
+                try:
+                    item = next(iterator, None)
+                except Exception as exc:  # tell the group before failing: nobody waits for this rank forever
+                    message = f"rank {src}: {type(exc).__name__}: {exc}"
+                    if exc.__cause__ is not None:
+                        message += f" ({type(exc.__cause__).__name__}: {exc.__cause__})"
+                    dist.broadcast_object_list([("error", message)], src=src, group=group)
+                    raise
+            header: list[Any] = [None if item is None else int(item[0])]
             dist.broadcast_object_list(header, src=src, group=group)
+            if isinstance(header[0], tuple):  # ("error", message) of the loader rank
+                raise DataLoaderFailed(f"the data loader of this rank's group failed on {header[0][1]}")
             if header[0] is None:
                 return
+            if not with_batch:
+                yield header[0], (item[1] if is_src else None)
+                continue
             yield header[0], broadcast_batch(item[1] if is_src else None, src=src, group=group, device=device)
     finally:
         if is_src:
@@ -643,6 +720,7 @@ __all__ = [
     "PriorityQueueLoader",
     "InOrderLoader",
     "SkippedSample",
+    "DataLoaderFailed",
     "identity_broadcast",
     "group_batches",
     "default_mp_context",

@@ -149,7 +149,7 @@ class SynthConfig:
     """Tunable knobs of the generator (defaults produce the demo dataset)."""
 
     # fold templates
-    helix_length: tuple[int, int] = (8, 16)
+    helix_length: tuple[int, int] = (6, 14)
     strand_length: tuple[int, int] = (4, 8)
     loop_length: tuple[int, int] = (2, 5)
     helix_probability: float = 0.6  # next element is a helix (else a strand)
@@ -158,7 +158,8 @@ class SynthConfig:
     strand_sigma_deg: float = 8.0
     loop_sigma_deg: float = 12.0
     omega_sigma_deg: float = 3.0
-    loop_candidates: int = 8  # candidate loop conformations tried per loop (compaction)
+    loop_candidates: int = 16  # candidate loop conformations tried per loop (compaction)
+    fold_candidates: int = 4  # complete folds built per family; the most compact one is kept
     max_template_attempts: int = 20
     # family members
     member_sigma_deg: tuple[float, float] = (4.0, 10.0)  # crankshaft noise in SS elements / loops
@@ -469,15 +470,26 @@ def _sample_segment_torsions(kind: int, size: int, rng: np.random.Generator, cfg
     return np.full(size, LOOP), phi, psi
 
 
+def radius_of_gyration(points: np.ndarray) -> float:
+    """Root-mean-square distance of ``points`` ``[N, 3]`` from their centroid."""
+    return float(np.sqrt(((points - points.mean(0)) ** 2).sum(-1).mean()))
+
+
 def make_fold_template(length: int, rng: np.random.Generator, cfg: SynthConfig = SynthConfig()) -> FoldTemplate:
     """Sample a compact, clash-free fold of ``length`` residues.
 
     Segments are built one at a time; for each loop (with the element after it) several
-    candidate conformations are tried and the clash-free one closest to the centre of the chain
-    built so far is kept, which folds the chain back on itself.
+    candidate conformations are tried and the clash-free one giving the smallest radius of
+    gyration of the chain built so far is kept, which folds the chain back on itself. Of
+    ``cfg.fold_candidates`` complete folds the most compact is returned (greedy growth alone
+    leaves small proteins ~1.6x the radius of gyration of real ones, 2.2 N^0.38 A; this brings
+    them to ~1.25x).
     """
     alanine = [rc.restype_order["A"]] * length
+    folds: list[FoldTemplate] = []
     for _ in range(cfg.max_template_attempts):
+        if len(folds) >= cfg.fold_candidates:
+            break
         plan = _segment_plan(length, rng, cfg)
         ss = np.zeros(length, np.int64)
         phi = np.zeros(length)
@@ -502,7 +514,8 @@ def make_fold_template(length: int, rng: np.random.Generator, cfg: SynthConfig =
                 if backbone_clashes(np.asarray(trial).reshape(-1, 3, 3), slice(max(start - 1, 0), stop), cfg):
                     continue
                 ca = np.asarray(trial[1::3])
-                score = 0.0 if start == 0 else float(np.linalg.norm(ca[start:stop].mean(0) - ca[:start].mean(0)))
+                # radius of gyration of the chain so far: the most compact candidate wins
+                score = 0.0 if start == 0 else radius_of_gyration(ca)
                 if score < best_score:
                     best, best_score = (
                         (trial, ss[start:stop].copy(), phi[start:stop].copy(), psi[start:stop].copy()),
@@ -516,7 +529,9 @@ def make_fold_template(length: int, rng: np.random.Generator, cfg: SynthConfig =
             k += len(block)
         if ok:
             backbone = np.asarray(atoms, np.float64).reshape(length, 3, 3)
-            return FoldTemplate(ss=ss, phi=phi, psi=psi, omega=omega, backbone=backbone)
+            folds.append(FoldTemplate(ss=ss.copy(), phi=phi.copy(), psi=psi.copy(), omega=omega, backbone=backbone))
+    if folds:
+        return min(folds, key=lambda fold: radius_of_gyration(fold.backbone[:, 1]))
     raise RuntimeError(f"could not build a clash-free fold of length {length} in {cfg.max_template_attempts} attempts")
 
 

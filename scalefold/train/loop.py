@@ -3,7 +3,11 @@
 One step (supplement 1.11, MLPerf HPC OpenFold), on every data-parallel rank:
 
 1. take the next ready batch from the priority-queue loader (``[1, ..., R]``); each rank reads its
-   own strided share of one position-indexed sample stream (:func:`~.steps.sample_pairs`);
+   own strided share of one position-indexed sample stream (:func:`~.steps.sample_pairs`); a sample
+   the loader gives up on (corrupt chain, feature error) is logged with its chain and reason, counted,
+   and replaced by a fresh draw, so every rank still takes exactly ``max_steps`` steps; with DAP / BP
+   one rank per group loads and broadcasts each step's header (position, end of data, or the
+   loader's error) and batch;
 2. draw the recycling count ``n`` uniformly from ``{0 .. R-1}`` (a function of seed and step, so
    identical on every rank and after a resume) and keep ``t[..., :n + 1]``;
 3. seed the forward pass from (seed, data-parallel rank, step) (dropout);
@@ -27,6 +31,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import random
 import sys
 import time
 from collections import defaultdict
@@ -38,7 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from scalefold.data.loader import PriorityQueueLoader
+from scalefold.data.loader import SEED_HIGH, PriorityQueueLoader, group_batches
 from scalefold.data.pipeline import FeatureConfig, TrainingChainFilter, sampling_weights
 from scalefold.data.store import Store
 from scalefold.distributed import setup_model_parallel
@@ -279,6 +284,8 @@ class TrainResult:
     stopped_by_signal: int | None = None
     status: str = mll.STATUS_ABORTED
     timings: dict[str, float] = field(default_factory=dict)
+    # samples this rank's loader gave up on (and replaced): chain_id, reason, ... (loader ranks only)
+    skipped_samples: list[dict[str, Any]] = field(default_factory=list)
 
 
 class _Metrics:
@@ -302,18 +309,50 @@ class _Metrics:
             self._file = None
 
 
-class _Receiver:
-    """The loader of a DAP/BP rank that does not load: ``num_steps`` empty items (the batch comes
-    by broadcast from the group's loader rank)."""
+class _ReplacementDraw:
+    """The training loader's ``replace`` hook: the ``k``-th replacement of a skipped sample at loader
+    position ``position`` is a fresh ``(index, seed)`` drawn from the sampling ``weights`` with the
+    chains that failed so far excluded -- a function of (run seed, data-parallel rank, global position,
+    ``k``), so a resumed run draws the same replacement. Runs in the loader's thread (not pickled)."""
 
-    def __init__(self, num_steps: int) -> None:
-        self.num_steps = num_steps
+    def __init__(self, weights: Any, seed: int, dp_rank: int, first_position: int) -> None:
+        self.weights = np.asarray(weights, dtype=np.float64)
+        self.seed, self.dp_rank, self.first_position = seed, dp_rank, first_position
 
-    def __iter__(self):
-        return iter([(None, None)] * self.num_steps)
+    def __call__(self, position: int, k: int, failed: frozenset) -> tuple[int, int]:
+        weights = self.weights.copy()
+        weights[[i for i in failed if 0 <= i < len(weights)]] = 0.0
+        total = weights.sum()
+        if not total > 0:
+            raise RuntimeError(f"no training chain left to replace a failed sample with ({len(failed)} failed)")
+        rng = random.Random(f"replace:{self.seed}:{self.dp_rank}:{self.first_position + position}:{k}")
+        cdf = np.cumsum(weights) / total
+        index = int(np.searchsorted(cdf, rng.random(), side="right"))
+        index = min(index, len(weights) - 1)
+        while weights[index] == 0.0:  # rounding at the top of the cdf: the last chain with weight
+            index -= 1
+        return index, rng.randrange(SEED_HIGH)
 
-    def close(self) -> None:
-        pass
+
+def _report_skips(loader: PriorityQueueLoader | None, result: TrainResult, train_ids: list[str], rank: int,
+                  step: int, first_position: int) -> list[dict[str, Any]]:  # fmt: skip
+    """Samples the loader gave up on since the last call: one console line each (chain id, reason,
+    replacement), appended to ``result.skipped_samples``; returns the new ones."""
+    if loader is None:
+        return []
+    new = []
+    for skip in loader.skipped[len(result.skipped_samples) :]:
+        chain = train_ids[skip.index] if 0 <= skip.index < len(train_ids) else f"index {skip.index}"
+        replacement = train_ids[skip.replaced_by[0]] if skip.replaced_by is not None else None
+        reason = skip.reason.splitlines()[0] if skip.reason else "unknown"
+        info = {"chain_id": chain, "index": skip.index, "seed": skip.seed, "position": first_position + skip.position,
+                "attempts": skip.attempts, "reason": reason, "replaced_by": replacement}  # fmt: skip
+        result.skipped_samples.append(info)
+        new.append(info)
+        announce(f"scalefold train: rank {rank}: step {step}: skipped sample {chain} (data position "
+                 f"{info['position']}, seed {skip.seed}) after {skip.attempts} attempt(s): {reason}; "
+                 + (f"replaced by {replacement}" if replacement else "not replaced"))  # fmt: skip
+    return new
 
 
 def train(cfg: TrainConfig) -> TrainResult:
@@ -498,9 +537,15 @@ def _train(cfg: TrainConfig, runtime: Runtime) -> TrainResult:
     # the dataset is built after run_start (timed), each rank reading its own share of the stream
     pairs = sample_pairs(weights, cfg.seed, start_step, cfg.max_steps, rank=dp_rank, world_size=pctx.dp_size)
     train_sample = StoreSample(str(store_path), train_ids, features, mode="train")
-    # one loader per DAP group / BP pair; its other ranks receive the batch by broadcast (below)
-    loader = (PriorityQueueLoader(train_sample, pairs, num_workers=cfg.num_workers, deterministic=cfg.deterministic)
-              if pctx.is_loader_rank else _Receiver(len(pairs)))  # fmt: skip
+    # one loader per DAP group / BP pair. A sample it gives up on is replaced (_ReplacementDraw), so it
+    # yields exactly len(pairs) batches and every data-parallel rank takes the same number of steps.
+    loader = (PriorityQueueLoader(train_sample, pairs, num_workers=cfg.num_workers, deterministic=cfg.deterministic,
+                                  replace=_ReplacementDraw(weights, cfg.seed, dp_rank, start_step))
+              if pctx.is_loader_rank else None)  # fmt: skip
+    # DAP / BP: the loader rank broadcasts a header per step (position, end of data, or its loader's
+    # error) to its group; the step's batch itself follows below (pctx.broadcast_batch, after slicing)
+    batches = (group_batches(loader, src=pctx.loader_rank, group=pctx.model_group, with_batch=False)
+               if pctx.layout.dap * pctx.layout.bp > 1 else loader)  # fmt: skip
     # the compliance checker accepts the reference loaders' names only (PT: in order, PQ: priority queue)
     mllog.dataset_info(len(train_ids), len(val_ids), dataloader_type="InitialTrainingDataloaderPQ")
 
@@ -515,9 +560,10 @@ def _train(cfg: TrainConfig, runtime: Runtime) -> TrainResult:
         with StopRequest() as stop_request:
             step = start_step
             t_wait = time.perf_counter()
-            for _, batch in loader:
+            for _, batch in batches:
                 step += 1
                 timings["data_wait"] += time.perf_counter() - t_wait
+                new_skips = _report_skips(loader, result, train_ids, runtime.rank, step, start_step)
                 cycle = mll.cycle_of_iteration(step, eval_every)
                 if (step - 1) % eval_every == 0 or step == start_step + 1:  # a cycle starts (or resumes)
                     mllog.epoch_start(mll.epoch_num(cycle - 1, global_batch, eval_every))
@@ -563,7 +609,11 @@ def _train(cfg: TrainConfig, runtime: Runtime) -> TrainResult:
                     "grad_norm": float(clip.grad_norm), "skipped": skipped, "skipped_total": result.skipped_steps,
                     **{(k if k.startswith("loss") else f"loss_{k}"): float(v) for k, v in terms.items()},
                     "time_data_wait": timings["data_wait"], "time_step": t3 - t0,
+                    "samples_skipped": len(result.skipped_samples),  # by this rank's loader, replaced
                 }  # fmt: skip
+                if new_skips:
+                    record["skipped_samples"] = [{"chain_id": s["chain_id"], "reason": s["reason"],
+                                                  "replaced_by": s["replaced_by"]} for s in new_skips]  # fmt: skip
                 metrics.write(record)
                 result.final_loss = mean_loss
                 result.steps = step
@@ -625,7 +675,11 @@ def _train(cfg: TrainConfig, runtime: Runtime) -> TrainResult:
     finally:
         gc.enable()
         progress.close()
-        loader.close()
+        if batches is not loader:
+            batches.close()  # the group's header stream (on the loader rank it closes the loader too)
+        if loader is not None:
+            _report_skips(loader, result, train_ids, runtime.rank, result.steps, start_step)
+            loader.close()
         eval_failure = None
         if async_client is not None:
             if async_client.failed:  # logged first: the evaluation ranks exit once close() releases them
@@ -649,6 +703,8 @@ def _train(cfg: TrainConfig, runtime: Runtime) -> TrainResult:
         raise TrainingAborted(str(eval_failure)) from eval_failure
 
     result.timings = dict(timings)
+    announce(f"scalefold train: rank {runtime.rank} finished at step {result.steps} "
+             f"({len(result.skipped_samples)} sample(s) skipped and replaced by its loader)")  # fmt: skip
     if main:
         if metrics_path.exists():
             plot_metrics(metrics_path, out / "curves.png", title=f"scalefold train --preset {cfg.preset}")
@@ -752,6 +808,9 @@ def print_breakdown(result: TrainResult, file: Any = None) -> None:
         share = 100 * seconds / total if total > 0 else 0.0
         lines.append(f"  {key:<11s} {seconds:8.2f} s  {share:5.1f} %  {1000 * seconds / steps:9.1f} ms/step")
     lines.append(f"  {'total':<11s} {total:8.2f} s  100.0 %  {1000 * total / steps:9.1f} ms/step")
+    if result.skipped_samples:  # data the loader gave up on (each replaced: the step still happened)
+        lines.append(f"data: {len(result.skipped_samples)} sample(s) skipped and replaced: " + ", ".join(
+            f"{s['chain_id']} ({s['reason']})" for s in result.skipped_samples))  # fmt: skip
     if result.eval_history:
         lines.append("eval lDDT-Cα: " + ", ".join(f"step {s}: {v:.4f}" for s, v in result.eval_history))
     print("\n".join(lines), file=file, flush=True)

@@ -204,3 +204,84 @@ def test_group_batches_one_loader_per_dap_group(tmp_path):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     expected = [[p, [float(p + k) for k in range(4)], 1000 + p, [2, 5], "torch.float32"] for p in range(6) if p != 3]
     assert ranks[0] == ranks[1] == expected
+
+
+def _replace_with_clean(position: int, k: int, failed: frozenset) -> tuple[int, int]:
+    assert failed == frozenset({2})  # the hook learns which indices failed
+    return 100 + position, 5000 + k
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_failed_sample_is_replaced_and_the_position_still_delivered(caplog, deterministic):
+    """With a ``replace`` hook a skipped sample's position gets the hook's (index, seed): every
+    position is delivered (the step count of a run does not change), the skip is recorded with its
+    reason and replacement, and logged."""
+    work = SimulatedSample(FAST, slow_fraction=0.0, fail_always=(2,))
+    loader = PriorityQueueLoader(
+        work, _pairs(5), num_workers=2, max_attempts=2, deterministic=deterministic, replace=_replace_with_clean
+    )
+    with caplog.at_level(logging.WARNING, logger="scalefold.data.loader"):
+        got = {pos: (batch["index"], batch["seed"]) for pos, batch in loader}
+    assert sorted(got) == [0, 1, 2, 3, 4]
+    assert got[2] == (102, 5001) and all(got[p] == (p, 1000 + p) for p in (0, 1, 3, 4))
+    [skip] = loader.skipped
+    assert (skip.position, skip.index, skip.attempts, skip.replaced_by) == (2, 2, 2, (102, 5001))
+    assert "injected failure" in skip.reason
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("skipping sample at position 2" in m for m in messages)
+    assert any("replacement 1/" in m and "index 102" in m for m in messages)
+
+
+def _replace_with_broken(position: int, k: int, failed: frozenset) -> tuple[int, int]:
+    return 2, k  # index 2 always fails
+
+
+def test_replacements_failing_too_stop_the_loader_with_an_error():
+    """A position whose ``max_replacements`` replacements all fail ends the iteration with an error
+    (no silent short epoch, no hang)."""
+    work = SimulatedSample(FAST, slow_fraction=0.0, fail_always=(2,))
+    loader = PriorityQueueLoader(
+        work, _pairs(4), num_workers=1, max_attempts=1, replace=_replace_with_broken, max_replacements=2
+    )
+    with pytest.raises(RuntimeError, match="data loader failed") as info:
+        list(loader)
+    assert "2 replacement samples failed as well" in str(info.value.__cause__)
+    assert len(loader.skipped) == 3 and loader.worker_pids == []
+
+
+def _failing_group_worker(rank: int, world: int, out_dir: str) -> None:
+    from scalefold.data.loader import DataLoaderFailed, group_batches
+
+    loader = None
+    if rank == 0:
+        loader = PriorityQueueLoader(
+            _tensor_sample, _pairs(6), num_workers=1, deterministic=True, mp_context="fork", max_attempts=1,
+            replace=_replace_with_three, max_replacements=1,
+        )  # fmt: skip
+    got, error = [], None
+    try:
+        for position, _ in group_batches(loader, src=0, with_batch=False):
+            got.append(position)
+    except (DataLoaderFailed, RuntimeError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(f"{got}\n{error}\n")
+
+
+def _replace_with_three(position: int, k: int, failed: frozenset) -> tuple[int, int]:
+    return 3, 0  # the broken index again
+
+
+@pytest.mark.distributed
+def test_group_batches_tells_receivers_when_the_loader_fails(tmp_path):
+    """The loader rank's loader fails (position 3 cannot be built or replaced): both ranks stop at the
+    same batch and the receiver raises DataLoaderFailed naming the error instead of waiting forever."""
+    from scalefold.distributed.launch import run_processes
+
+    run_processes(_failing_group_worker, 2, str(tmp_path))
+    src, receiver = [(tmp_path / f"rank{r}.txt").read_text().splitlines() for r in range(2)]
+    # the error surfaces as soon as the loader fails (batches still queued may be dropped): same prefix on both
+    assert src[0] == receiver[0] and src[0] in ("[]", "[0]", "[0, 1]", "[0, 1, 2]")
+    assert src[1].startswith("RuntimeError: data loader failed")
+    assert receiver[1].startswith("DataLoaderFailed: the data loader of this rank's group failed on rank 0")
+    assert "replacement samples failed as well" in receiver[1]

@@ -56,8 +56,21 @@ def test_no_severe_clashes_and_compact(family):
     for chain in family:
         assert synth.min_interresidue_distance(chain.all_atom_positions, chain.all_atom_mask) > 2.0
         ca = chain.all_atom_positions[chain.all_atom_mask[:, CA] > 0, CA]
-        rg = np.sqrt(((ca - ca.mean(0)) ** 2).sum(-1).mean())
-        assert rg < 0.6 * 3.8 * len(ca) ** 0.5  # far below a straight chain (~1.1 * L)
+        rg = synth.radius_of_gyration(ca)
+        assert rg < 1.5 * 2.2 * len(ca) ** 0.38  # globular: real chains are ~1.0-1.2x 2.2 N^0.38 A
+
+
+def test_folds_are_globular():
+    """Fold templates over a range of lengths are about as compact as real small proteins:
+    radius of gyration within 1.5x of 2.2 N^0.38 A (an extended chain would be ~3x)."""
+    ratios = []
+    for seed in range(6):
+        rng = np.random.default_rng(seed)
+        length = int(rng.integers(40, 81))
+        fold = synth.make_fold_template(length, rng)
+        ratios.append(synth.radius_of_gyration(fold.backbone[:, 1]) / (2.2 * length**0.38))
+    assert max(ratios) < 1.5, ratios
+    assert np.mean(ratios) < 1.35, ratios
 
 
 def test_atoms_follow_residue_types(family):
