@@ -1,7 +1,10 @@
 """Loader-stall benchmark: priority-queue loader vs in-order loader (ScaleFold Fig. 4 workload).
 
 Same as ``scalefold bench loader``; run ``python bench/loader_stall.py --json --plot stall.png``.
-The implementation lives in :mod:`scalefold.data.bench_cli` so the installed CLI has it too.
+The implementation lives in :mod:`scalefold.data.bench_cli` so the installed CLI has it too: a
+seeded heavy-tailed workload (log-normal spread, ~10 % of samples 10x slower) that both loaders
+build identically, warm-up steps excluded, repeats pooled, out-of-order deliveries counted.
+Measured numbers and the exact commands: ``bench/RESULTS.md``.
 ``--with-dali`` also runs the DALI backend of ``bench/dali_loader.py`` (needs nvidia-dali), the
 measurement behind leaving DALI out of ScaleFold.
 """

@@ -5,16 +5,25 @@ their features are computed once (the first evaluation, with loader workers) and
 DRAM; later evaluations read the cache. Each evaluation rank gets a subset of targets chosen by
 longest-processing-time-first scheduling with cost proportional to L^2 (the pair
 representation dominates), which keeps the ranks' evaluation times balanced.
+
+The cache never holds accelerator memory: whatever ``sample_fn`` returns is moved to the host
+when the cache is filled (optionally into pinned memory, for asynchronous host-to-device copies),
+and :meth:`EvalCache.batches` moves one batch at a time to the evaluation device -- only the
+batch being evaluated occupies device memory (180 full-length validation targets with their
+recycling dimension would not fit next to the model).
 """
 
 from __future__ import annotations
 
 import copy
 import heapq
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from scalefold.data.loader import PriorityQueueLoader
+
+logger = logging.getLogger(__name__)
 
 
 def quadratic_cost(length: int) -> float:
@@ -50,17 +59,66 @@ def rank_costs(
     return [sum(cost(lengths[i]) for i in targets) for targets in assignment]
 
 
-def _copy_batch(batch: Any) -> Any:
-    """A copy the model may modify in place without touching the cache (tensors cloned)."""
+def _copy_batch(batch: Any, device: Any = None, dtype: Any = None, non_blocking: bool = False) -> Any:
+    """A copy the model may modify in place without touching the cache.
+
+    Tensors are copied to ``device`` (None: stay on the host); floating-point tensors take
+    ``dtype`` when given. The result never aliases the cached tensors.
+    """
     try:
         import torch
     except ImportError:  # pragma: no cover
         torch = None
     if isinstance(batch, dict):
-        return {k: _copy_batch(v) for k, v in batch.items()}
+        return {k: _copy_batch(v, device, dtype, non_blocking) for k, v in batch.items()}
     if torch is not None and isinstance(batch, torch.Tensor):
-        return batch.clone()
+        target_dtype = dtype if dtype is not None and batch.is_floating_point() else batch.dtype
+        return batch.to(device=device or batch.device, dtype=target_dtype, non_blocking=non_blocking, copy=True)
     return copy.deepcopy(batch)
+
+
+def _to_host(batch: Any, pin_memory: bool) -> Any:
+    """``batch`` with every tensor in host memory (pinned when ``pin_memory``)."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return batch
+    if isinstance(batch, dict):
+        return {k: _to_host(v, pin_memory) for k, v in batch.items()}
+    if type(batch) in (list, tuple) and any(isinstance(v, torch.Tensor) for v in batch):
+        return type(batch)(_to_host(v, pin_memory) for v in batch)
+    if isinstance(batch, torch.Tensor):
+        if batch.device.type != "cpu":
+            batch = batch.cpu()
+        if pin_memory and not batch.is_pinned():
+            batch = batch.pin_memory()
+        return batch
+    return batch
+
+
+def _tensor_nbytes(batch: Any) -> int:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return 0
+    if isinstance(batch, dict):
+        return sum(_tensor_nbytes(v) for v in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return sum(_tensor_nbytes(v) for v in batch)
+    if isinstance(batch, torch.Tensor):
+        return batch.numel() * batch.element_size()
+    return int(getattr(batch, "nbytes", 0))
+
+
+def _tensors(batch: Any) -> Iterator[Any]:
+    if isinstance(batch, dict):
+        for v in batch.values():
+            yield from _tensors(v)
+    elif isinstance(batch, (list, tuple)):
+        for v in batch:
+            yield from _tensors(v)
+    elif hasattr(batch, "device") and hasattr(batch, "is_pinned"):
+        yield batch
 
 
 class EvalCache:
@@ -75,6 +133,11 @@ class EvalCache:
         rank, num_ranks: this evaluation rank and the size of the evaluation group.
         num_workers: loader workers for the first pass (0: build in this process).
         mp_context: multiprocessing start method for the workers.
+        pin_memory: keep the cached tensors in pinned (page-locked) host memory so that
+            :meth:`batches` can copy them to the GPU asynchronously; ignored (with a log line)
+            where no CUDA device is available.
+
+    Iterating yields host copies; ``batches(device, dtype)`` yields per-batch device copies.
     """
 
     def __init__(
@@ -86,6 +149,7 @@ class EvalCache:
         num_ranks: int = 1,
         num_workers: int = 0,
         mp_context: str | None = None,
+        pin_memory: bool = False,
     ) -> None:
         if len(targets) != len(lengths):
             raise ValueError(f"{len(targets)} targets but {len(lengths)} lengths")
@@ -94,6 +158,7 @@ class EvalCache:
         self.targets = [tuple(targets[i]) for i in self.assigned]
         self.num_workers = num_workers
         self.mp_context = mp_context
+        self.pin_memory = pin_memory
         self._cache: list[Any] | None = None
 
     def __len__(self) -> int:
@@ -103,8 +168,27 @@ class EvalCache:
     def filled(self) -> bool:
         return self._cache is not None
 
+    @property
+    def nbytes(self) -> int:
+        """Host memory held by the cached tensors/arrays (0 before :meth:`fill`)."""
+        return sum(_tensor_nbytes(b) for b in self._cache or ())
+
+    def devices(self) -> set[str]:
+        """Device types of the cached tensors (``{"cpu"}`` once filled: the cache is host-only)."""
+        return {t.device.type for b in self._cache or () for t in _tensors(b)}
+
+    def _pin(self) -> bool:
+        if not self.pin_memory:
+            return False
+        import torch
+
+        if torch.cuda.is_available():
+            return True
+        logger.info("EvalCache: pin_memory requested but no CUDA device; caching in pageable host memory")
+        return False
+
     def fill(self) -> None:
-        """Build every assigned target's features (in target order) and keep them."""
+        """Build every assigned target's features (in target order) and keep them in host memory."""
         if self._cache is not None:
             return
         if self.num_workers > 0 and self.targets:
@@ -120,15 +204,27 @@ class EvalCache:
             if loader.skipped:
                 reasons = "; ".join(f"target {s.index}: {s.reason.splitlines()[0]}" for s in loader.skipped)
                 raise RuntimeError(f"could not build validation features: {reasons}")
-            self._cache = [batches[p] for p in range(len(self.targets))]
+            cache = [batches[p] for p in range(len(self.targets))]
         else:
-            self._cache = [self.sample_fn(index, seed) for index, seed in self.targets]
+            cache = [self.sample_fn(index, seed) for index, seed in self.targets]
+        pin = self._pin()
+        self._cache = [_to_host(batch, pin) for batch in cache]
+
+    def batches(self, device: Any = None, dtype: Any = None) -> Iterator[Any]:
+        """Each cached batch, copied to ``device`` one at a time (building the cache on first use).
+
+        Floating-point tensors take ``dtype`` when given. The copies are new tensors (the model
+        may modify them in place); from pinned memory the host-to-device copies are asynchronous
+        (``non_blocking``), ordered on the current stream before the batch is used.
+        """
+        self.fill()
+        non_blocking = self.pin_memory and device is not None and str(device) != "cpu"
+        for batch in self._cache:
+            yield _copy_batch(batch, device, dtype, non_blocking=non_blocking)
 
     def __iter__(self) -> Iterator[Any]:
-        """Yields a fresh copy of each cached batch (building the cache on first use)."""
-        self.fill()
-        for batch in self._cache:
-            yield _copy_batch(batch)
+        """Yields a fresh host copy of each cached batch (building the cache on first use)."""
+        return self.batches()
 
 
 __all__ = ["assign_lpt", "rank_costs", "quadratic_cost", "EvalCache"]

@@ -199,8 +199,13 @@ def load_chain_alignments(directory: PathLike, sequence: str) -> tuple[Msa | Non
 
 
 def _skip(file: str, chain: str | None, error: Exception) -> dict[str, str]:
+    """A report line: the file, the chain ("" when the whole file failed), the reason, and a message
+    that names the chain and the offending file."""
     reason = error.reason if isinstance(error, ParseError) else type(error).__name__
-    return {"file": file, "chain": chain or "", "reason": reason, "message": str(error)}
+    message = str(error)
+    if chain and f"chain {chain}" not in message:
+        message = f"chain {chain}: {message}"
+    return {"file": file, "chain": chain or "", "reason": reason, "message": message}
 
 
 def process_file(path: str, options: PreprocessOptions) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
@@ -338,30 +343,34 @@ def preprocess(
         _init_worker(options)
     try:
         results = pool.imap(_process_in_worker, files, chunksize=1) if pool else map(_process_in_worker, files)
+        first_file: dict[str, str] = {}  # chain id -> the file it was written from
         with Store.create(out) as writer:
-            for records, skips in tqdm(results, total=len(files), desc="preprocess", unit="file", disable=not progress):
-                for skip in skips:
-                    logger.warning(
-                        "skipped %s%s: %s",
-                        skip["file"],
-                        f" chain {skip['chain']}" if skip["chain"] else "",
-                        skip["message"],
-                    )
-                skipped.extend(skips)
+            progress_bar = tqdm(results, total=len(files), desc="preprocess", unit="file", disable=not progress)
+            for path, (records, skips) in zip(files, progress_bar):
                 for record in records:
                     chain_id = record.pop("chain_id")
                     if chain_id in writer:  # the same entry in two files
-                        skipped.append(
+                        skips.append(
                             {
-                                "file": "",
+                                "file": path,
                                 "chain": chain_id,
                                 "reason": "duplicate_chain",
-                                "message": f"{chain_id} seen before",
+                                "message": f"{path}: chain {chain_id} was already read from {first_file[chain_id]}",
                             }
                         )
                         continue
                     writer.add_chain(chain_id, **record)
+                    first_file[chain_id] = path
                     written += 1
+                for skip in skips:
+                    logger.warning(
+                        "skipped %s%s (%s): %s",
+                        skip["file"],
+                        f" chain {skip['chain']}" if skip["chain"] else "",
+                        skip["reason"],
+                        skip["message"],
+                    )
+                skipped.extend(skips)
     finally:
         if pool is not None:
             pool.close()
@@ -375,6 +384,12 @@ def preprocess(
 def build_report(
     out: Path, files: list[str], written: int, skipped: list[dict[str, str]], workers: int, elapsed: float
 ) -> dict[str, Any]:
+    """The preprocessing report (``<STORE>.report.json``).
+
+    ``skipped`` groups the skips by reason (count + the first few examples); ``skipped_items``
+    lists every skipped file (``chain`` empty: the whole file failed) and chain with its reason
+    and message, in input order, so no dropped chain goes unrecorded.
+    """
     by_reason: dict[str, dict[str, Any]] = defaultdict(lambda: {"count": 0, "examples": []})
     for skip in skipped:
         group = by_reason[skip["reason"]]
@@ -382,14 +397,17 @@ def build_report(
         if len(group["examples"]) < REPORT_EXAMPLES:
             group["examples"].append({k: skip[k] for k in ("file", "chain", "message")})
     failed_files = {s["file"] for s in skipped if not s["chain"]}
+    with Store.open(out) as store:
+        schema_version = store.schema_version
     return {
         "store": str(out),
-        "schema_version": Store.open(out).schema_version,
+        "schema_version": schema_version,
         "files_total": len(files),
         "files_failed": len(failed_files),
         "chains_written": written,
         "chains_skipped": sum(1 for s in skipped if s["chain"]),
         "skipped": dict(sorted(by_reason.items())),
+        "skipped_items": [{k: skip[k] for k in ("file", "chain", "reason", "message")} for skip in skipped],
         "workers": workers,
         "elapsed_s": round(elapsed, 3),
         "chains_per_s": round(written / elapsed, 2) if elapsed > 0 else None,

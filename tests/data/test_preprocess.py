@@ -255,3 +255,136 @@ def test_preprocess_featurises_template_hits_into_the_store(mixed_inputs, tmp_pa
     preprocess(mmcif, alignments, tmp_path / "hits_only.h5", workers=1, progress=False, templates=False)
     with Store.open(tmp_path / "hits_only.h5") as s:
         assert [o.stage for o in s.get("2q2k_A")["template_outcomes"]] == ["unprocessed", "unprocessed"]
+
+
+# ----------------------------------------------------------------------------------------------
+# End to end: `scalefold preprocess` on real files mixed with deliberately bad ones
+
+
+def _without_ca(src: Path, dst: Path, author_chain: str) -> None:
+    """Copy of an mmCIF file with every CA atom of one chain removed (its other atoms stay)."""
+    import gemmi
+
+    doc = gemmi.cif.read(str(src))
+    table = doc.sole_block().find("_atom_site.", ["label_atom_id", "auth_asym_id"])
+    rows = [i for i, row in enumerate(table) if row[0] == "CA" and row[1] == author_chain]
+    assert rows, f"no CA atoms of chain {author_chain} in {src}"
+    for i in reversed(rows):
+        table.remove_row(i)
+    doc.write_file(str(dst))
+
+
+def _truncated(src: Path, dst: Path) -> None:
+    """The first part of an mmCIF file, cut in the middle of an _atom_site row (an interrupted download)."""
+    data = src.read_bytes()
+    rows = [i for i in range(len(data)) if data.startswith(b"\nATOM ", i)]
+    cut = rows[len(rows) // 2] + 20
+    assert data[cut - 1 : cut + 1].strip() and b"\n" not in data[cut - 1 : cut + 1]
+    dst.write_bytes(data[:cut])
+
+
+@pytest.fixture()
+def e2e_inputs(data_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """Real entries and alignments from the shared data, plus one bad input of each kind:
+
+    ====================  ==================================================  =============================
+    chain / file          input                                               expected
+    ====================  ==================================================  =============================
+    2q2k_A, 2q2k_B        real mmCIF + real alignments (a3m + 2 Stockholm)    written, MSA as parsed
+    4i6p_A                real mmCIF, query-only a3m                          written (nothing lost)
+    4i6p_B                same file, every CA atom of chain B removed         no_resolved_ca
+    3zee_A                real mmCIF, empty a3m                               empty_msa
+    1aki_A (129 res)      real mmCIF, 2q2k_A's real alignments (70 columns)   msa_query_length_mismatch
+    4zey.cif              real mmCIF cut inside an _atom_site row             corrupt_mmcif (whole file)
+    ====================  ==================================================  =============================
+    """
+    src_mmcif, src_aln = data_dir / "mmcif", data_dir / "alignments"
+    mmcif, alignments = tmp_path / "mmcif", tmp_path / "alignments"
+    mmcif.mkdir()
+    for name in ("2q2k.cif", "3zee.cif", "1aki.cif"):
+        shutil.copy(src_mmcif / name, mmcif / name)
+    _without_ca(src_mmcif / "4i6p.cif", mmcif / "4i6p.cif", "B")
+    _truncated(src_mmcif / "4zey.cif", mmcif / "4zey.cif")
+    for chain in ("2q2k_A", "2q2k_B"):
+        shutil.copytree(src_aln / chain, alignments / chain)
+    query_4i6p_a = parse_mmcif(src_mmcif / "4i6p.cif").chains["A"].sequence
+    for chain, files in {
+        "4i6p_A": {"bfd_uniclust_hits.a3m": f">4i6p_A\n{query_4i6p_a}\n"},
+        "4i6p_B": {"bfd_uniclust_hits.a3m": f">4i6p_B\n{query_4i6p_a}\n"},
+        "3zee_A": {"bfd_uniclust_hits.a3m": ""},
+    }.items():
+        (alignments / chain).mkdir(parents=True)
+        for name, text in files.items():
+            (alignments / chain / name).write_text(text)
+    shutil.copytree(src_aln / "2q2k_A", alignments / "1aki_A")
+    return mmcif, alignments
+
+
+def test_cli_preprocess_end_to_end_records_every_skipped_chain(e2e_inputs, data_dir: Path, tmp_path: Path) -> None:
+    """`scalefold preprocess` (a real subprocess, 2 workers) on real + bad inputs exits 0; the
+    STORE.report.json records every skipped chain/file with its specific reason (and the file in
+    the message), the log names each of them, and every good chain is in the store unchanged."""
+    import subprocess
+    import sys
+
+    from scalefold.data.preprocess import load_chain_alignments
+
+    mmcif, alignments = e2e_inputs
+    out = tmp_path / "e2e.h5"
+    cmd = [sys.executable, "-m", "scalefold", "preprocess", "--mmcif-dir", str(mmcif), "--alignments-dir",
+           str(alignments), "--out", str(out), "--workers", "2", "--no-progress"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(report_path(out).read_text())
+
+    expected_skips = {
+        ("4i6p.cif", "4i6p_B", "no_resolved_ca"),
+        ("3zee.cif", "3zee_A", "empty_msa"),
+        ("1aki.cif", "1aki_A", "msa_query_length_mismatch"),
+        ("4zey.cif", "", "corrupt_mmcif"),
+    }
+    items = report["skipped_items"]
+    assert {(Path(s["file"]).name, s["chain"], s["reason"]) for s in items} == expected_skips
+    assert len(items) == len(expected_skips)
+    assert {reason: group["count"] for reason, group in report["skipped"].items()} == {
+        reason: 1 for _, _, reason in expected_skips
+    }
+    by_chain = {s["chain"]: s["message"] for s in items}
+    assert "has no resolved CA" in by_chain["4i6p_B"] and "4i6p.cif" in by_chain["4i6p_B"]
+    assert "3zee_A" in by_chain["3zee_A"] and "bfd_uniclust_hits.a3m" in by_chain["3zee_A"]  # the empty file
+    assert "129" in by_chain["1aki_A"] and "70" in by_chain["1aki_A"]  # query 129 residues, MSA 70 columns
+    assert by_chain["1aki_A"].startswith("chain 1aki_A: ") and "_hits." in by_chain["1aki_A"]  # chain + MSA file
+    assert "truncated" in by_chain[""] and "4zey.cif" in by_chain[""]
+    # the log names every skip: file, chain and reason
+    for file, chain, reason in expected_skips:
+        assert any(file in line and chain in line and reason in line for line in proc.stderr.splitlines()), (
+            file, chain, reason,
+        )  # fmt: skip
+    assert report["files_total"] == 5 and report["files_failed"] == 1
+    assert report["chains_written"] == 3 and report["chains_skipped"] == 3
+
+    # nothing lost: every chain of every readable input file is either in the store or in the report
+    readable = {
+        entry.chain_id(author)
+        for entry in (parse_mmcif(mmcif / f"{f}.cif") for f in ("2q2k", "4i6p", "3zee", "1aki"))
+        for author in entry.chains
+    }
+    with Store.open(out) as store:
+        assert store.chain_ids == ["2q2k_A", "2q2k_B", "4i6p_A"]
+        assert set(store.chain_ids) | {s["chain"] for s in items if s["chain"]} == readable
+        for chain_id in ("2q2k_A", "2q2k_B"):
+            stored = store.get(chain_id)
+            pdb_id, author = chain_id.split("_")
+            reference = parse_mmcif(data_dir / "mmcif" / f"{pdb_id}.cif").chains[author]
+            assert stored["sequence"] == reference.sequence
+            np.testing.assert_array_equal(stored["all_atom_positions"], reference.all_atom_positions)
+            np.testing.assert_array_equal(stored["all_atom_mask"], reference.all_atom_mask)
+            msa, _ = load_chain_alignments(data_dir / "alignments" / chain_id, reference.sequence)
+            expected_msa, expected_deletions = msa.to_arrays(np.int16)
+            np.testing.assert_array_equal(stored["msa"], expected_msa)
+            np.testing.assert_array_equal(stored["deletion_matrix"], expected_deletions)
+            assert stored["msa"].shape[0] > 1
+        kept = store.get("4i6p_A")  # the good chain of the file whose other chain was skipped
+        reference = parse_mmcif(data_dir / "mmcif" / "4i6p.cif").chains["A"]
+        assert kept["sequence"] == reference.sequence and kept["msa"].shape == (1, reference.num_res)
+        np.testing.assert_array_equal(kept["all_atom_positions"], reference.all_atom_positions)
