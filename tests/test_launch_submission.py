@@ -220,6 +220,61 @@ def test_nexp_runs_get_fresh_or_consecutive_seeds():
     assert re.findall(r"run \d/3 seed (\d+)", out) == ["100", "101", "102"]
 
 
+def _fake_bin(bindir: Path, name: str, body: str) -> None:
+    bindir.mkdir(exist_ok=True)
+    (bindir / name).write_text(f"#!/bin/bash\n{body}\n")
+    (bindir / name).chmod(0o755)
+
+
+def test_clear_caches_as_root_or_with_sudo_else_fails_naming_the_fix(tmp_path):
+    """The per-node cache drop run.sub srun's: writes drop_caches as root, else `sudo -n sysctl`
+    (cluster users are rarely root), else fails naming the node, the requirement and CLEAR_CACHES=0.
+    Run here on fake files and a fake sudo (nothing touches this machine's page cache)."""
+    _, cmds = _dryrun("config_DGXH100_1x8x1x1.sh", CLEAR_CACHES="1")
+    (clear,) = [c for c in cmds if "drop_caches" in c[-1]]
+    assert _flags(clear) == {"ntasks": "1", "ntasks-per-node": "1"}
+    assert clear[-1] == "/proc/sys/vm/drop_caches"
+    node_cmd = clear[clear.index("bash") : -1]
+    bindir, sudo_log = tmp_path / "bin", tmp_path / "sudo.log"
+
+    def on_node(target: Path, sudo_rc: int) -> subprocess.CompletedProcess:
+        _fake_bin(bindir, "sudo", f'printf "%s\\n" "$*" >> {sudo_log}; exit {sudo_rc}')
+        env = _clean_env(PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}")
+        return subprocess.run([*node_cmd, str(target)], env=env, capture_output=True, text=True, timeout=60, check=False)
+
+    writable = tmp_path / "drop_caches"
+    writable.write_text("")
+    root = on_node(writable, sudo_rc=1)
+    assert root.returncode == 0 and writable.read_text().strip() == "3" and "cleared the page cache" in root.stdout
+    assert not sudo_log.exists()
+    user = on_node(tmp_path / "missing" / "drop_caches", sudo_rc=0)
+    assert user.returncode == 0 and "cleared the page cache" in user.stdout, user.stderr
+    assert sudo_log.read_text().split() == ["-n", "/sbin/sysctl", "-q", "vm.drop_caches=3"]
+    denied = on_node(tmp_path / "missing" / "drop_caches", sudo_rc=1)
+    assert denied.returncode == 1 and "cleared" not in denied.stdout
+    assert "cannot drop the page cache on" in denied.stderr and "passwordless sudo" in denied.stderr
+    assert "CLEAR_CACHES=0" in denied.stderr
+
+
+def test_run_sub_stops_before_training_when_caches_cannot_be_dropped(tmp_path):
+    """Under a fake srun (runs its command once, locally): a failed cache drop ends the job with a
+    clear message before any training step is launched."""
+    bindir = tmp_path / "bin"
+    _fake_bin(bindir, "srun", 'echo "srun $*" >> ' + str(tmp_path / "srun.log") + '\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"')
+    _fake_bin(bindir, "sudo", "exit 1")
+    proc = _bash(
+        "source launch/config_DGXH100_1x8x1x1.sh; bash run.sub",
+        CONT="none", DATADIR=str(tmp_path), LOGDIR=str(tmp_path / "logs"), SLURM_JOB_NUM_NODES="1", SLURM_JOB_ID="9",
+        CLEAR_CACHES="1", DROP_CACHES_FILE=str(tmp_path / "missing" / "drop_caches"), SCALEFOLD_DIR=str(REPO),
+        PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}",
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "could not drop the page cache before run 1" in proc.stderr and "passwordless sudo" in proc.stderr
+    sruns = (tmp_path / "srun.log").read_text().splitlines()
+    assert len(sruns) == 1 and "run_and_time.sh" not in sruns[0]
+    assert not list((tmp_path / "logs").glob("slurm_*.log"))
+
+
 def test_run_sub_refuses_a_node_count_other_than_the_config():
     proc = _bash("source launch/config_DGXH100_32x8x1x2.sh; bash run.sub", CONT="none", DATADIR="/tmp",
                  SLURM_JOB_NUM_NODES="4", SLURM_JOB_ID="1")  # fmt: skip

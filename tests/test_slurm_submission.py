@@ -314,3 +314,27 @@ def test_throughput_mode_runs_two_instances_with_one_log_each(slurm, datadir, tm
     for instance in (0, 1):
         assert (tmp_path / f"run_t2_1_{instance}").is_dir()
         _check_training_log(tmp_path / f"slurm_t2_1_{instance}.log", tmp_path / f"mlperf_t2_1_{instance}.log", instance)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_dap2_with_an_async_eval_rank_on_real_slurm(slurm, datadir, tmp_path):
+    """The model-parallel path under srun (ranks from SLURM_*, no torchrun): LOCAL_RANKS=3 with
+    DAP_SIZE=2 and NUM_ASYNC_VAL_RANKS=1 = one DAP-2 group (global batch 1) + one evaluation rank.
+    The job completes, the layout is the config's, the evaluation rank logs the evaluation, and the
+    MLPerf log fails only the small-run rules."""
+    proc, job_id, job_out = submit(slurm, tmp_path, datadir, "t3", LOCAL_RANKS="3", DAP_SIZE="2",
+                                   NUM_ASYNC_VAL_RANKS="1")  # fmt: skip
+    assert proc.returncode == 0, f"sbatch rc={proc.returncode}\n{proc.stderr}\n{job_out}\n{slurm.logs()}"
+    assert "run.sub: done" in job_out and RESULT_LINE.search(job_out), job_out
+    text = (tmp_path / "slurm_t3_1.log").read_text()
+    ranks = {(int(r), int(w), b, role) for r, w, b, role in RANK_LINE.findall(text)}
+    assert ranks == {(0, 3, "gloo", "train"), (1, 3, "gloo", "train"), (2, 3, "gloo", "eval")}, text[-3000:]
+    assert "parallel layout: world 3 = dp 1 x bp 1 x dap 2 training ranks + 1 eval" in text, text[-3000:]
+    records = _records(tmp_path / "mlperf_t3_1.log")
+    values = {r["key"]: r.get("value") for r in records}
+    assert values["number_of_ranks"] == 3 and values["global_batch_size"] == 1  # one DAP group
+    keys = [r["key"] for r in records]
+    assert keys.count("eval_accuracy") == 1 and keys.count("run_stop") == 1, keys
+    report = check_log(tmp_path / "mlperf_t3_1.log")
+    assert set(report.failed_rules) == SMALL_RUN_FAILURES, report.output[-4000:]

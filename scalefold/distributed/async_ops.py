@@ -17,8 +17,13 @@ Usage (``EvoformerBlockCore``: the MSA all_to_all of step 5 under the whole pair
     z = pair_stack(z)                        # independent compute
     m = pending.wait()                       # result (differentiable)
 
-Activation checkpointing: a recomputation creates fresh handles and re-issues its collectives in
-the same order on every rank; the original graph's nodes keep their own handles for backward.
+Activation checkpointing: the original graph's nodes keep their own handles for backward. A
+recomputation (a forward run *inside* a backward pass) does not launch at all: it issues the
+synchronous collective when (and only if) ``wait()`` is reached. Non-reentrant checkpointing stops
+recomputing as soon as the saved tensors it needs exist, which in an Evoformer block is before the
+MSA all_to_all's ``wait()``: a collective launched there would be left in flight, never waited for
+(wasted bytes every block, and with gloo an abort at process-group teardown). Every rank recomputes
+the same ops, so the deferred collectives still match across the group.
 With ``DAPGroup.overlap`` off the same calls run the synchronous collectives at launch
 (:func:`scalefold.distributed.primitives.all_to_all` / ``gather``), which must give identical
 results (tested).
@@ -90,13 +95,28 @@ class _Wait(torch.autograd.Function):
         return grad.new_zeros(0), None
 
 
+def in_backward() -> bool:
+    """True while autograd runs a backward pass on this thread: a forward computed now is an
+    activation-checkpointing recomputation."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() != -1
+
+
 class Overlapped:
-    """A collective launched on ``x``; :meth:`wait` returns its (differentiable) result."""
+    """A collective launched on ``x``; :meth:`wait` returns its (differentiable) result.
+
+    ``overlap``: launch now, asynchronously (Duality Async Operations); otherwise the synchronous
+    collective runs now. During a checkpoint recomputation (:func:`in_backward`) nothing is
+    launched: the synchronous collective runs at :meth:`wait`, or never if the recomputation stops
+    before it."""
 
     def __init__(self, x: torch.Tensor, forward: Start, backward: Start, sync: Callable[[torch.Tensor], torch.Tensor], overlap: bool):
         self._result: torch.Tensor | None = None
         self._token: torch.Tensor | None = None
-        if overlap:
+        self._deferred: tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor] | None = None
+        if in_backward():
+            self._deferred = (sync, x)
+        elif overlap:
             self._handle = AsyncHandle(forward, backward)
             self._token = _Launch.apply(x, self._handle)
         else:
@@ -106,6 +126,9 @@ class Overlapped:
         if self._token is not None:
             token, self._token = self._token, None
             return _Wait.apply(token, self._handle)
+        if self._deferred is not None:
+            (sync, x), self._deferred = self._deferred, None
+            return sync(x)
         if self._result is None:
             raise RuntimeError("Overlapped.wait() called twice")
         out, self._result = self._result, None
@@ -141,4 +164,4 @@ def gather_async(x: torch.Tensor, dim: int, g: DAPGroup, grad: str = "sum") -> O
     )
 
 
-__all__ = ["AsyncHandle", "Overlapped", "all_to_all_async", "gather_async"]
+__all__ = ["AsyncHandle", "Overlapped", "all_to_all_async", "gather_async", "in_backward"]

@@ -12,6 +12,8 @@ Usage (every rank, after ``torch.distributed`` is initialised)::
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -36,6 +38,11 @@ class ParallelContext:
     dap_process_group: dist.ProcessGroup | None = None
     model_group: dist.ProcessGroup | None = None  # the DAP x BP ranks of one DP replica
     hooks: list = field(default_factory=list)
+    ranks_per_node: int | None = None  # for the intra-node check of the DAP groups (None: unknown)
+
+    def describe(self) -> str:
+        """The layout line for the start-up log, with its warnings (a DAP group spanning nodes)."""
+        return self.layout.describe(self.ranks_per_node)
 
     @property
     def is_train_rank(self) -> bool:
@@ -107,9 +114,12 @@ def setup_model_parallel(
     parallel_evoformer: bool = False,
     crop_size: int | None = None,
     train_group: dist.ProcessGroup | None = None,
+    ranks_per_node: int | None = None,
 ) -> ParallelContext:
     """Validate the layout and create the DAP, BP and model (DAP x BP) groups on every rank.
 
+    ``ranks_per_node`` (the launcher's local world size; default ``$LOCAL_WORLD_SIZE`` when set)
+    only serves the start-up warning about DAP groups spanning nodes (rank 0 prints it to stderr).
     Collective: every rank of the world (eval ranks included) must call it, in the same order.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -117,7 +127,12 @@ def setup_model_parallel(
     layout = ParallelLayout(world, dap=dap, bp=bp, num_eval_ranks=num_eval_ranks).validate(
         parallel_evoformer=parallel_evoformer, crop_size=crop_size
     )
-    ctx = ParallelContext(layout=layout, rank=rank)
+    if ranks_per_node is None and os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():
+        ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    ctx = ParallelContext(layout=layout, rank=rank, ranks_per_node=ranks_per_node)
+    if rank == 0:
+        for warning in layout.warnings(ranks_per_node):
+            print(f"scalefold: WARNING: {warning}", file=sys.stderr, flush=True)
     if world == 1:
         return ctx
     if num_eval_ranks and train_group is None:

@@ -10,10 +10,13 @@ import torch.distributed as dist
 
 @dataclass
 class CommStats:
-    """Bytes this rank sent, per collective kind (logical volume, see ``primitives``)."""
+    """Bytes this rank sent, per collective kind (logical volume, see ``primitives``), and the
+    asynchronous collectives launched but not yet waited for (``in_flight``: 0 between steps; a
+    collective left in flight is never synchronised with and outlives its step)."""
 
     bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    in_flight: int = 0
 
     def add(self, kind: str, nbytes: int) -> None:
         self.bytes[kind] += int(nbytes)
@@ -24,6 +27,7 @@ class CommStats:
         return sum(self.bytes.values())
 
     def reset(self) -> None:
+        """Zero the byte and call counters (``in_flight`` is state, not a counter: kept)."""
         self.bytes.clear()
         self.calls.clear()
 

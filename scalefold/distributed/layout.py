@@ -6,7 +6,8 @@ Training rank ``r`` (``0 <= r < dp * bp * dap``) has
 
 so the ranks of a DAP group are consecutive (one node, the most communication), the two ranks of
 a BP pair are ``dap`` apart, and the last ``num_eval_ranks`` ranks of the world evaluate.
-Invalid layouts are rejected by :meth:`ParallelLayout.validate` with a message naming the fix.
+Invalid layouts are rejected by :meth:`ParallelLayout.validate` with a message naming the fix;
+valid but slow ones (a DAP group spanning nodes) are named by :meth:`ParallelLayout.warnings`.
 """
 
 from __future__ import annotations
@@ -80,12 +81,32 @@ class ParallelLayout:
     def eval_ranks(self) -> list[int]:
         return list(range(self.num_train_ranks, self.world_size))
 
-    def describe(self) -> str:
-        """One line for the start-up log."""
-        return (
+    def cross_node_dap_groups(self, ranks_per_node: int | None) -> list[list[int]]:
+        """DAP groups whose ranks sit on more than one node when every node runs
+        ``ranks_per_node`` consecutive ranks (DAP moves the most bytes: keep it inside a node,
+        i.e. ``dap`` dividing the ranks per node). Empty when unknown (``None``) or all intra-node."""
+        if not ranks_per_node or ranks_per_node < 1 or self.dap == 1:
+            return []
+        return [g for g in self.dap_groups() if g[0] // ranks_per_node != g[-1] // ranks_per_node]
+
+    def warnings(self, ranks_per_node: int | None = None) -> list[str]:
+        """Valid but slow layouts, one message each (printed at start-up)."""
+        spanning = self.cross_node_dap_groups(ranks_per_node)
+        if not spanning:
+            return []
+        return [
+            f"{len(spanning)} of {len(self.dap_groups())} DAP groups span two nodes (e.g. ranks {spanning[0]} with "
+            f"{ranks_per_node} ranks per node): DAP's all_to_all/all_gather then cross the network every block; "
+            f"use a --dap that divides the ranks per node"
+        ]
+
+    def describe(self, ranks_per_node: int | None = None) -> str:
+        """One line for the start-up log (plus any :meth:`warnings`)."""
+        line = (
             f"world {self.world_size} = dp {self.dp} x bp {self.bp} x dap {self.dap} training ranks"
             f" + {self.num_eval_ranks} eval; dap groups {self.dap_groups()[:4]}{' ...' if self.dp * self.bp > 4 else ''}"
         )
+        return "; ".join([line] + [f"WARNING: {w}" for w in self.warnings(ranks_per_node)])
 
 
 __all__ = ["BP_SIZES", "LayoutError", "ParallelLayout"]

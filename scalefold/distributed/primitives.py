@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from scalefold.distributed.group import DAPGroup
+from scalefold.distributed.group import CommStats, DAPGroup
 
 GATHER_GRADS = ("sum", "split")
 
@@ -47,16 +47,23 @@ def split_local(x: torch.Tensor, dim: int, g: DAPGroup) -> torch.Tensor:
 
 
 class Pending:
-    """A collective that may still be in flight: :meth:`wait` returns its result (once)."""
+    """A collective that may still be in flight: :meth:`wait` returns its result (once).
+    An asynchronous one (``work`` given) counts in ``stats.in_flight`` until it is waited for."""
 
-    def __init__(self, work: dist.Work | None, finish) -> None:
+    def __init__(self, work: dist.Work | None, finish, stats: CommStats | None = None) -> None:
         self._work, self._finish = work, finish
+        self._stats = stats if work is not None else None
+        if self._stats is not None:
+            self._stats.in_flight += 1
 
     def wait(self) -> torch.Tensor:
         if self._finish is None:
             raise RuntimeError("Pending.wait() called twice on the same collective")
         if self._work is not None:
             self._work.wait()
+        if self._stats is not None:
+            self._stats.in_flight -= 1
+            self._stats = None
         out, self._finish, self._work = self._finish(), None, None
         return out
 
@@ -69,7 +76,7 @@ def start_all_gather(x: torch.Tensor, dim: int, g: DAPGroup, async_op: bool = Fa
     work = _ALL_GATHER(out, flat.contiguous(), group=g.group, async_op=async_op)
     g.stats.add("all_gather", x.numel() * x.element_size() * (g.size - 1))
     shape = (g.size,) + tuple(x.shape)
-    return Pending(work if async_op else None, lambda: out.view(shape).movedim(0, p).flatten(p, p + 1))
+    return Pending(work if async_op else None, lambda: out.view(shape).movedim(0, p).flatten(p, p + 1), g.stats)
 
 
 def start_reduce_scatter(x: torch.Tensor, dim: int, g: DAPGroup, async_op: bool = False) -> Pending:
@@ -80,7 +87,7 @@ def start_reduce_scatter(x: torch.Tensor, dim: int, g: DAPGroup, async_op: bool 
     out = x.new_empty(parts.shape[1:])
     work = _REDUCE_SCATTER(out.view(-1), parts.view(-1), group=g.group, async_op=async_op)
     g.stats.add("reduce_scatter", out.numel() * out.element_size() * (g.size - 1))
-    return Pending(work if async_op else None, lambda: out)
+    return Pending(work if async_op else None, lambda: out, g.stats)
 
 
 def start_all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, g: DAPGroup, async_op: bool = False) -> Pending:
@@ -92,7 +99,7 @@ def start_all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, g: DAPGroup,
     out = torch.empty_like(parts)
     work = dist.all_to_all_single(out, parts, group=g.group, async_op=async_op)
     g.stats.add("all_to_all", x.numel() * x.element_size() * (g.size - 1) // g.size)
-    return Pending(work if async_op else None, lambda: out.movedim(0, cp).flatten(cp, cp + 1))
+    return Pending(work if async_op else None, lambda: out.movedim(0, cp).flatten(cp, cp + 1), g.stats)
 
 
 def all_gather_raw(x: torch.Tensor, dim: int, g: DAPGroup) -> torch.Tensor:

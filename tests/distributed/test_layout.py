@@ -43,3 +43,26 @@ def test_valid_layouts():
     ParallelLayout(world_size=8, dap=8).validate(crop_size=256)
     ParallelLayout(world_size=5, dap=2, bp=2, num_eval_ranks=1).validate(parallel_evoformer=True, crop_size=256)
     assert ParallelLayout(world_size=1).validate().dp == 1
+
+
+def test_dap_groups_spanning_nodes_are_named_at_start_up():
+    """Consecutive ranks form a DAP group: with 8 ranks per node DAP 8 (and 2, 4) stays inside a
+    node; DAP 4 on 6-rank nodes puts group [4..7] across two nodes -> a start-up warning."""
+    assert ParallelLayout(world_size=2080, dap=8, num_eval_ranks=32).validate().warnings(ranks_per_node=8) == []
+    assert ParallelLayout(world_size=16, dap=2, bp=2).validate(parallel_evoformer=True).warnings(8) == []
+    layout = ParallelLayout(world_size=12, dap=4).validate()
+    assert layout.cross_node_dap_groups(6) == [[4, 5, 6, 7]]
+    (warning,) = layout.warnings(ranks_per_node=6)
+    assert "1 of 3 DAP groups span two nodes" in warning and "[4, 5, 6, 7]" in warning
+    assert "WARNING: 1 of 3 DAP groups" in layout.describe(ranks_per_node=6)
+    assert layout.warnings(None) == [] and "WARNING" not in layout.describe()  # unknown: no claim
+
+
+def test_setup_reads_the_local_world_size(monkeypatch, capsys):
+    """Without a process group (world 1) the layout is still validated; LOCAL_WORLD_SIZE is read."""
+    from scalefold.distributed import setup_model_parallel
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    ctx = setup_model_parallel(dap=1)
+    assert ctx.ranks_per_node == 1 and "WARNING" not in ctx.describe()
+    assert "WARNING" not in capsys.readouterr().err

@@ -86,6 +86,7 @@ def test_alphafold_dap2_and_bp2_equal_single_rank():
 
 
 def test_alphafold_dap4_and_bp2_dap2_equal_single_rank():
-    """4 processes: DAP 4, BP 2 x DAP 2 (Parallel Evoformer) and DP 2 x DAP 2 (every replica on
-    the same sample, so the DP mean is the single-rank gradient) == the serial single-rank model."""
-    run_processes(_worker, 4, [(4, 1, False), (2, 2, True), (2, 1, False)])
+    """4 processes: DAP 4, BP 2 x DAP 2 (Parallel Evoformer), DP 2 x DAP 2 and DP 2 x BP 2 (every
+    replica on the same sample, so the DP mean is the single-rank gradient) == the serial
+    single-rank model."""
+    run_processes(_worker, 4, [(4, 1, False), (2, 2, True), (2, 1, False), (1, 2, True)])

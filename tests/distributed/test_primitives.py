@@ -121,6 +121,44 @@ def _async_worker(rank: int, world: int) -> None:
     torch.testing.assert_close(grads[True], expected, rtol=1e-13, atol=1e-13)
 
 
+def _checkpoint_worker(rank: int, world: int) -> None:
+    """Activation checkpointing around launch -> compute -> wait: non-reentrant checkpointing stops
+    recomputing once its saved tensors exist, i.e. before the wait. The recomputation must leave no
+    collective in flight (it issues nothing: the original graph's handles serve the backward), and
+    values and gradients equal the run without checkpointing, async or not."""
+    from torch.utils.checkpoint import checkpoint
+
+    x = _full(0, 1, 2 * world, 3 * world, 4)
+    w = _full(1 + rank, 1, 2 * world, 3, 4)
+
+    def region(local: torch.Tensor, g: DAPGroup):
+        pending = A.all_to_all_async(local * 2.0, -2, -3, g)
+        kept = local.sin() * local  # saved tensors: the recomputation stops after this
+        return kept, pending.wait()
+
+    results = {}
+    for overlap in (True, False):
+        for ckpt in ("none", "non-reentrant", "reentrant"):
+            g = DAPGroup.world(overlap=overlap)
+            local = _chunk(x, -3, rank, world).clone().requires_grad_()
+            if ckpt == "none":
+                kept, y = region(local, g)
+            else:
+                kept, y = checkpoint(region, local, g, use_reentrant=ckpt == "reentrant")
+            g.stats.reset()
+            (kept.sum() + (y * w).sum()).backward()
+            assert g.stats.in_flight == 0, f"overlap {overlap} checkpoint {ckpt}: a collective left in flight"
+            # backward: the reverse all_to_all; a non-reentrant recomputation stops before the wait
+            # and sends nothing, a reentrant one reruns the region (its collective, synchronously)
+            calls = 2 if ckpt == "reentrant" else 1
+            assert dict(g.stats.calls) == {"all_to_all": calls}, (overlap, ckpt, dict(g.stats.calls))
+            results[overlap, ckpt] = (y.detach(), local.grad)
+    y_ref, grad_ref = results[False, "none"]
+    for key, (y, grad) in results.items():
+        torch.testing.assert_close(y, y_ref, rtol=0, atol=0, msg=lambda m, key=key: f"{key}: {m}")
+        torch.testing.assert_close(grad, grad_ref, rtol=0, atol=0, msg=lambda m, key=key: f"{key}: {m}")
+
+
 def _bf16_worker(rank: int, world: int) -> None:
     """bf16 activations: gather (async, reduce-scatter backward) and all_to_all are exact."""
     g = DAPGroup.world()
@@ -138,13 +176,15 @@ def _two_rank_worker(rank: int, world: int) -> None:
     _primitives_worker(rank, world)
     _padding_worker(rank, world)
     _async_worker(rank, world)
+    _checkpoint_worker(rank, world)
     _bf16_worker(rank, world)
 
 
 def test_collectives_match_single_process_math_2():
     """2 ranks: gather (sum / split backward), scatter, all_to_all vs the full math; padded layout
     switches (scatter -> row_to_col -> col_to_row -> gather exact, padding never leaks); async
-    launch/wait pairs == synchronous collectives in values and gradients."""
+    launch/wait pairs == synchronous collectives in values and gradients, also under activation
+    checkpointing (no collective left in flight by the recomputation)."""
     run_processes(_two_rank_worker, 2)
 
 
@@ -164,3 +204,16 @@ def test_calls_are_identity_when_dap_is_off():
     for fn in (axial.scatter_rows, axial.gather_rows, axial.gather_cols, axial.row_to_col, axial.col_to_row):
         assert fn(x, None) is x
     assert axial.mask_rows(x[..., 0], None) is not None
+
+
+def test_row_chunks_are_contiguous_views():
+    """Sharding dim 1 of a batch-1 ``[1, A, B, C]`` (the row layout): a rank's chunk is a contiguous
+    view of the whole tensor (no copy), and the padded chunk of a ragged size too."""
+    g = DAPGroup(group=None, size=4, rank=2)  # no communication below
+    x = torch.randn(1, 8, 6, 3)
+    chunk = P.split_local(x, axial.ROWS, g)
+    assert chunk.is_contiguous() and chunk.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    assert torch.equal(chunk, x[:, 4:6])
+    plane = axial.Plane(g, rows=7, cols=6)
+    local = plane.local(torch.randn(1, 7, 6, 3), axial.ROWS, 7)  # padded to 8 rows: rank 2 holds rows 4, 5
+    assert local.shape == (1, 2, 6, 3) and local.is_contiguous()

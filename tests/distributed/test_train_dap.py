@@ -1,7 +1,8 @@
 """End to end: ``torch.distributed.run --nproc-per-node 2 -m scalefold train --preset tiny --dap 2
---deterministic --precision fp64`` gives the single-rank run's per-step losses and gradient norms
-(``metrics.jsonl``) and, after 3 steps, its weights -- dropout on, one loader per DAP group with the
-batch broadcast, DDP over the DAP ranks with the ``x dap`` gradient factor and the bucket-norm clip.
+--deterministic --precision fp64`` (and ``--bp 2 --parallel-evoformer``) gives the single-rank run's
+per-step losses and gradient norms (``metrics.jsonl``) and, after 3 steps, its weights -- dropout on,
+one loader per DAP group / BP pair with the batch broadcast, DDP over the model-parallel ranks with
+the ``x dap`` / ``x bp`` gradient factors and the bucket-norm clip.
 """
 
 from __future__ import annotations
@@ -49,26 +50,44 @@ def _records(path) -> list[dict]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
 
 
+def _assert_same_run(root, single: str, parallel: str) -> dict:
+    """Per-step losses and gradient norms, and the final weights, of two runs agree."""
+    ref, par = _records(root / single / "metrics.jsonl"), _records(root / parallel / "metrics.jsonl")
+    assert [r["step"] for r in par] == list(range(1, STEPS + 1)) == [r["step"] for r in ref]
+    for a, b in zip(par, ref):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-11), (parallel, a["step"])
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-10), (parallel, a["step"])
+
+    ckpt = f"checkpoints/checkpoint_{STEPS:08d}.pt"
+    w_ref = load_checkpoint(root / single / ckpt)["alphafold_state_dict"]
+    w_par = load_checkpoint(root / parallel / ckpt)["alphafold_state_dict"]
+    assert w_ref.keys() == w_par.keys()
+    for name, w in w_ref.items():
+        torch.testing.assert_close(w_par[name], w, rtol=1e-9, atol=1e-12, msg=lambda m, name=name: f"{parallel} {name}: {m}")
+    return w_ref
+
+
 def test_dap2_training_run_equals_single_rank(tmp_path):
     _train(tmp_path, "single", 1)
     proc = _train(tmp_path, "dap2", 2, "--dap", "2")
     assert "parallel layout: world 2 = dp 1 x bp 1 x dap 2" in proc.stdout
-
-    single, dap = _records(tmp_path / "single" / "metrics.jsonl"), _records(tmp_path / "dap2" / "metrics.jsonl")
-    assert [r["step"] for r in dap] == list(range(1, STEPS + 1)) == [r["step"] for r in single]
-    for a, b in zip(dap, single):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-11), a["step"]
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-10), a["step"]
-
-    ckpt = f"checkpoints/checkpoint_{STEPS:08d}.pt"
-    w_single = load_checkpoint(tmp_path / "single" / ckpt)["alphafold_state_dict"]
-    w_dap = load_checkpoint(tmp_path / "dap2" / ckpt)["alphafold_state_dict"]
-    assert w_single.keys() == w_dap.keys()
-    for name, w in w_single.items():
-        torch.testing.assert_close(w_dap[name], w, rtol=1e-9, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
+    w_single = _assert_same_run(tmp_path, "single", "dap2")
     # the sharded blocks did train (their gradients went through the DAP collectives)
     key = "evoformer_stack.blocks.0.core.tri_mul_out.linear_z.weight"
     assert w_single[key].abs().max() > 1e-6, "Evoformer weights did not move: the test would not see DAP gradients"
+
+
+def test_bp2_training_run_equals_single_rank_parallel_evoformer(tmp_path):
+    """``--bp 2 --parallel-evoformer`` on 2 processes == the serial Parallel Evoformer on one: the
+    branch broadcasts, the summed pair-input gradient, the x bp factor on branch-owned parameters
+    and DDP with unused (other-branch) parameters, through the whole training loop."""
+    _train(tmp_path, "single", 1, "--parallel-evoformer")
+    proc = _train(tmp_path, "bp2", 2, "--parallel-evoformer", "--bp", "2")
+    assert "parallel layout: world 2 = dp 1 x bp 2 x dap 1" in proc.stdout
+    w_single = _assert_same_run(tmp_path, "single", "bp2")
+    for key in ("evoformer_stack.blocks.0.msa_att_col.mha.linear_o.weight",  # MSA branch (zero init)
+                "evoformer_stack.blocks.0.core.tri_att_end.mha.linear_o.weight"):  # pair branch  # fmt: skip
+        assert w_single[key].abs().max() > 1e-6, f"{key} did not move: the test would not see BP gradients"
 
 
 def test_invalid_layout_rejected_before_any_work(tmp_path):
