@@ -8,7 +8,7 @@ import time
 
 
 def _cmd_synth(args: argparse.Namespace) -> int:
-    from scalefold.data.synthetic import synthesize
+    from scalefold.data.synthetic import SynthConfig, synthesize
 
     start = time.perf_counter()
     summary = synthesize(
@@ -18,11 +18,13 @@ def _cmd_synth(args: argparse.Namespace) -> int:
         length_range=(args.min_length, args.max_length),
         seed=args.seed,
         workers=args.workers,
+        config=SynthConfig(max_template_hits=args.max_template_hits),
     )
     summary["seconds"] = round(time.perf_counter() - start, 2)
     print(
         f"wrote {summary['chains']} chains ({summary['training']} training, {summary['validation']} validation) "
-        f"in {summary['families']} families to {summary['path']} in {summary['seconds']} s"
+        f"in {summary['families']} families, {summary['template_hits']} template hits, "
+        f"to {summary['path']} in {summary['seconds']} s"
     )
     if args.json:
         print(json.dumps(summary))
@@ -42,6 +44,10 @@ def add_synth_parser(subparsers) -> None:
     p.add_argument("--min-length", type=int, default=40)
     p.add_argument("--max-length", type=int, default=120)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--max-template-hits", type=int, default=4,
+        help="template hits per chain: earlier-released members of its family (0 = no templates)",
+    )  # fmt: skip
     p.add_argument("--workers", type=int, default=2, help="processes (the output does not depend on it)")
     p.add_argument("--json", action="store_true", help="also print the summary as one JSON line")
     p.set_defaults(handler=_cmd_synth)

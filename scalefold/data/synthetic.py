@@ -195,6 +195,9 @@ class SynthConfig:
     resolution_range: tuple[float, float] = (1.2, 3.2)
     disordered_terminus_probability: float = 0.3  # unresolved (mask 0) residues at a terminus
     max_disordered_terminus: int = 3
+    # templates: earlier-released members of the same family (a homologue's structure)
+    max_template_hits: int = 4  # hits stored per chain (0 = no templates)
+    template_min_age_days: int = 60  # a template is released at least this long before its query
 
 
 # ---------------------------------------------------------------------------------------------
@@ -982,31 +985,87 @@ def synthesize(
         finally:
             torch.set_num_threads(threads)
 
-    counts = {"chains": 0, "training": 0, "validation": 0, "residues": 0}
+    counts = {"chains": 0, "training": 0, "validation": 0, "residues": 0, "template_hits": 0}
     with Store.create(out) as writer:
         k = 0
         for chains in families:
+            entries = []
             for chain in chains:
-                pdb_id, chain_id = chain_name(k)
+                pdb_id, _ = chain_name(k)
                 k += 1
                 window = VALIDATION_DATE_RANGE if chain.validation else TRAIN_DATE_RANGE
+                release_date = _random_date(table_rng, window)
+                resolution = float(np.round(table_rng.uniform(*cfg.resolution_range), 2))
+                entries.append((chain, pdb_id, release_date, resolution))
+            for chain, pdb_id, release_date, resolution in entries:
+                hits, outcomes = family_template_hits(chain, release_date, entries, cfg)
                 writer.add_chain(
-                    chain_id,
+                    f"{pdb_id}_A",
                     sequence=chain.sequence,
                     all_atom_positions=chain.all_atom_positions,
                     all_atom_mask=chain.all_atom_mask,
                     pdb_id=pdb_id,
-                    release_date=_random_date(table_rng, window),
-                    resolution=float(np.round(table_rng.uniform(*cfg.resolution_range), 2)),
+                    release_date=release_date,
+                    resolution=resolution,
                     cluster_id=chain.family,
                     method="X-RAY DIFFRACTION",
                     msa=chain.msa,
                     deletion_matrix=chain.deletion_matrix,
+                    template_hits=hits,
+                    template_outcomes=outcomes,
                 )
                 counts["chains"] += 1
                 counts["validation" if chain.validation else "training"] += 1
                 counts["residues"] += len(chain.sequence)
+                counts["template_hits"] += len(hits)
     return {"path": str(out), "families": num_families, "seed": seed, **counts}
+
+
+def family_template_hits(
+    query: SyntheticChain, release_date: str, members: Sequence[tuple[SyntheticChain, str, str, float]], cfg: SynthConfig
+) -> tuple[list[Any], list[Any]]:
+    """Template hits of ``query``: members of its family released at least
+    ``cfg.template_min_age_days`` before it (a homologue's experimental structure, as a template
+    search would find), best sequence identity first, at most ``cfg.max_template_hits``.
+
+    Members share the family's residue numbering, so the alignment is the identity over the
+    resolved residues of the hit. Returns (``TemplateHit`` list, ``HitOutcome`` list) for
+    :meth:`StoreWriter.add_chain`; the outcomes carry the template structures, so training builds
+    template features from the store alone, exactly as for a preprocessed PDB store.
+    """
+    from scalefold.data.parsers.hhr import TemplateHit
+    from scalefold.data.templates import STAGE_OK, AlignedTemplate, HitOutcome
+
+    if cfg.max_template_hits <= 0:
+        return [], []
+    cutoff = datetime.date.fromisoformat(release_date) - datetime.timedelta(days=cfg.template_min_age_days)
+    candidates = []
+    for member, pdb_id, date, _ in members:
+        if member is query or datetime.date.fromisoformat(date) > cutoff:
+            continue
+        resolved = np.nonzero(member.all_atom_mask[:, rc.atom_order["CA"]] > 0)[0]
+        identity = float(np.mean(member.aatype[resolved] == query.aatype[resolved])) if len(resolved) else 0.0
+        candidates.append((identity, pdb_id, member, resolved))
+    candidates.sort(key=lambda c: (-c[0], c[1]))
+    hits, outcomes = [], []
+    for rank, (identity, pdb_id, member, resolved) in enumerate(candidates[: cfg.max_template_hits]):
+        # HHsearch-like Sum_probs: aligned columns weighted by identity (ranks the hits)
+        sum_probs = float(round(len(resolved) * (0.5 + 0.5 * identity), 1))
+        hits.append(
+            TemplateHit(
+                index=rank + 1, name=f"{pdb_id.upper()}_A synthetic family {query.family} member",
+                aligned_cols=len(resolved), sum_probs=sum_probs, query=query.sequence, hit_sequence=member.sequence,
+                indices_query=list(range(len(query.sequence))), indices_hit=list(range(len(member.sequence))),
+            )
+        )  # fmt: skip
+        template = AlignedTemplate(
+            domain_name=f"{pdb_id}_A", sum_probs=sum_probs, query_index=resolved.astype(np.int32),
+            residues="".join(member.sequence[i] for i in resolved),
+            all_atom_positions=member.all_atom_positions[resolved].astype(np.float32),
+            all_atom_mask=member.all_atom_mask[resolved].astype(np.float32),
+        )  # fmt: skip
+        outcomes.append(HitOutcome(STAGE_OK, sum_probs, template=template))
+    return hits, outcomes
 
 
 __all__ = [
@@ -1025,4 +1084,6 @@ __all__ = [
     "generate_family",
     "min_interresidue_distance",
     "synthesize",
+    "family_template_hits",
+    "radius_of_gyration",
 ]

@@ -195,3 +195,43 @@ def test_store_round_trip(tmp_path):
             assert a["all_atom_positions"].shape == (len(a["sequence"]), 37, 3)
             assert a["msa"][0].tolist() == [rc.HHBLITS_AA_TO_ID[c] for c in a["sequence"]]
             assert a["cluster_id"] in (0, 1) and 1.0 < a["resolution"] < 3.5
+
+
+def test_templates_are_earlier_family_members(tmp_path):
+    """Each chain's template hits are members of its own family released >= 60 days earlier,
+    carrying that member's structure; training batches built from the store contain them."""
+    import datetime
+
+    from scalefold.data.pipeline import FeatureConfig
+    from scalefold.data.store import Store
+    from scalefold.train.sample import StoreSample
+
+    path = tmp_path / "synth.h5"
+    summary = synth.synthesize(path, num_chains=12, num_families=2, length_range=(40, 44), seed=5)
+    assert summary["template_hits"] > 0
+    with Store.open(path) as store:
+        table = store.chain_table()
+        info = {str(c): (int(f), str(d)) for c, f, d in zip(table["chain_id"], table["cluster_id"], table["release_date"])}
+        with_templates = 0
+        for chain_id in store.chain_ids:
+            chain = store.get(chain_id)
+            outcomes = chain.get("template_outcomes") or []
+            assert len(outcomes) <= synth.SynthConfig().max_template_hits
+            with_templates += bool(outcomes)
+            family, date = info[chain_id]
+            for outcome in outcomes:
+                hit = store.get(outcome.template.domain_name)
+                hit_family, hit_date = info[outcome.template.domain_name]
+                assert hit_family == family and outcome.template.domain_name != chain_id
+                age = datetime.date.fromisoformat(date) - datetime.date.fromisoformat(hit_date)
+                assert age.days >= 60
+                index = outcome.template.query_index
+                np.testing.assert_array_equal(outcome.template.all_atom_positions, hit["all_atom_positions"][index])
+        assert with_templates >= len(store.chain_ids) // 2
+        ids = store.chain_ids
+    features = FeatureConfig(max_templates=2, train_sequence_crop_size=32)
+    sample = StoreSample(str(path), ids, features, mode="eval")
+    last = max(range(len(ids)), key=lambda i: info[ids[i]][1])  # the newest chain has earlier members
+    batch = sample(last, 0)
+    assert batch["template_mask"].sum() > 0
+    assert batch["template_all_atom_positions"].abs().sum() > 0
