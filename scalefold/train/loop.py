@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from scalefold.data.eval_cache import EvalCache
 from scalefold.data.loader import SEED_HIGH, PriorityQueueLoader, group_batches
 from scalefold.data.pipeline import FeatureConfig, TrainingChainFilter, sampling_weights
 from scalefold.data.store import Store
@@ -393,9 +394,10 @@ def _train(cfg: TrainConfig, runtime: Runtime) -> TrainResult:
     pctx = setup_model_parallel(
         cfg.dap, cfg.bp, cfg.num_async_eval_ranks, cfg.parallel_evoformer,
         crop_size=features.train_sequence_crop_size, train_group=runtime.train_group,
+        ranks_per_node=runtime.local_world_size,
     )  # fmt: skip
     if main:
-        print(f"scalefold: parallel layout: {pctx.layout.describe()}", flush=True)
+        print(f"scalefold: parallel layout: {pctx.describe()}", flush=True)
     eval_every = cfg.eval_every or cfg.max_steps or 1
     # -- data: the store is created once (rank 0), then every rank opens it -------------------------
     if runtime.rank == 0:
@@ -407,9 +409,17 @@ def _train(cfg: TrainConfig, runtime: Runtime) -> TrainResult:
     train_ids, weights, val_ids = split_chains(store, cfg)
     store.close()
 
-    def eval_batches() -> list[dict[str, torch.Tensor]]:
+    def eval_cache() -> EvalCache:
+        """Synchronous evaluation's validation batches, built once and kept in host DRAM
+        (pinned on CUDA); each evaluation copies one batch at a time to the device."""
         eval_sample = StoreSample(str(store_path), val_ids, features, mode="eval")
-        return [to_device(eval_sample(i, 0), device, dtype) for i in range(len(val_ids))]
+        with Store.open(store_path) as val_store:
+            table = val_store.chain_table()
+        length_of = dict(zip((str(c) for c in table["chain_id"]), (int(n) for n in table["length"])))
+        cache = EvalCache(eval_sample, [(i, 0) for i in range(len(val_ids))], [length_of[c] for c in val_ids],
+                          pin_memory=device.type == "cuda")  # fmt: skip
+        cache.fill()
+        return cache
 
     if runtime.is_eval_rank:  # asynchronous evaluation ranks: serve evaluations until training ends
         async_eval = _async_eval_module()
@@ -495,18 +505,18 @@ def _train(cfg: TrainConfig, runtime: Runtime) -> TrainResult:
 
     # -- evaluation (synchronous on the main training rank, or asynchronous on the eval ranks) -------
     async_client = None
-    val_batches: list[dict[str, torch.Tensor]] = []
+    val_cache: EvalCache | None = None
     if runtime.async_eval:
         swa_flat = _async_eval_module().swa_flat_buffer(opt)  # sent as is: the evaluation model's layout
         async_client = _async_eval_module().AsyncEvalClient(runtime, swa_flat.numel(), swa_flat.dtype)
     elif main and cfg.eval_every:
-        val_batches = eval_batches()
+        val_cache = eval_cache()
 
     result = TrainResult(out=out if main else None, steps=start_step, final_loss=float("nan"))
     metrics = _Metrics(metrics_path, enabled=main)
     if main and cfg.eval_every and start_step == 0 and not runtime.async_eval:
         # the untrained model's score, for the curves: before run_start and not logged to MLPerf
-        baseline = evaluate(eval_model, val_batches, autocast)
+        baseline = evaluate(eval_model, val_cache.batches(device, dtype), autocast)
         metrics.write({"step": 0, "eval_lddt_ca": baseline, "epoch_num": 0})
         metrics.flush()
         result.eval_history.append((0, baseline))
@@ -589,7 +599,9 @@ def _train(cfg: TrainConfig, runtime: Runtime) -> TrainResult:
                 clip = clipper.compute() if ddp_world > 1 else clipper.clip_flat_(opt.grad_buffers())
                 # a loss term the loss module dropped as non-finite makes the step's loss non-finite too
                 step_loss = nonfinite_terms_to_nan(loss, terms)
-                mean_loss, stop = allreduce_step_stats(step_loss, stop_request.requested, runtime.train_group, ddp_world)
+                mean_loss, stop, samples_skipped = allreduce_step_stats(
+                    step_loss, stop_request.requested, runtime.train_group, ddp_world, count=len(result.skipped_samples)
+                )  # fmt: skip
                 lr = lr_schedule(step)
                 skipped = not clip.is_finite() or not np.isfinite(mean_loss)  # same verdict on every rank
                 if skipped:
@@ -609,7 +621,7 @@ def _train(cfg: TrainConfig, runtime: Runtime) -> TrainResult:
                     "grad_norm": float(clip.grad_norm), "skipped": skipped, "skipped_total": result.skipped_steps,
                     **{(k if k.startswith("loss") else f"loss_{k}"): float(v) for k, v in terms.items()},
                     "time_data_wait": timings["data_wait"], "time_step": t3 - t0,
-                    "samples_skipped": len(result.skipped_samples),  # by this rank's loader, replaced
+                    "samples_skipped": samples_skipped,  # by the loaders of all training ranks, each replaced
                 }  # fmt: skip
                 if new_skips:
                     record["skipped_samples"] = [{"chain_id": s["chain_id"], "reason": s["reason"],
@@ -645,7 +657,7 @@ def _train(cfg: TrainConfig, runtime: Runtime) -> TrainResult:
                         score = float("nan")
                         if main:
                             mllog.eval_start(epoch)
-                            score = evaluate(eval_model, val_batches, autocast)
+                            score = evaluate(eval_model, val_cache.batches(device, dtype), autocast)
                             mllog.eval_accuracy(score, epoch)
                             mllog.eval_stop(epoch)
                             metrics.write({"step": step, "eval_lddt_ca": score, "epoch_num": epoch})

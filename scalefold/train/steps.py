@@ -255,14 +255,16 @@ def nonfinite_terms_to_nan(loss: torch.Tensor, terms: Mapping[str, torch.Tensor]
 
 
 def allreduce_step_stats(
-    loss: torch.Tensor, stop: bool, group: dist.ProcessGroup | None, world_size: int
-) -> tuple[float, bool]:
-    """(mean loss over the training ranks, any rank asked to stop): one all-reduce of two numbers."""
-    stats = torch.stack([loss.detach().to(torch.float64), torch.tensor(float(stop), dtype=torch.float64, device=loss.device)])
+    loss: torch.Tensor, stop: bool, group: dist.ProcessGroup | None, world_size: int, count: int = 0
+) -> tuple[float, bool, int]:
+    """(mean loss over the training ranks, any rank asked to stop, sum of ``count`` over the ranks):
+    one all-reduce of three numbers (``count``: e.g. the samples this rank's loader replaced)."""
+    stats = torch.tensor([0.0, float(stop), float(count)], dtype=torch.float64, device=loss.device)
+    stats[0] = loss.detach().to(torch.float64)
     if world_size > 1:
         dist.all_reduce(stats, group=group)
-    mean_loss, stops = stats.tolist()
-    return mean_loss / world_size, stops > 0
+    mean_loss, stops, total = stats.tolist()
+    return mean_loss / world_size, stops > 0, int(round(total))
 
 
 def broadcast_float(value: float, src: int, group: dist.ProcessGroup | None, device: torch.device, distributed: bool) -> float:

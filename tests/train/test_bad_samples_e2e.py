@@ -113,7 +113,7 @@ def _step_records(path: Path) -> list[dict]:
 def _check_run(stdout: str, stderr: str, out: Path, ranks: int, bad_chain: str, skips: dict[int, int]) -> list[dict]:
     """Every rank finished all STEPS steps; rank r's loader skipped ``skips.get(r, 0)`` samples (the
     corrupt chain), each logged with chain id and reason and replaced; metrics.jsonl (the main rank:
-    rank 0's loader) has STEPS step records and counts rank 0's skips."""
+    rank 0's loader) has STEPS step records, counts the skips of all ranks and lists rank 0's."""
     finished = {int(r): (int(s), int(n)) for r, s, n in FINISHED.findall(stdout)}
     assert sorted(finished) == list(range(ranks)), stdout[-3000:] + stderr[-3000:]
     assert {s for s, _ in finished.values()} == {STEPS}, finished  # every rank took every step
@@ -125,7 +125,7 @@ def _check_run(stdout: str, stderr: str, out: Path, ranks: int, bad_chain: str, 
     assert "skipping sample at position" in stderr and "IndexError" in stderr  # the loader's own log
     records = _step_records(out / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    assert records[-1]["samples_skipped"] == skips.get(0, 0)
+    assert records[-1]["samples_skipped"] == sum(skips.values())  # summed over ranks each step
     logged = [s for r in records for s in r.get("skipped_samples", [])]
     assert [s["chain_id"] for s in logged] == [bad_chain] * skips.get(0, 0)
     assert all(s["reason"].startswith("IndexError") and s["replaced_by"] != bad_chain for s in logged)
