@@ -31,19 +31,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train(root, name: str, nproc: int, *extra: str) -> subprocess.CompletedProcess:
+def _train(root, name: str, nproc: int, *extra: str, launcher: str = "torchrun") -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SCALEFOLD_", "SLURM_", "OMPI_", "PMI_"))}
     env.update(OMP_NUM_THREADS="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     launch = [sys.executable, "-m", "scalefold"]
-    if nproc > 1:
+    if nproc > 1 and launcher == "mpirun":  # ranks from PMI_*, master address broadcast with mpi4py
+        launch = [_mpirun(), "-n", str(nproc), *launch]
+    elif nproc > 1:
         launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                   "--master-port", str(_free_port()), "-m", "scalefold"]  # fmt: skip
     cmd = [*launch, "train", *ARGS, "--out", str(root / name), "--store", str(root / "store.h5"), *extra]
     proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+def _mpirun() -> str:
+    import shutil
+    from pathlib import Path
+
+    pytest.importorskip("mpi4py")
+    mpirun = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
+    if mpirun is None:
+        pytest.skip("mpirun not found (pip install mpi4py mpich)")
+    return mpirun
 
 
 def _records(path) -> list[dict]:
@@ -100,3 +113,14 @@ def test_invalid_layout_rejected_before_any_work(tmp_path):
     assert "invalid parallel layout" in proc.stderr and "not divisible by bp x dap = 1 x 2" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "store.h5").exists()
+
+
+def test_dap2_under_mpirun_equals_single_rank(tmp_path):
+    """The same DAP-2 run launched by ``mpirun -n 2`` (MPI rank discovery, no torchrun variables)."""
+    mpirun = _mpirun()  # skips before the single-rank run when MPI is absent
+    assert mpirun
+    _train(tmp_path, "single", 1)
+    proc = _train(tmp_path, "dap2_mpi", 2, "--dap", "2", launcher="mpirun")
+    # no RANK/WORLD_SIZE/MASTER_* in the environment: a world of 2 can only come from MPI discovery
+    assert "parallel layout: world 2 = dp 1 x bp 1 x dap 2" in proc.stdout
+    _assert_same_run(tmp_path, "single", "dap2_mpi")
