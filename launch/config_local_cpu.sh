@@ -2,7 +2,8 @@
 # The demo on a CPU box (no GPU, no containers): one node, LOCAL_RANKS gloo ranks per instance
 # (2-4), a synthetic store staged into DATADIR on first use, the `tiny` preset by default.
 #   source launch/config_local_cpu.sh && sbatch -N 1 -t "$WALLTIME" run.sub
-# Throughput mode on the same node: NUM_INSTANCES=2 source launch/config_local_cpu.sh && sbatch ...
+# Throughput mode on the same node (a prefix assignment on `source` would not outlive it, so export
+# or use bash -c): NUM_INSTANCES=2 bash -c 'source launch/config_local_cpu.sh && sbatch -N 1 -t "$WALLTIME" run.sub'
 : "${DGXSYSTEM:=local_cpu}"
 : "${LOCAL_RANKS:=2}"                 # ranks per instance
 : "${NUM_INSTANCES:=1}"
