@@ -235,6 +235,29 @@ class CheckpointManager:
                 warnings.warn(f"skipping unreadable checkpoint: {exc}", stacklevel=2)
         return None
 
+    def load_resumable(
+        self, map_location: Union[str, torch.device, None] = "cpu"
+    ) -> tuple[Path, dict[str, Any], list[str]] | None:
+        """``(path, checkpoint, skipped)`` of the newest checkpoint that loads (``skipped``: the error of
+        each newer, damaged one), or ``None`` when the directory holds no checkpoint file at all.
+
+        Raises :class:`CheckpointError` listing every file and its error when checkpoint files exist
+        but none of them loads (a resume must not silently start over)."""
+        found = self.checkpoints()
+        if not found:
+            return None
+        errors: list[str] = []
+        for _, path in reversed(found):
+            try:
+                return path, load_checkpoint(path, map_location=map_location), errors
+            except CheckpointError as exc:
+                errors.append(str(exc))
+        raise CheckpointError(
+            f"none of the {len(found)} checkpoint file(s) in {self.directory} can be loaded:\n"
+            + "\n".join(f"  - {e}" for e in errors)
+            + "\nremove or repair them (or choose another --out) to start over"
+        )
+
 
 def _pid_alive(pid_text: str) -> bool:
     try:

@@ -11,10 +11,11 @@ with their names; unparsable environment values are rejected naming the variable
 Presets:
 
 * ``mlperf`` -- the closed-division benchmark values (the ``mlperf`` model, crop 256, evaluation
-  every 40 iterations, target lDDT-Cα 0.8, lr 1e-3, clip 0.1, SWA decay 0.9);
+  every 40 iterations, target lDDT-Cα 0.8, lr 1e-3, clip 0.1, SWA decay 0.9); needs an existing
+  store (``scalefold preprocess``), no step-0 baseline evaluation;
 * ``demo``   -- the built-in CPU run of ``scalefold train`` without arguments (<= 10 minutes on
-  2 cores, synthetic store);
-* ``tiny``   -- a few-second run for tests.
+  2 cores, synthetic store, created when absent);
+* ``tiny``   -- a few-second run for tests (synthetic store, created when absent).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ SLURM_CONFIG_ENV = {
     "SUBMISSION_PLATFORM": "submission_platform",
 }  # fmt: skip
 PRECISIONS = ("fp32", "tf32", "bf16", "fp64")
+CUDA_GRAPHS_MODES = ("auto", "on", "off")
 
 
 @dataclass
@@ -46,8 +48,10 @@ class TrainConfig:
 
     preset: str = "demo"
     out: str = "runs/demo"
-    # data: an existing store, or the synthetic store to create there if absent
+    # data: an existing store, or (synthesize_missing_store: the demo/tiny presets, or
+    # --synthesize-missing-store) the synthetic store to create there if absent
     store: str = "runs/demo-store.h5"
+    synthesize_missing_store: bool = False
     synth_num_chains: int = 320
     synth_num_families: int = 40
     synth_length_range: tuple[int, int] = (40, 120)
@@ -74,6 +78,9 @@ class TrainConfig:
     # evaluation (validation = chains released in the CAMEO window)
     eval_every: int = 40
     eval_max_chains: int = 0  # 0 = all validation chains
+    # synchronous evaluation: also score the untrained model (step 0, for the curves; after run_start,
+    # so timed, and not logged to MLPerf); never with --init-from
+    eval_baseline: bool = True
     val_min_date: str = "2021-09-17"
     val_max_date: str = "2021-12-11"
     val_max_sequence_length: int = 700
@@ -88,12 +95,19 @@ class TrainConfig:
     # parallelism: the last ``num_async_eval_ranks`` ranks evaluate asynchronously (0 = synchronous
     # evaluation on the main training rank); DAP / branch parallelism land with issue 5
     num_async_eval_ranks: int = 0
+    # seconds without progress after which the evaluation ranks count as stuck (asynchronous evaluation),
+    # and the timeout of torch.distributed's collectives (init_process_group)
+    eval_timeout_s: float = 1800.0
+    process_group_timeout_s: float = 1800.0
     dap: int = 1
     bp: int = 1
     parallel_evoformer: bool = False
     # torch.compile of the Evoformer / extra-MSA blocks (eager fallback when compilation fails)
     compile: bool = False
     compile_backend: str = "inductor"  # torch.compile backend ("aot_eager": tracing only, fast to build)
+    # CUDA graphs of the no-grad recycling passes, captured before run_start (scalefold.train.graphed_step):
+    # auto = on for CUDA devices without DAP/BP, eager elsewhere; on = the same but refuse where unusable
+    cuda_graphs: str = "auto"
     # MLPerf log: submission_org, and the platform logged as "{nodes}x{platform}" ("": the device type)
     submission_org: str = "ScaleFold"
     submission_platform: str = ""
@@ -130,8 +144,15 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.dap < 1 or self.bp not in (1, 2):
             raise ValueError(f"dap must be >= 1 and bp 1 or 2, got dap={self.dap} bp={self.bp}")
+        if self.cuda_graphs not in CUDA_GRAPHS_MODES:
+            raise ValueError(f"unknown cuda_graphs mode {self.cuda_graphs!r}; expected one of {CUDA_GRAPHS_MODES}")
+        if self.cuda_graphs == "on" and self.dap * self.bp > 1:  # DAP/BP collectives are not captured
+            raise ValueError(f"cuda_graphs 'on' is not supported with dap={self.dap} bp={self.bp}; use auto or off")
         if self.keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {self.keep_last}")
+        for name in ("eval_timeout_s", "process_group_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
 
     def replace(self, **changes: Any) -> TrainConfig:
         names = {f.name for f in dataclasses.fields(self)}
@@ -240,14 +261,14 @@ def _mlperf() -> dict[str, Any]:
     return {
         "out": "runs/mlperf", "store": "data/store.h5", "model_preset": "mlperf", "num_workers": 8,
         "activation_checkpointing": True, "max_steps": 20000, "eval_every": 40, "warmup_steps": 0,
-        "checkpoint_every": 400,
+        "checkpoint_every": 400, "eval_baseline": False,  # no untimed-data work, no extra timed evaluation
     }  # fmt: skip
 
 
 def _demo() -> dict[str, Any]:
     # Sized for <= 10 minutes on 2 CPU cores (see README for the measured figures).
     return {
-        "out": "runs/demo", "store": "runs/demo-store.h5", "model_preset": "demo",
+        "out": "runs/demo", "store": "runs/demo-store.h5", "synthesize_missing_store": True, "model_preset": "demo",
         "synth_num_chains": 320, "synth_num_families": 40, "synth_length_range": (40, 80),
         "crop_size": 48, "num_recycling_iters": 1, "max_steps": 150, "eval_every": 25,
         "eval_max_chains": 12, "warmup_steps": 10, "checkpoint_every": 50,
@@ -256,7 +277,7 @@ def _demo() -> dict[str, Any]:
 
 def _tiny() -> dict[str, Any]:
     return {
-        "out": "runs/tiny", "store": "runs/tiny-store.h5", "model_preset": "tiny",
+        "out": "runs/tiny", "store": "runs/tiny-store.h5", "synthesize_missing_store": True, "model_preset": "tiny",
         "synth_num_chains": 20, "synth_num_families": 2, "synth_length_range": (24, 32),
         "num_recycling_iters": 1, "max_steps": 3, "eval_every": 2, "eval_max_chains": 1,
         "checkpoint_every": 2, "progress": False,
@@ -266,6 +287,6 @@ def _tiny() -> dict[str, Any]:
 PRESETS = {"mlperf": _mlperf, "demo": _demo, "tiny": _tiny}
 
 __all__ = [
-    "TrainConfig", "PRESETS", "PRECISIONS", "ENV_PREFIX", "SLURM_CONFIG_ENV", "SLURM_CONFIG_MARKER",
+    "TrainConfig", "PRESETS", "PRECISIONS", "CUDA_GRAPHS_MODES", "ENV_PREFIX", "SLURM_CONFIG_ENV", "SLURM_CONFIG_MARKER",
     "load_config_file", "preset_from_env",
 ]  # fmt: skip

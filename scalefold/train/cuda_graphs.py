@@ -11,6 +11,10 @@ and graphs are captured only while the cache is in its *warm-up* phase (syntheti
 region (counted in :attr:`GraphCacheStats.eager_uncaptured`). When CUDA graphs are unavailable (CPU,
 or disabled) every call runs eagerly through the same code path.
 
+The training loop uses it through :mod:`scalefold.train.graphed_step` (``--cuda-graphs``), which keys
+the graphs of a step's no-grad recycling passes by recycling count and captures them before
+``run_start``.
+
 The CUDA calls sit behind a small :class:`GraphBackend` so the cache logic (keys, hits/misses,
 capture-once, warm-up-only policy, static-input copying) is unit-tested on CPU with a fake backend.
 
@@ -95,6 +99,8 @@ def make_key(tag: Hashable, args: tuple, grad_enabled: bool) -> tuple[GraphKey, 
 class GraphBackend(Protocol):
     """What the cache needs from CUDA."""
 
+    device_type: str  # the device whose work the graphs capture ("cuda"; a CPU fake in tests says "cpu")
+
     def is_available(self) -> bool: ...
 
     def capture(self, fn: Callable[..., Any], static_args: tuple) -> Callable[[], Any]:
@@ -109,8 +115,15 @@ class GraphBackend(Protocol):
 class CudaGraphBackend:
     """The real thing: ``torch.cuda.graph`` / ``torch.cuda.make_graphed_callables``."""
 
-    def __init__(self, warmup_iters: int = DEFAULT_WARMUP_ITERS, pool: Any = None) -> None:
+    device_type = "cuda"
+
+    def __init__(
+        self, warmup_iters: int = DEFAULT_WARMUP_ITERS, pool: Any = None, capture_error_mode: str = "thread_local"
+    ) -> None:
         self.warmup_iters = warmup_iters
+        # "thread_local": CUDA calls of *other* threads during a capture (the NCCL watchdog polling its
+        # events under DDP, a pin-memory thread) do not invalidate it; "global" would forbid them
+        self.capture_error_mode = capture_error_mode
         self.pool = pool if pool is not None else (torch.cuda.graph_pool_handle() if self.is_available() else None)
 
     def is_available(self) -> bool:
@@ -124,7 +137,7 @@ class CudaGraphBackend:
                 fn(*static_args)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=self.capture_error_mode):
             static_out = fn(*static_args)
 
         def replay() -> Any:
@@ -204,6 +217,14 @@ class CudaGraphCache:
 
     def clear(self) -> None:
         self._entries.clear()
+
+    def key(self, *args: Any, tag: Hashable = None) -> GraphKey:
+        """The key a call ``cache(*args, tag=tag)`` would use now (in the current grad mode)."""
+        return make_key(tag, args, torch.is_grad_enabled())[0]
+
+    def has(self, *args: Any, tag: Hashable = None) -> bool:
+        """Whether ``cache(*args, tag=tag)`` would replay a captured graph (not capture, not run eagerly)."""
+        return self.enabled and self.key(*args, tag=tag) in self._entries
 
     def __call__(self, *args: Any, tag: Hashable = None) -> Any:
         if not self.enabled:

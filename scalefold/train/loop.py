@@ -22,14 +22,17 @@ Every ``eval_every`` steps the SWA weights are evaluated (mean lDDT-Cα over hel
 chains released in the CAMEO window): on the main training rank, the score broadcast so all ranks
 stop together, or asynchronously on the last ``num_async_eval_ranks`` ranks. Every
 ``checkpoint_every`` steps, and on SIGTERM/SIGUSR1, the main training rank writes an atomic
-checkpoint. Outputs (main training rank only) in ``out``: ``metrics.jsonl``, ``mlperf.log`` (a resumed
-run: ``mlperf_resumed_<step>.log``), ``checkpoints/``, ``curves.png``.
+checkpoint (pre-emption: Slurm signals every task; evaluation ranks keep serving until training's
+end-of-training sentinel, then exit 0 too). Outputs (main training rank only) in ``out``:
+``metrics.jsonl`` (strict JSON: a non-finite value is ``null``), ``mlperf.log`` (a resumed run:
+``mlperf_resumed_<step>.log``, named after the checkpoint it loaded), ``checkpoints/``, ``curves.png``.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import random
 import sys
@@ -54,15 +57,18 @@ from scalefold.model import AlphaFold, AlphaFoldConfig
 from scalefold.train import mlperf_logging as mll
 from scalefold.train.checkpoint_io import (
     CHECKPOINT_PREFIX,
+    CheckpointError,
     CheckpointManager,
     build_checkpoint,
     capture_rng_state,
+    load_checkpoint,
     restore_rng_state,
     sha256sum,
 )
 from scalefold.train.config import TrainConfig
 from scalefold.train.flat_optimizer import FlatAdamSWA
 from scalefold.train.grad_clipping import GradClipper
+from scalefold.train.graphed_step import setup_graphed_step
 from scalefold.train.lr_schedule import WarmupConstantLR
 from scalefold.train.plots import plot_metrics
 from scalefold.train.runtime import Runtime, init_distributed, shutdown
@@ -72,13 +78,16 @@ from scalefold.train.steps import (
     allreduce_step_stats,
     broadcast_float,
     compile_blocks,
+    deterministic_environment,
     float_outputs,
     forward_seed,
+    ignore_stop_signals,
     keep_fp32_regions,
     nonfinite_terms_to_nan,
     recycling_count,
     sample_pairs,
     setup_precision,
+    start_multiprocessing_helpers_ignoring_stop_signals,
     step_batch,
     to_device,
     warm_up,
@@ -135,9 +144,29 @@ def build_model(cfg: TrainConfig, model_cfg: AlphaFoldConfig, device: torch.devi
     ).to(device, dtype)
 
 
-def ensure_store(cfg: TrainConfig) -> Path:
-    """The run's store; a synthetic one is created there first if the file is absent."""
+class StoreNotFoundError(FileNotFoundError):
+    """The run's store does not exist and the run may not synthesise one."""
+
+
+def check_store(cfg: TrainConfig) -> Path:
+    """The run's store path; raises :class:`StoreNotFoundError` (naming the path and how to create a
+    store) if it is absent and ``cfg.synthesize_missing_store`` is off (every preset but demo / tiny)."""
     path = Path(cfg.store)
+    if not path.exists() and not cfg.synthesize_missing_store:
+        raise StoreNotFoundError(
+            f"dataset store {path} does not exist (--preset {cfg.preset} does not synthesise one). Create it "
+            f"with `scalefold preprocess --out {path} ...` (real mmCIF files + alignments, or --mlperf-dir), or "
+            f"`scalefold synth --out {path}` (a synthetic store), or pass --synthesize-missing-store "
+            "(SCALEFOLD_SYNTHESIZE_MISSING_STORE=1) to have the run synthesise one there"
+        )
+    return path
+
+
+def ensure_store(cfg: TrainConfig) -> Path:
+    """The run's store; a synthetic one is created there first if the file is absent and
+    ``cfg.synthesize_missing_store`` is on (the demo and tiny presets, ``--synthesize-missing-store``),
+    else :class:`StoreNotFoundError`."""
+    path = check_store(cfg)
     if not path.exists():
         from scalefold.data.synthetic import synthesize
 
@@ -204,7 +233,7 @@ def _async_eval_module() -> Any:
     return async_eval
 
 
-def init_from_checkpoint(path: str, model: AlphaFold, opt: FlatAdamSWA) -> tuple[int, str]:
+def init_from_checkpoint(path: str, model: AlphaFold, opt: FlatAdamSWA, hash_file: bool = True) -> tuple[int, str | None]:
     """Load a reference-format checkpoint (weights strictly, Adam moments onto the flat buffers).
 
     The MLPerf reference layout: ``alphafold_state_dict`` (reference parameter names),
@@ -212,7 +241,9 @@ def init_from_checkpoint(path: str, model: AlphaFold, opt: FlatAdamSWA) -> tuple
     indexed in parameter order) and ``iteration``. Everything is checked before anything is loaded:
     a corrupt file, mismatching names/shapes or Adam moments raise
     :class:`~scalefold.checkpoint.adapters.CheckpointError` naming the file and listing the
-    mismatches. SWA restarts from the loaded weights. Returns ``(stored iteration, sha256 of the file)``.
+    mismatches. SWA restarts from the loaded weights. Returns ``(stored iteration, sha256 of the file)``
+    (``None`` instead of the hash with ``hash_file=False``: the training loop hashes on the logging
+    rank only and broadcasts the result).
     """
     from scalefold.checkpoint.adapters import (
         CheckpointError,
@@ -244,7 +275,7 @@ def init_from_checkpoint(path: str, model: AlphaFold, opt: FlatAdamSWA) -> tuple
             raise CheckpointError(f"{path}: optimizer state does not fit the model: {exc}") from exc
     opt.sync_compute_from_master()
     opt.reset_swa()
-    return iteration, sha256sum(path)
+    return iteration, sha256sum(path) if hash_file else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,8 +328,8 @@ class _Metrics:
         self._file = path.open("a") if enabled else None
 
     def write(self, record: dict[str, Any]) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
+        if self._file is not None:  # strict JSON: NaN / inf (a skipped step's loss) are written as null
+            self._file.write(json.dumps(_json_safe(record), allow_nan=False) + "\n")
 
     def flush(self) -> None:
         if self._file is not None:
@@ -308,6 +339,17 @@ class _Metrics:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by ``None`` (JSON ``null``)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 class _ReplacementDraw:
@@ -359,23 +401,71 @@ def _report_skips(loader: PriorityQueueLoader | None, result: TrainResult, train
 def train(cfg: TrainConfig) -> TrainResult:
     """Run ``cfg`` on every rank of the launch; returns a summary (everything else is in ``cfg.out``).
 
-    Raises :class:`TrainingAborted` (after logging ``run_stop status=aborted``) when the run aborts.
+    Raises :class:`TrainingAborted` (after logging ``run_stop status=aborted``) when the run aborts,
+    :class:`StoreNotFoundError` when the store is missing and may not be synthesised.
     """
     check_parallelism(cfg)
-    runtime = init_distributed(cfg.num_async_eval_ranks)
+    check_store(cfg)  # every rank, before anything is logged: a missing store is a configuration error
+    if cfg.deterministic:
+        deterministic_environment()  # CUBLAS_WORKSPACE_CONFIG before CUDA / cuBLAS initialise
+    runtime = init_distributed(cfg.num_async_eval_ranks, timeout_s=cfg.process_group_timeout_s)
     role = "eval" if runtime.is_eval_rank else "train"
     announce(f"scalefold: rank {runtime.rank}/{runtime.world_size} backend {runtime.backend or 'none'} role {role}")
     numerics = (torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.matmul.allow_tf32,
                 torch.backends.cudnn.allow_tf32)  # fmt: skip
+    # from here on SIGTERM / SIGUSR1 (Slurm pre-emption; every process of every task gets it) ask for a
+    # clean stop: training ranks checkpoint at the end of the step, evaluation ranks serve until training's
+    # sentinel; the loader's helper processes and workers ignore them
+    start_multiprocessing_helpers_ignoring_stop_signals()
     try:
-        return _train(cfg, runtime)
+        with StopRequest() as stop_request:
+            return _train(cfg, runtime, stop_request)
     finally:  # process-wide switches go back to what the caller had
         torch.use_deterministic_algorithms(numerics[0])
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = numerics[1:]
         shutdown(runtime)
 
 
-def _train(cfg: TrainConfig, runtime: Runtime) -> TrainResult:
+def _resume_checkpoint(cfg: TrainConfig, runtime: Runtime, checkpoints: CheckpointManager) -> tuple[Path | None, dict | None]:
+    """``--resume``: (path, content) of the newest checkpoint that loads, ``(None, None)`` when there is no
+    checkpoint at all (a fresh start). The main training rank chooses and tells every rank (collective
+    over all ranks): the other training ranks load the same file, evaluation ranks only need its name
+    (the MLPerf log's). Raises :class:`CheckpointError` on every rank, listing each file's error, when
+    checkpoint files exist but none of them loads."""
+    main = runtime.is_main_train_rank
+    choice: list[Any] = [None]
+    ckpt = None
+    if main:
+        checkpoints.prune()  # temporary files of a killed writer go; complete checkpoints stay
+        try:
+            found = checkpoints.load_resumable()
+        except CheckpointError as exc:
+            choice[0] = ("error", str(exc))
+        else:
+            if found is None:
+                choice[0] = ("none", str(checkpoints.directory))
+            else:
+                path, ckpt, skipped = found
+                for error in skipped:
+                    print(f"scalefold train: --resume: skipping a checkpoint that does not load: {error}", flush=True)
+                choice[0] = ("path", str(path))
+    if runtime.distributed:
+        dist.broadcast_object_list(choice, src=runtime.main_train_rank)
+    kind, value = choice[0]
+    if kind == "error":
+        raise CheckpointError(f"--resume: {value}")
+    if kind == "none":
+        if main:
+            print(f"scalefold train: --resume: no checkpoint in {value}; starting from step 0 (metrics.jsonl "
+                  f"restarted, MLPerf log {mlperf_log_path(cfg).name})", flush=True)  # fmt: skip
+        return None, None
+    path = Path(value)
+    if ckpt is None and runtime.is_train_rank:
+        ckpt = load_checkpoint(path)
+    return path, ckpt
+
+
+def _train(cfg: TrainConfig, runtime: Runtime, stop_request: StopRequest) -> TrainResult:
     out = Path(cfg.out)
     main = runtime.is_main_train_rank
     device = runtime.device
@@ -384,8 +474,10 @@ def _train(cfg: TrainConfig, runtime: Runtime) -> TrainResult:
         out.mkdir(parents=True, exist_ok=True)
 
     # -- MLPerf init block (expensive setup belongs between init_start and init_stop) ------------
-    mllog = mll.MLPerfLogger.for_rank(  # evaluation ranks log through their own logger (below)
-        runtime.rank, (runtime.main_train_rank,), mlperf_log_path(cfg), instance=mll.throughput_instance()
+    # evaluation ranks log through their own logger (below); the file is named once the starting point
+    # is known (a resumed run logs to its own file, named after the checkpoint that loads)
+    mllog = mll.MLPerfLogger.for_rank(
+        runtime.rank, (runtime.main_train_rank,), None, instance=mll.throughput_instance(), deferred=True
     )
     mllog.init_start()
     model_cfg = build_model_config(cfg)
@@ -404,6 +496,10 @@ def _train(cfg: TrainConfig, runtime: Runtime) -> TrainResult:
         ensure_store(cfg)
     if runtime.distributed:
         dist.barrier()
+    # -- --resume: the newest checkpoint that loads (loaded here, inside the init phase) ------------------
+    checkpoints = CheckpointManager(out / "checkpoints", keep_last=cfg.keep_last)
+    resume_path, resume_ckpt = _resume_checkpoint(cfg, runtime, checkpoints) if cfg.resume else (None, None)
+    mllog.open_file(mlperf_log_path(cfg, resume_path))
     store_path = Path(cfg.store)
     store = Store.open(store_path)
     train_ids, weights, val_ids = split_chains(store, cfg)
@@ -423,16 +519,21 @@ def _train(cfg: TrainConfig, runtime: Runtime) -> TrainResult:
 
     if runtime.is_eval_rank:  # asynchronous evaluation ranks: serve evaluations until training ends
         async_eval = _async_eval_module()
+        if runtime.distributed:  # training's run_start: the validation features are built after it (timed)
+            dist.barrier()
         cache = async_eval.store_eval_cache(str(store_path), val_ids, features, runtime, cfg.num_workers)
         # the first evaluation rank logs eval_start/eval_accuracy/eval_stop and run_stop success
         eval_log = mll.MLPerfLogger(mllog.log_path, enabled=runtime.is_main_eval_rank, instance=mllog.instance)
-        try:
+        try:  # a SIGTERM / SIGUSR1 meanwhile (stop_request) changes nothing: training decides when it ends
             async_eval.run_eval_rank(
                 cfg, runtime, lambda: AlphaFold(model_cfg, parallel_evoformer=cfg.parallel_evoformer).to(device, dtype), cache,
                 lambda m, b: evaluate(m, [to_device(b, device, dtype)], autocast), eval_log,
             )  # fmt: skip
         finally:
             eval_log.close()
+        if stop_request.requested:
+            announce(f"scalefold train: evaluation rank {runtime.rank}: {stop_request.signal_name} received; served "
+                     "evaluations until training ended; exiting")  # fmt: skip
         return TrainResult(out=None, steps=0, final_loss=float("nan"))
 
     # -- model, loss, optimizer (flat buffers built before the DDP wrap) ------------------------------
@@ -457,22 +558,23 @@ def _train(cfg: TrainConfig, runtime: Runtime) -> TrainResult:
     # -- starting point: --init-from (reference format) or --resume (own checkpoint) -----------------
     init_sha = None
     if cfg.init_from:
-        iteration, init_sha = init_from_checkpoint(cfg.init_from, model, opt)
+        # every training rank loads the file; only the logging rank hashes it (1.1 GiB), then shares the hash
+        iteration, init_sha = init_from_checkpoint(cfg.init_from, model, opt, hash_file=main)
+        if runtime.distributed and runtime.num_train_ranks > 1:
+            box = [init_sha]
+            dist.broadcast_object_list(box, src=runtime.main_train_rank, group=runtime.train_group)
+            init_sha = box[0]
         if main:
             print(f"initialised from {cfg.init_from} (iteration {iteration}, sha256 {init_sha})", flush=True)
-    checkpoints = CheckpointManager(out / "checkpoints", keep_last=cfg.keep_last)
     start_step = 0
     metrics_path = out / "metrics.jsonl"
-    if cfg.resume:
+    if resume_ckpt is not None:
+        start_step = resume_from_checkpoint(resume_ckpt, cfg, model, opt, source=resume_path)
+        resume_ckpt = None  # its tensors are in the model and the optimizer now
         if main:
-            checkpoints.prune()  # temporary files of a killed writer go; complete checkpoints stay
-        ckpt = checkpoints.load_latest()
-        if ckpt is not None:
-            start_step = resume_from_checkpoint(ckpt, cfg, model, opt, source=checkpoints.directory)
-            if main:
-                _truncate_metrics(metrics_path, start_step)
-                print(f"resumed from step {start_step}", flush=True)
-    elif main and metrics_path.exists():
+            _truncate_metrics(metrics_path, start_step)
+            print(f"resumed from step {start_step} ({resume_path})", flush=True)
+    elif main and metrics_path.exists():  # a fresh start (also --resume without any checkpoint)
         metrics_path.unlink()
 
     if cfg.compile:  # compiled before run_start: one warm-up step on this rank's first sample
@@ -502,25 +604,22 @@ def _train(cfg: TrainConfig, runtime: Runtime) -> TrainResult:
         )  # fmt: skip
         clipper.register(net)
     dp_rank = pctx.dp_rank  # DAP groups / BP pairs share one data-parallel index (sample, dropout seed)
+    # CUDA graphs of the no-grad recycling passes (--cuda-graphs), captured here, before run_start;
+    # forward(batch) is net(batch) where graphs are off (CPU, DAP/BP, a failed capture)
+    forward = setup_graphed_step(cfg.cuda_graphs, model, net, features, device, dtype, autocast,
+                                 model_parallel=pctx.layout.dap * pctx.layout.bp, rank=runtime.rank, verbose=main)  # fmt: skip
 
     # -- evaluation (synchronous on the main training rank, or asynchronous on the eval ranks) -------
     async_client = None
     val_cache: EvalCache | None = None
     if runtime.async_eval:
         swa_flat = _async_eval_module().swa_flat_buffer(opt)  # sent as is: the evaluation model's layout
-        async_client = _async_eval_module().AsyncEvalClient(runtime, swa_flat.numel(), swa_flat.dtype)
-    elif main and cfg.eval_every:
-        val_cache = eval_cache()
+        async_client = _async_eval_module().AsyncEvalClient(
+            runtime, swa_flat.numel(), swa_flat.dtype, timeout_s=cfg.eval_timeout_s
+        )
 
     result = TrainResult(out=out if main else None, steps=start_step, final_loss=float("nan"))
     metrics = _Metrics(metrics_path, enabled=main)
-    if main and cfg.eval_every and start_step == 0 and not runtime.async_eval:
-        # the untrained model's score, for the curves: before run_start and not logged to MLPerf
-        baseline = evaluate(eval_model, val_cache.batches(device, dtype), autocast)
-        metrics.write({"step": 0, "eval_lddt_ca": baseline, "epoch_num": 0})
-        metrics.flush()
-        result.eval_history.append((0, baseline))
-        print(f"step 0: eval lDDT-Cα {baseline:.4f}", flush=True)
 
     mllog.log_init_block(
         mll.MLPerfRunInfo(
@@ -541,7 +640,9 @@ def _train(cfg: TrainConfig, runtime: Runtime) -> TrainResult:
         )
     )  # fmt: skip
     if runtime.distributed:
-        dist.barrier(group=runtime.train_group)  # every training rank is ready: the clock starts
+        # every training rank is ready: the clock starts (all ranks: evaluation ranks wait for run_start
+        # before they touch the validation set)
+        dist.barrier()
     mllog.init_stop_run_start()
 
     # the dataset is built after run_start (timed), each rank reading its own share of the stream
@@ -550,6 +651,7 @@ def _train(cfg: TrainConfig, runtime: Runtime) -> TrainResult:
     # one loader per DAP group / BP pair. A sample it gives up on is replaced (_ReplacementDraw), so it
     # yields exactly len(pairs) batches and every data-parallel rank takes the same number of steps.
     loader = (PriorityQueueLoader(train_sample, pairs, num_workers=cfg.num_workers, deterministic=cfg.deterministic,
+                                  worker_init=ignore_stop_signals,  # a pre-emption signal is the trainer's
                                   replace=_ReplacementDraw(weights, cfg.seed, dp_rank, start_step))
               if pctx.is_loader_rank else None)  # fmt: skip
     # DAP / BP: the loader rank broadcasts a header per step (position, end of data, or its loader's
@@ -559,15 +661,32 @@ def _train(cfg: TrainConfig, runtime: Runtime) -> TrainResult:
     # the compliance checker accepts the reference loaders' names only (PT: in order, PQ: priority queue)
     mllog.dataset_info(len(train_ids), len(val_ids), dataloader_type="InitialTrainingDataloaderPQ")
 
+    # synchronous evaluation: the validation features are built once, after run_start like all dataset work
+    # (timed), and kept in host DRAM. The untrained model's score (step 0) is for the curves only: timed
+    # too (the rules allow no work on the data before run_start), not logged to MLPerf, and skipped with
+    # --init-from and for --preset mlperf (eval_baseline)
+    t_val = time.perf_counter()
+    if main and cfg.eval_every and not runtime.async_eval:
+        val_cache = eval_cache()
+        if cfg.eval_baseline and not cfg.init_from and start_step == 0:
+            baseline = evaluate(eval_model, val_cache.batches(device, dtype), autocast)
+            metrics.write({"step": 0, "eval_lddt_ca": baseline, "epoch_num": 0})
+            metrics.flush()
+            result.eval_history.append((0, baseline))
+            print(f"step 0: eval lDDT-Cα {baseline:.4f} (untrained model; not in the MLPerf log)", flush=True)
+    validation_setup_s = time.perf_counter() - t_val
+
     # -- train ------------------------------------------------------------------------------------
     timings: dict[str, float] = defaultdict(float)
+    timings["eval"] += validation_setup_s
     global_batch = pctx.dp_size
     consecutive_nonfinite = 0
     progress = _progress(cfg, start_step, enabled=main)
     open_epoch_samples = None  # samples seen by the end of the open train cycle (None: no cycle open)
+    aborted = False  # an exception ends the loop (the breakdown is printed all the same)
     gc.disable()
     try:
-        with StopRequest() as stop_request:
+        with stop_request:  # installed by train(): a signal during the setup counts too
             step = start_step
             t_wait = time.perf_counter()
             for _, batch in batches:
@@ -586,7 +705,7 @@ def _train(cfg: TrainConfig, runtime: Runtime) -> TrainResult:
                 batch = pctx.broadcast_batch(step_batch(batch, n, device, dtype) if batch is not None else None, device)
                 torch.manual_seed(forward_seed(cfg.seed, dp_rank, step))
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-                    outputs = net(batch)
+                    outputs = forward(batch)  # net(batch), the no-grad recycling passes graphed on CUDA
                 loss, terms = loss_fn(float_outputs(outputs) if autocast else outputs, batch)
                 t1 = time.perf_counter()
                 timings["forward"] += t1 - t0
@@ -650,6 +769,10 @@ def _train(cfg: TrainConfig, runtime: Runtime) -> TrainResult:
                         try:
                             done = async_client.should_stop()  # an earlier evaluation reached the target
                         except RuntimeError as exc:  # an evaluation rank failed or is stuck
+                            if main and (stop or stop_request.requested):  # pre-empted: keep the step first
+                                ckpt_path = save_checkpoint(checkpoints, model, opt, step, model_preset=cfg.model_preset)
+                                progress.write(f"scalefold train: stop requested (signal); checkpoint of step {step} "
+                                               f"written to {ckpt_path} before aborting (continue with --resume)")  # fmt: skip
                             raise TrainingAborted(str(exc)) from exc
                         _record_async_evals(async_client, metrics, result, progress)
                         result.status = mll.STATUS_SUCCESS if done else result.status
@@ -684,6 +807,9 @@ def _train(cfg: TrainConfig, runtime: Runtime) -> TrainResult:
                 if done:
                     break
                 t_wait = time.perf_counter()
+    except BaseException:
+        aborted = True
+        raise
     finally:
         gc.enable()
         progress.close()
@@ -711,17 +837,28 @@ def _train(cfg: TrainConfig, runtime: Runtime) -> TrainResult:
         if async_client is None or not async_client.target_reached:
             mllog.run_stop(mll.STATUS_ABORTED if eval_failure is not None else result.status)
         mllog.close()
+        result.timings = dict(timings)
+        if main and (aborted or eval_failure is not None):  # an aborted run gets its curves and breakdown too
+            _final_report(cfg, out, metrics_path, result)
     if eval_failure is not None:
         raise TrainingAborted(str(eval_failure)) from eval_failure
 
-    result.timings = dict(timings)
     announce(f"scalefold train: rank {runtime.rank} finished at step {result.steps} "
              f"({len(result.skipped_samples)} sample(s) skipped and replaced by its loader)")  # fmt: skip
     if main:
+        _final_report(cfg, out, metrics_path, result)
+    return result
+
+
+def _final_report(cfg: TrainConfig, out: Path, metrics_path: Path, result: TrainResult) -> None:
+    """``curves.png`` and the step-time breakdown (main training rank; also after an abort, where a
+    failure to plot is reported and never hides the abort's own error)."""
+    try:
         if metrics_path.exists():
             plot_metrics(metrics_path, out / "curves.png", title=f"scalefold train --preset {cfg.preset}")
-        print_breakdown(result)
-    return result
+    except Exception as exc:  # noqa: BLE001 -- the breakdown still follows
+        print(f"scalefold train: could not plot {metrics_path}: {type(exc).__name__}: {exc}", flush=True)
+    print_breakdown(result)
 
 
 def _record_async_evals(client: Any, metrics: _Metrics, result: TrainResult, progress: Any) -> None:
@@ -732,14 +869,14 @@ def _record_async_evals(client: Any, metrics: _Metrics, result: TrainResult, pro
         progress.write(f"step {r.step}: eval lDDT-Cα {r.score:.4f} (evaluation ranks)")
 
 
-def mlperf_log_path(cfg: TrainConfig) -> Path:
-    """``<out>/mlperf.log``; a resumed run logs its own init..run_stop sequence to
-    ``<out>/mlperf_resumed_<iteration>.log`` (one run per file, as the compliance checker expects)."""
+def mlperf_log_path(cfg: TrainConfig, resumed_from: Path | None = None) -> Path:
+    """``<out>/mlperf.log``; a run resumed from checkpoint ``resumed_from`` (the one that loaded) logs its
+    own init..run_stop sequence to ``<out>/mlperf_resumed_<iteration>.log`` (one run per file, as the
+    compliance checker expects)."""
     out = Path(cfg.out)
-    latest = CheckpointManager(out / "checkpoints").latest() if cfg.resume else None
-    if latest is None:
+    if resumed_from is None:
         return out / "mlperf.log"
-    return out / f"mlperf_resumed_{latest.stem[len(CHECKPOINT_PREFIX):]}.log"
+    return out / f"mlperf_resumed_{Path(resumed_from).stem[len(CHECKPOINT_PREFIX):]}.log"
 
 
 def save_checkpoint(

@@ -40,6 +40,17 @@ STATUS_ABORTED = "aborted"
 _logger_ids = itertools.count()
 
 
+class _BufferHandler(logging.Handler):
+    """Keeps the records of a deferred :class:`MLPerfLogger` until its file is known."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
 @dataclass
 class MLPerfRunInfo:
     """Values of the init-block keys. Defaults: the MLPerf HPC OpenFold closed-division values."""
@@ -165,6 +176,9 @@ class MLPerfLogger:
         enabled: whether this process logs (the designated rank); disabled loggers do nothing.
         instance: throughput-mode instance id, added as ``instance`` metadata to every event.
         echo: also print the lines to stdout (what the Slurm log captures).
+        deferred: the file is not known yet (``log_path`` must be ``None``): lines are kept in memory,
+            with their own timestamps, until :meth:`open_file` names it (e.g. a resumed run's log is
+            named after the checkpoint that loads, which is known only after ``init_start``).
     """
 
     def __init__(
@@ -173,7 +187,10 @@ class MLPerfLogger:
         enabled: bool = True,
         instance: int | None = None,
         echo: bool = False,
+        deferred: bool = False,
     ) -> None:
+        if deferred and log_path is not None:
+            raise ValueError("a deferred MLPerfLogger gets its file from open_file(), not log_path")
         self.enabled = enabled
         self.instance = instance
         self.log_path = Path(log_path) if log_path is not None else None
@@ -181,20 +198,46 @@ class MLPerfLogger:
         self._init_started = False
         self._run_stopped = False
         self._mllogger: _MLLogger | None = None
+        self._pylogger: logging.Logger | None = None
+        self._buffer: _BufferHandler | None = None
         if not enabled:
             return
         pylogger = logging.getLogger(f"scalefold.mllog.{next(_logger_ids)}")
         pylogger.propagate = False
         pylogger.setLevel(logging.INFO)
+        self._pylogger = pylogger
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._handlers.append(logging.FileHandler(self.log_path, mode="a"))
+        if deferred:
+            self._buffer = _BufferHandler()
+            self._handlers.append(self._buffer)
         if echo:
             self._handlers.append(logging.StreamHandler(sys.stdout))
         for handler in self._handlers:
             handler.setLevel(logging.INFO)
             pylogger.addHandler(handler)
         self._mllogger = _MLLogger(logger=pylogger)
+
+    def open_file(self, log_path: Union[str, Path]) -> None:
+        """Name the file of a ``deferred`` logger: the lines kept so far are appended to it first, then
+        every later line. (Disabled loggers only record the path.)"""
+        if self.log_path is not None:
+            raise RuntimeError(f"the MLPerf log file is already {self.log_path}")
+        self.log_path = Path(log_path)
+        if self._buffer is None or self._pylogger is None:
+            return
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(self.log_path, mode="a")
+        handler.setLevel(logging.INFO)
+        for record in self._buffer.records:
+            handler.handle(record)
+        handler.flush()
+        self._pylogger.removeHandler(self._buffer)
+        self._handlers.remove(self._buffer)
+        self._buffer = None
+        self._pylogger.addHandler(handler)
+        self._handlers.append(handler)
 
     @classmethod
     def for_rank(

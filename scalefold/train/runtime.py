@@ -41,6 +41,10 @@ SLURM_PORT_RANGE = 20000
 DEFAULT_TIMEOUT_S = 1800
 
 
+class LaunchError(RuntimeError):
+    """The launch environment cannot be used as it is (e.g. ``mpirun`` without mpi4py)."""
+
+
 @dataclass(frozen=True)
 class RankInfo:
     """Where this process sits, as the launcher told us."""
@@ -171,8 +175,20 @@ def _free_port() -> int:
 
 
 def complete_with_mpi(info: RankInfo) -> RankInfo:
-    """Fill what MPI variables lack (master address/port, local rank) with mpi4py collectives."""
-    from mpi4py import MPI  # optional dependency (extra "mpi")
+    """Fill what MPI variables lack (master address/port, local rank) with mpi4py collectives.
+
+    Raises :class:`LaunchError` (how to fix it) when mpi4py is not installed."""
+    try:
+        from mpi4py import MPI  # optional dependency (extra "mpi")
+    except ImportError as exc:
+        lacking = [what for what, missing in (("MASTER_ADDR", info.master_addr is None),
+                   ("MASTER_PORT", info.master_port is None), ("the local rank", info.local_rank < 0)) if missing]  # fmt: skip
+        raise LaunchError(
+            f"launched by an MPI launcher (rank {info.rank} of {info.world_size}) without {', '.join(lacking)}: "
+            f"scalefold needs mpi4py to exchange them ({exc}). Install it with `pip install 'scalefold[mpi]'` "
+            "(or `pip install mpi4py`), or export MASTER_ADDR and MASTER_PORT (and a local-rank variable such as "
+            "OMPI_COMM_WORLD_LOCAL_RANK) to every rank, or launch with torchrun / srun"
+        ) from exc
 
     comm = MPI.COMM_WORLD
     master_addr, master_port = info.master_addr, info.master_port
@@ -299,7 +315,9 @@ def init_distributed(
     backend: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> Runtime:
-    """Discover ranks, initialise ``torch.distributed`` when there is more than one, build groups."""
+    """Discover ranks, initialise ``torch.distributed`` when there is more than one, build groups.
+
+    ``timeout_s``: timeout of the process group's collectives (``TrainConfig.process_group_timeout_s``)."""
     info = discover(env)
     if info.launcher == "mpi" and (info.master_addr is None or info.master_port is None or info.local_rank < 0):
         info = complete_with_mpi(info)

@@ -107,3 +107,21 @@ def test_sha256_is_streamed_and_correct(tmp_path):
     payload = bytes(range(256)) * 5000
     path.write_bytes(payload)
     assert sha256sum(path, chunk_bytes=4096) == hashlib.sha256(payload).hexdigest()
+
+
+def test_load_resumable_falls_back_or_refuses_listing_every_file(tmp_path):
+    """load_resumable: None without checkpoint files; the newest that loads (with the errors of the newer
+    ones); CheckpointError listing every file when none loads."""
+    manager = CheckpointManager(tmp_path / "ckpts", keep_last=None)
+    assert manager.load_resumable() is None
+    manager.save(_checkpoint(10))
+    manager.save(_checkpoint(20))
+    newest = manager.path_for(20)
+    newest.write_bytes(newest.read_bytes()[:50])
+    path, ckpt, skipped = manager.load_resumable()
+    assert path == manager.path_for(10) and ckpt["iteration"] == 10
+    assert len(skipped) == 1 and "checkpoint_00000020.pt" in skipped[0]
+    manager.path_for(10).write_bytes(b"")
+    with pytest.raises(CheckpointError, match="none of the 2 checkpoint file") as info:
+        manager.load_resumable()
+    assert "checkpoint_00000010.pt is empty" in str(info.value) and "checkpoint_00000020.pt" in str(info.value)

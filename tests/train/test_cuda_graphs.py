@@ -12,6 +12,8 @@ from scalefold.train.cuda_graphs import CudaGraphBackend, CudaGraphCache, flatte
 class FakeBackend:
     """Emulates graph semantics on CPU: a replay re-runs the function on the *static* inputs."""
 
+    device_type = "cpu"
+
     def __init__(self, available: bool = True) -> None:
         self.available = available
         self.captured: list[tuple] = []
@@ -117,3 +119,17 @@ def test_real_cuda_graph_replay_matches_eager():
             x = torch.randn(4, 8, device="cuda")
             torch.testing.assert_close(cache(x, tag=0).clone(), module(x))
     assert cache.stats.captures == 1 and cache.stats.hits == 2
+
+
+def test_has_and_key_report_what_a_call_would_do():
+    """key() is the key a call would use in the current grad mode; has() says whether it would replay."""
+    cache = CudaGraphCache(_fn, backend=FakeBackend())
+    args = (_batch(4, 1.0), torch.tensor(2.0))
+    with torch.no_grad():
+        assert not cache.has(*args, tag=0)
+        cache(*args, tag=0)
+        assert cache.has(_batch(4, 9.0), torch.tensor(3.0), tag=0)  # values do not matter
+        assert not cache.has(*args, tag=1) and not cache.has(_batch(5, 1.0), torch.tensor(2.0), tag=0)
+        assert cache.key(*args, tag=0) in cache.keys()
+    assert not cache.has(*args, tag=0)  # grad mode is part of the key
+    assert not CudaGraphCache(_fn, backend=FakeBackend(available=False)).has(*args, tag=0)

@@ -5,7 +5,12 @@
 * a store whose structures are all NaN makes every loss non-finite: each step is skipped (weights and
   Adam state untouched, counted in metrics.jsonl) and too many in a row abort the run with
   ``run_stop status=aborted`` (exit status 2 from the CLI);
-* ``--resume`` refuses a checkpoint of another model preset.
+* ``--resume`` refuses a checkpoint of another model preset, and checkpoint files none of which loads
+  (listing each file's error); without any checkpoint it starts afresh (new metrics.jsonl, mlperf.log);
+  the resumed run's MLPerf log is named after the checkpoint that loaded;
+* pre-emption of a run with an asynchronous evaluation rank (srun-style launch, the signal sent to every
+  process): the training rank checkpoints, the evaluation rank serves until training ends, both exit 0;
+* a missing store is refused (exit status 3) unless the preset (demo, tiny) or a flag synthesises one.
 """
 
 from __future__ import annotations
@@ -138,9 +143,11 @@ def _poison(store: Path, dst: Path) -> Path:
     return dst
 
 
-def test_non_finite_steps_are_skipped_then_the_run_aborts(tmp_path, store):
+def test_non_finite_steps_are_skipped_then_the_run_aborts(tmp_path, store, capsys):
     """Every loss is NaN: steps 1-2 are skipped (counted; the step-2 checkpoint holds the initial weights
-    and no Adam state), step 3 exceeds --max-consecutive-nonfinite 2: exit status 2, run_stop aborted."""
+    and no Adam state), step 3 exceeds --max-consecutive-nonfinite 2: exit status 2, run_stop aborted.
+    metrics.jsonl stays strict JSON (the non-finite loss is null), and the aborted run still prints its
+    step-time breakdown and plots its curves."""
     bad = _poison(store, tmp_path / "nan.h5")
     out = tmp_path / "run"
     env = {"SCALEFOLD_MAX_CONSECUTIVE_NONFINITE": "2"}
@@ -156,9 +163,17 @@ def test_non_finite_steps_are_skipped_then_the_run_aborts(tmp_path, store):
             else:
                 os.environ[k] = v
     assert rc == EXIT_ABORTED
-    records = _records(out / "metrics.jsonl")
+    captured = capsys.readouterr()
+    assert "step-time breakdown over 3 steps (3 skipped):" in captured.out, captured.out[-3000:]
+    assert "scalefold train: aborted: 3 consecutive non-finite steps" in captured.err
+    assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+    def _no_constants(name):
+        raise ValueError(f"{name} is not strict JSON")
+
+    records = [json.loads(x, parse_constant=_no_constants) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["skipped"], r["skipped_total"]) for r in records] == [(1, True, 1), (2, True, 2), (3, True, 3)]
-    assert all(not np.isfinite(r["loss"]) for r in records)
+    assert all(r["loss"] is None for r in records)
     log = _mllog(out / "mlperf.log")
     assert log[-1]["key"] == "run_stop" and log[-1]["metadata"]["status"] == "aborted"
 
@@ -186,3 +201,161 @@ def test_resume_refuses_a_checkpoint_of_another_preset(tmp_path, store):
         train(cfg)
     rc = main(["train", "--preset", "tiny", "--out", str(out), "--store", str(store), "--max-steps", "2", "--resume"])
     assert rc == EXIT_BAD_INPUT
+
+
+# ---------------------------------------------------------------------------------------------
+# Pre-emption with an asynchronous evaluation rank (srun-style launch: ranks from SLURM_*)
+# ---------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_preemption_with_an_eval_rank_checkpoints_and_both_ranks_exit_0(tmp_path, store):
+    """1 training + 1 evaluation rank launched the way srun does (SLURM_PROCID / SLURM_NTASKS, no torchrun);
+    Slurm pre-emption signals every process of every task, so SIGUSR1 goes to each task's whole process
+    group (loader workers included): the training rank checkpoints its last step and ends its run
+    (run_stop aborted, once), the evaluation rank keeps serving until training's end-of-training
+    sentinel; both exit 0."""
+    out, port = tmp_path / "run", _free_port()
+    cmd = [sys.executable, "-m", "scalefold", "train", "--preset", "tiny", "--out", str(out), "--store", str(store),
+           "--max-steps", "100000", "--eval-every", "2", "--checkpoint-every", "0", "--num-workers", "1",
+           "--num-async-eval-ranks", "1", "--process-group-timeout-s", "120", "--eval-timeout-s", "120"]  # fmt: skip
+    procs = []
+    try:
+        for rank in range(2):
+            env = {**_clean_env(), "SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
+                   "SLURM_NODEID": "0", "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_TASKS_PER_NODE": "2",
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                          start_new_session=True))  # fmt: skip
+        deadline = time.monotonic() + SIGNAL_TEST_TIMEOUT_S
+        metrics = out / "metrics.jsonl"
+        # past the first submission (step 2): the evaluation rank is serving
+        while not (metrics.exists() and len([r for r in _records(metrics) if "loss" in r]) >= 3):
+            assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+            assert time.monotonic() < deadline, "the run never got to step 3"
+            time.sleep(0.1)
+        for p in procs:
+            os.killpg(p.pid, signal.SIGUSR1)
+        outputs = [p.communicate(timeout=SIGNAL_TEST_TIMEOUT_S)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    train_out, eval_out = outputs
+    assert [p.returncode for p in procs] == [0, 0], f"{train_out[-4000:]}\n---\n{eval_out[-4000:]}"
+    assert "stop requested (signal)" in train_out and "aborted" not in train_out
+    # the loader's forkserver, resource tracker and workers ignored the signal: no worker "died"
+    assert "restarting it" not in train_out and "died unexpectedly" not in train_out + eval_out
+    assert "evaluation rank 1: SIGUSR1 received; served evaluations until training ended" in eval_out
+    last = [r for r in _records(out / "metrics.jsonl") if "loss" in r][-1]["step"]
+    ckpts = sorted((out / "checkpoints").glob("checkpoint_*.pt"))
+    assert [p.name for p in ckpts] == [f"checkpoint_{last:08d}.pt"]
+    assert load_checkpoint(ckpts[0])["iteration"] == last
+    events = _mllog(out / "mlperf.log")
+    run_stops = [e for e in events if e["key"] == "run_stop"]
+    assert len(run_stops) == 1 and run_stops[0]["metadata"]["status"] == "aborted"  # as a pre-empted single run
+    assert run_stops[0]["metadata"]["file"].endswith("loop.py") and events[-1]["key"] == "run_stop"
+
+
+# ---------------------------------------------------------------------------------------------
+# --resume without a usable checkpoint
+# ---------------------------------------------------------------------------------------------
+
+
+def test_resume_refuses_when_no_checkpoint_loads(tmp_path, store, capsys):
+    """Checkpoint files exist but none loads (a truncated one, an empty one): --resume is refused with every
+    file and its error, exit status 3, nothing trained and the old metrics.jsonl untouched."""
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "checkpoint_00000002.pt").write_bytes(b"PK\x03\x04 not a whole zip archive")
+    (out / "checkpoints" / "checkpoint_00000004.pt").write_bytes(b"")
+    old = '{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.5}\n'
+    (out / "metrics.jsonl").write_text(old)
+    rc = main(["train", "--preset", "tiny", "--out", str(out), "--store", str(store), "--resume", "--max-steps", "3",
+               "--eval-every", "0"])  # fmt: skip
+    assert rc == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "none of the 2 checkpoint file(s)" in err, err
+    assert "checkpoint_00000004.pt is empty" in err and "checkpoint_00000002.pt" in err and "truncated or corrupt" in err
+    assert (out / "metrics.jsonl").read_text() == old
+    assert not list(out.glob("*.log"))
+
+
+def test_resume_without_any_checkpoint_starts_fresh(tmp_path, store, capsys):
+    """--resume with no checkpoint at all: a fresh run from step 0 that says so, a new metrics.jsonl
+    (not appended to the old one) and the normal log name mlperf.log."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.5}\n')
+    rc = main(["train", "--preset", "tiny", "--out", str(out), "--store", str(store), "--resume", "--max-steps", "1",
+               "--eval-every", "0", "--checkpoint-every", "0"])  # fmt: skip
+    assert rc == 0
+    assert "--resume: no checkpoint in" in capsys.readouterr().out
+    assert [r["step"] for r in _records(out / "metrics.jsonl")] == [1]
+    assert [p.name for p in out.glob("*.log")] == ["mlperf.log"]
+
+
+def test_resume_log_is_named_after_the_checkpoint_that_loaded(tmp_path, store, capsys):
+    """The newest checkpoint is damaged: --resume continues from the older one, says it skipped the newer,
+    and names its MLPerf log after the checkpoint it loaded."""
+    out = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", "--out", str(out), "--store", str(store), "--max-steps", "2",
+                 "--eval-every", "0", "--checkpoint-every", "1"]) == 0  # fmt: skip
+    newest = out / "checkpoints" / "checkpoint_00000002.pt"
+    newest.write_bytes(newest.read_bytes()[:100])
+    capsys.readouterr()
+    assert main(["train", "--preset", "tiny", "--out", str(out), "--store", str(store), "--resume", "--max-steps", "2",
+                 "--eval-every", "0", "--checkpoint-every", "0"]) == 0  # fmt: skip
+    console = capsys.readouterr().out
+    assert "skipping a checkpoint that does not load" in console and "checkpoint_00000002.pt" in console
+    assert "resumed from step 1" in console
+    assert sorted(p.name for p in out.glob("*.log")) == ["mlperf.log", "mlperf_resumed_00000001.log"]
+    assert [r["step"] for r in _records(out / "metrics.jsonl")] == [1, 2]
+
+
+def test_missing_store_is_refused_unless_the_preset_synthesises_one(tmp_path, capsys):
+    """--preset mlperf with an absent --store: exit status 3, the path and how to create a store named,
+    nothing created. demo / tiny (and --synthesize-missing-store) synthesise it."""
+    from scalefold.train.loop import StoreNotFoundError, check_store
+
+    missing = tmp_path / "data" / "store.h5"
+    out = tmp_path / "run"
+    rc = main(["train", "--preset", "mlperf", "--store", str(missing), "--out", str(out), "--max-steps", "1"])
+    assert rc == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert str(missing) in err and "scalefold preprocess" in err and "scalefold synth" in err
+    assert "--synthesize-missing-store" in err
+    assert not missing.exists() and not out.exists()
+    mlperf = TrainConfig.from_preset("mlperf", overrides={"store": str(missing)}, env={})
+    with pytest.raises(StoreNotFoundError):
+        check_store(mlperf)
+    assert check_store(mlperf.replace(synthesize_missing_store=True)) == missing
+    for preset in ("demo", "tiny"):
+        assert TrainConfig.from_preset(preset, env={}).synthesize_missing_store
+    env = {"SCALEFOLD_SYNTHESIZE_MISSING_STORE": "1"}
+    assert TrainConfig.from_preset("mlperf", env=env).synthesize_missing_store
+
+
+def test_stop_request_is_reentrant_and_restores_the_handlers():
+    """train() installs one StopRequest for the whole run (a signal during the setup counts); the loop's
+    nested `with` of the same object keeps its handlers and the caught signal; the outermost exit
+    restores the previous handlers."""
+    from scalefold.train.steps import StopRequest
+
+    before = signal.getsignal(signal.SIGUSR1)
+    request = StopRequest()
+    with request:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.01)  # the Python-level handler runs in the main thread at the next bytecode boundary
+        with request:
+            assert request.requested and request.signal_name == "SIGUSR1"
+        assert signal.getsignal(signal.SIGUSR1) == request._handle
+    assert signal.getsignal(signal.SIGUSR1) == before

@@ -160,3 +160,52 @@ def test_corrupt_or_foreign_files_are_refused(tmp_path, tiny_store):
     rc = main(["train", "--preset", "tiny", "--out", str(tmp_path / "run"), "--store", str(tiny_store),
                "--init-from", str(tmp_path / "cut.pt"), "--max-steps", "1", "--eval-every", "0"])  # fmt: skip
     assert rc == EXIT_BAD_INPUT
+
+
+def test_only_the_logging_rank_hashes_the_checkpoint(tmp_path, monkeypatch):
+    """init_from_checkpoint(hash_file=False) loads without hashing (the loop hashes on the logging rank only
+    and broadcasts the hash to the other training ranks)."""
+    from scalefold.train import loop
+
+    path = tmp_path / "ref.pt"
+    _reference_checkpoint(path)
+    calls = []
+    real = loop.sha256sum
+    monkeypatch.setattr(loop, "sha256sum", lambda p: (calls.append(p), real(p))[1])
+    cfg = _tiny_cfg()
+    model = build_model(cfg, build_model_config(cfg), torch.device("cpu"), torch.float32)
+    opt = FlatAdamSWA(list(model.named_parameters()), lr=1e-3, eps=1e-6)
+    assert init_from_checkpoint(str(path), model, opt, hash_file=False) == (ITERATION, None)
+    assert calls == []
+    assert init_from_checkpoint(str(path), model, opt)[1] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert len(calls) == 1
+
+
+@pytest.mark.distributed
+def test_two_training_ranks_share_the_logging_ranks_hash(tmp_path, tiny_store):
+    """2 data-parallel ranks (torch.distributed.run, gloo) with --init-from: the logging rank hashes the file
+    and broadcasts the hash over the training group; the run ends and logs the file's sha256."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    path = tmp_path / "ref.pt"
+    _reference_checkpoint(path)
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SCALEFOLD_", "SLURM_", "OMPI_", "PMI_"))}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DGXSYSTEM"):
+        env.pop(key, None)
+    env["OMP_NUM_THREADS"] = "1"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+           "-m", "scalefold", "train", "--preset", "tiny", "--out", str(out), "--store", str(tiny_store),
+           "--init-from", str(path), "--max-steps", "1", "--eval-every", "0", "--checkpoint-every", "0"]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    recs = [json.loads(ln.split(":::MLLOG ", 1)[1]) for ln in (out / "mlperf.log").read_text().splitlines()]
+    logged = next(r["value"] for r in recs if r["key"] == "init_checkpoint_sha256sum")
+    assert logged == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert proc.stdout.count(f"sha256 {logged}") == 1  # printed by the logging rank

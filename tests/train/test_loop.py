@@ -148,3 +148,79 @@ def test_validation_chain_ids_is_the_split_chains_validation_set(tiny_run):
     assert val_ids == everything[: cfg.eval_max_chains] and len(everything) >= 1
     dates = dict(zip(table["chain_id"], (str(d)[:10] for d in table["release_date"])))
     assert all(cfg.val_min_date <= dates[c] <= cfg.val_max_date for c in everything)
+
+
+def _clean_env() -> dict[str, str]:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SCALEFOLD_", "SLURM_", "OMPI_", "PMI_"))}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DGXSYSTEM"):
+        env.pop(key, None)
+    return {**env, "COLUMNS": "100"}
+
+
+def test_python_m_scalefold_is_the_scalefold_command():
+    """`python -m scalefold train --help` prints exactly what the `scalefold train --help` console script prints."""
+    import subprocess
+    import sys
+
+    script = Path(sys.executable).with_name("scalefold")
+    if not script.exists():
+        pytest.skip(f"no console script next to {sys.executable} (package not installed)")
+    module = subprocess.run([sys.executable, "-m", "scalefold", "train", "--help"], capture_output=True, text=True,
+                            env=_clean_env(), timeout=120, check=True)  # fmt: skip
+    command = subprocess.run([str(script), "train", "--help"], capture_output=True, text=True, env=_clean_env(),
+                             timeout=120, check=True)  # fmt: skip
+    assert module.stdout == command.stdout
+    assert module.stdout.startswith("usage: scalefold train ")
+
+
+def test_bf16_run_finishes_with_finite_losses(tiny_run, tmp_path):
+    """`scalefold train --precision bf16` (autocast, fp32 master weights) end to end: finite losses and
+    evaluation, and the MLPerf log says bf16."""
+    cfg, _ = tiny_run
+    out = tmp_path / "bf16"
+    rc = main(["train", "--preset", "tiny", "--out", str(out), "--store", cfg.store, "--precision", "bf16",
+               "--max-steps", "2", "--eval-every", "2", "--checkpoint-every", "0"])  # fmt: skip
+    assert rc == 0
+    train_recs, eval_recs = _records(out / "metrics.jsonl")
+    assert [r["step"] for r in train_recs] == [1, 2]
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in train_recs)
+    assert eval_recs and all(math.isfinite(r["eval_lddt_ca"]) for r in eval_recs)
+    assert {r["key"]: r["value"] for r in _mllog(out / "mlperf.log")}["precision"] == "bf16"
+
+
+def test_deterministic_run_does_not_depend_on_the_number_of_workers(tiny_run, tmp_path):
+    """--deterministic: the loader delivers in sampler order, so 2 workers give exactly the losses of 1."""
+    cfg, _ = tiny_run
+    losses = {}
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}"
+        rc = main(["train", "--preset", "tiny", "--out", str(out), "--store", cfg.store, "--deterministic",
+                   "--num-workers", str(workers), "--max-steps", "3", "--eval-every", "0", "--checkpoint-every", "0"])  # fmt: skip
+        assert rc == 0
+        losses[workers] = [(r["step"], r["loss"]) for r in _records(out / "metrics.jsonl")[0]]
+    assert [s for s, _ in losses[1]] == [1, 2, 3]
+    assert losses[2] == losses[1]  # exact
+
+
+@pytest.mark.parametrize("baseline", [True, False])
+def test_validation_set_is_built_after_run_start(tiny_run, tmp_path, monkeypatch, baseline):
+    """Synchronous evaluation: the validation cache is built, and the step-0 baseline evaluated, only after
+    run_start (dataset work is timed); eval_baseline off (the mlperf preset's default) skips the baseline."""
+    from scalefold.data.eval_cache import EvalCache
+    from scalefold.train import loop
+    from scalefold.train import mlperf_logging as mll
+
+    cfg, _ = tiny_run
+    events: list[str] = []
+    run_start, fill, evaluate = mll.MLPerfLogger.init_stop_run_start, EvalCache.fill, loop.evaluate
+    monkeypatch.setattr(mll.MLPerfLogger, "init_stop_run_start", lambda self: (events.append("run_start"), run_start(self))[1])
+    monkeypatch.setattr(EvalCache, "fill", lambda self: (events.append("fill") if not self.filled else None, fill(self))[1])
+    monkeypatch.setattr(loop, "evaluate", lambda *a, **k: (events.append("evaluate"), evaluate(*a, **k))[1])
+    out = tmp_path / "run"
+    run_cfg = cfg.replace(out=str(out), max_steps=1, eval_every=1, checkpoint_every=0, eval_baseline=baseline)
+    result = train(run_cfg)
+    assert events == ["run_start", "fill", *(["evaluate"] if baseline else []), "evaluate"]
+    assert [s for s, _ in result.eval_history] == ([0, 1] if baseline else [1])
+    assert not TrainConfig.from_preset("mlperf", env={}).eval_baseline

@@ -145,3 +145,27 @@ def test_parse_checker_output_distinguishes_warnings():
     failed, warnings = parse_checker_output(text)
     assert failed == ["epoch_start|block_start", "eval_accuracy", "opt_name", "precision"]
     assert warnings == ["seed"]
+
+
+def test_deferred_logger_writes_its_early_lines_once_the_file_is_named(tmp_path):
+    """A deferred logger keeps init_start etc. (with their own timestamps) in memory until open_file()
+    names the file; disabled deferred loggers only record the path."""
+    log = MLPerfLogger(enabled=True, deferred=True)
+    log.init_start()
+    assert log.log_path is None and not list(tmp_path.iterdir())
+    path = tmp_path / "mlperf_resumed_00000002.log"
+    log.open_file(path)
+    log.init_stop_run_start()
+    log.run_stop("aborted")
+    log.close()
+    records = _records(path)
+    assert [r["key"] for r in records] == ["init_start", "cache_clear", "init_stop", "run_start", "run_stop"]
+    assert records[0]["time_ms"] <= records[2]["time_ms"]
+    with pytest.raises(RuntimeError, match="already"):
+        log.open_file(path)
+    off = MLPerfLogger(enabled=False, deferred=True)
+    off.init_start()
+    off.open_file(tmp_path / "other.log")
+    assert off.log_path == tmp_path / "other.log" and not (tmp_path / "other.log").exists()
+    with pytest.raises(ValueError):
+        MLPerfLogger(tmp_path / "x.log", deferred=True)

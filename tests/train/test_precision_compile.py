@@ -102,3 +102,53 @@ def test_compiled_blocks_equal_eager():
     out["final_atom_positions"].sum().backward()
     assert frames["ok"] == compiled_frames == frames["total"]
     _dynamo.reset()
+
+
+def test_deterministic_setup_sets_the_cublas_workspace_config(monkeypatch):
+    """--deterministic sets CUBLAS_WORKSPACE_CONFIG=:4096:8 when unset (cuBLAS raises in deterministic mode
+    without it), before it enables deterministic algorithms; an explicit value is kept."""
+    import os
+
+    from scalefold.train.steps import CUBLAS_WORKSPACE_CONFIG, deterministic_environment, setup_precision
+
+    was = torch.are_deterministic_algorithms_enabled()
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # recorded, so the value set below is undone after the test
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    try:
+        setup_precision("fp32", deterministic=False)
+        assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ  # only the deterministic path touches it
+        setup_precision("fp32", deterministic=True)
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == CUBLAS_WORKSPACE_CONFIG == ":4096:8"
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(was)
+    env = {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}
+    deterministic_environment(env)
+    assert env == {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}
+
+
+def test_train_sets_the_cublas_workspace_config_before_the_runtime_starts(monkeypatch):
+    """train(--deterministic) sets the variable before init_distributed selects (and initialises) the device."""
+    import os
+
+    from scalefold.train import loop
+    from scalefold.train.config import TrainConfig
+
+    class _Stop(Exception):
+        pass
+
+    seen = {}
+
+    def fake_init_distributed(*args, **kwargs):
+        seen["env"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+        raise _Stop
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # recorded, so the value set below is undone after the test
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    monkeypatch.setattr(loop, "init_distributed", fake_init_distributed)
+    cfg = TrainConfig.from_preset("tiny", overrides={"deterministic": True}, env={})
+    try:
+        loop.train(cfg)
+    except _Stop:
+        pass
+    assert seen["env"] == ":4096:8"

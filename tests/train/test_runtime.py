@@ -225,3 +225,53 @@ def test_each_launcher_environment_bootstraps_real_gloo_groups(tmp_path, launche
          "eval": [1], "sum": 3.0}
         for r in range(world)
     ]  # fmt: skip
+
+
+def test_mpirun_without_mpi4py_is_a_clear_error(monkeypatch):
+    """An MPI launch lacking MASTER_ADDR/MASTER_PORT needs mpi4py; without it: LaunchError saying how to fix it."""
+    import sys
+
+    from scalefold.train.runtime import LaunchError
+
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # `import mpi4py` raises ImportError
+    env = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}  # fmt: skip
+    with pytest.raises(LaunchError, match=r"pip install 'scalefold\[mpi\]'") as info:
+        init_distributed(env=env)
+    assert "MASTER_ADDR" in str(info.value) and "MASTER_PORT" in str(info.value)
+
+
+def test_train_passes_the_configured_timeouts(monkeypatch):
+    """process_group_timeout_s reaches init_distributed; eval_timeout_s (like it, settable by SCALEFOLD_* and
+    flags) is the asynchronous-evaluation stall timeout; both must be > 0."""
+    from scalefold.train import loop
+    from scalefold.train.cli import add_parsers
+    from scalefold.train.config import TrainConfig
+
+    class _Stop(Exception):
+        pass
+
+    seen = {}
+
+    def fake_init_distributed(*args, **kwargs):
+        seen.update(kwargs)
+        raise _Stop
+
+    monkeypatch.setattr(loop, "init_distributed", fake_init_distributed)
+    env = {"SCALEFOLD_PROCESS_GROUP_TIMEOUT_S": "42", "SCALEFOLD_EVAL_TIMEOUT_S": "7.5"}
+    cfg = TrainConfig.from_preset("tiny", env=env)
+    assert (cfg.process_group_timeout_s, cfg.eval_timeout_s) == (42.0, 7.5)
+    assert TrainConfig.from_preset("tiny", env={}).eval_timeout_s == 1800.0
+    with pytest.raises(_Stop):
+        loop.train(cfg)
+    assert seen["timeout_s"] == 42.0
+    with pytest.raises(ValueError, match="eval_timeout_s"):
+        TrainConfig.from_preset("tiny", overrides={"eval_timeout_s": 0}, env={})
+
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_parsers(parser.add_subparsers())
+    args = parser.parse_args(["train", "--eval-timeout-s", "60", "--process-group-timeout-s", "90",
+                              "--synthesize-missing-store"])  # fmt: skip
+    assert (args.eval_timeout_s, args.process_group_timeout_s, args.synthesize_missing_store) == (60.0, 90.0, True)
