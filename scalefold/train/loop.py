@@ -318,6 +318,7 @@ class TrainResult:
     timings: dict[str, float] = field(default_factory=dict)
     # samples this rank's loader gave up on (and replaced): chain_id, reason, ... (loader ranks only)
     skipped_samples: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # extra end-of-run lines (e.g. the CUDA-graph summary)
 
 
 class _Metrics:
@@ -838,6 +839,8 @@ def _train(cfg: TrainConfig, runtime: Runtime, stop_request: StopRequest) -> Tra
             mllog.run_stop(mll.STATUS_ABORTED if eval_failure is not None else result.status)
         mllog.close()
         result.timings = dict(timings)
+        if device.type == "cuda":  # graphed / eager step counts (on CPU the forward is always eager)
+            result.notes.append(forward.summary())
         if main and (aborted or eval_failure is not None):  # an aborted run gets its curves and breakdown too
             _final_report(cfg, out, metrics_path, result)
     if eval_failure is not None:
@@ -960,6 +963,7 @@ def print_breakdown(result: TrainResult, file: Any = None) -> None:
     if result.skipped_samples:  # data the loader gave up on (each replaced: the step still happened)
         lines.append(f"data: {len(result.skipped_samples)} sample(s) skipped and replaced: " + ", ".join(
             f"{s['chain_id']} ({s['reason']})" for s in result.skipped_samples))  # fmt: skip
+    lines.extend(result.notes)
     if result.eval_history:
         lines.append("eval lDDT-Cα: " + ", ".join(f"step {s}: {v:.4f}" for s, v in result.eval_history))
     print("\n".join(lines), file=file, flush=True)
