@@ -72,7 +72,7 @@ def _reference_update_(
     swa: torch.Tensor,
     compute: torch.Tensor | None,
     clip_scale: torch.Tensor | None,
-    neg_step_size: torch.Tensor,
+    neg_step_size: torch.Tensor | float,
     bias_correction2_sqrt: torch.Tensor,
     beta1: float,
     beta2: float,
@@ -99,16 +99,17 @@ def _reference_update_(
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
     denom = torch.sqrt(exp_avg_sq, out=s_denom) if s_denom is not None else exp_avg_sq.sqrt()
     denom.div_(bias_correction2_sqrt).add_(eps)
-    # addcdiv_(exp_avg, denom, value=-step_size) evaluates p + (value * exp_avg) / denom
-    update = torch.mul(exp_avg, neg_step_size, out=s_update) if s_update is not None else exp_avg * neg_step_size
-    param.add_(update.div_(denom))
+    if isinstance(neg_step_size, float):  # host scalar (CPU): torch.optim.Adam's own op, one pass
+        param.addcdiv_(exp_avg, denom, value=neg_step_size)
+    else:  # device scalar (no host sync): addcdiv_ evaluates p + (value * exp_avg) / denom
+        update = torch.mul(exp_avg, neg_step_size, out=s_update) if s_update is not None else exp_avg * neg_step_size
+        param.add_(update.div_(denom))
     if compute is not None:
         compute.copy_(param)
     if swa_copy:  # AveragedModel's first update copies the weights
         swa.copy_(param)
-    else:
-        diff = torch.sub(param, swa, out=s_update) if s_update is not None else param - swa
-        swa.add_(diff.mul_(1.0 - swa_decay))
+    else:  # swa + (param - swa) * (1 - decay), one pass (lerp evaluates exactly that for weights < 0.5)
+        swa.lerp_(param, 1.0 - swa_decay)
 
 
 def _step_scalars(lr: torch.Tensor, step: torch.Tensor, beta1: float, beta2: float):
@@ -190,6 +191,8 @@ def adam_swa_update_(
             _compiled_update = torch.compile(_reference_update_, dynamic=False)
         _compiled_update(param, grad, exp_avg, exp_avg_sq, swa, compute, **scalars)
         return
+    if param.device.type == "cpu":  # reading the scalar costs no device sync here; saves two passes
+        scalars["neg_step_size"] = float(neg_step_size)
     chunk = numel if not chunk_numel else chunk_numel
     for start in range(0, numel, chunk):
         sl = slice(start, min(start + chunk, numel))

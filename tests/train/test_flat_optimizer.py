@@ -77,13 +77,19 @@ def test_matches_torch_adam_and_swa_over_20_steps(dtype, clip):
 
 
 def test_without_clipping_fp32_is_bitwise_equal():
-    """Without clipping the reference update reproduces torch.optim.Adam's operations exactly (fp32, CPU)."""
+    """Without clipping the reference update reproduces torch.optim.Adam's operations exactly (fp32, CPU).
+
+    The SWA average is one ``lerp_`` pass (``a + (p - a) * w`` for ``w < 0.5``, as the reference's
+    three-op expression) instead of three passes over the buffer; lerp's vectorised CPU kernel may
+    fuse the multiply-add, so the SWA weights agree to rounding, not bitwise (each step's rounding
+    difference is damped by the decay, so it stays within a few ulp of the weights)."""
     ref_model, _, ref_swa = _reference_run(torch.float32, 5, clip=False)
     model, opt = _flat_run(torch.float32, 5, clip=False)
     for p, q in zip(model.parameters(), ref_model.parameters()):
         assert torch.equal(p, q)
     for s, q in zip(opt.swa_views(), ref_swa.module.parameters()):
-        assert torch.equal(s, q)
+        ulp = torch.finfo(torch.float32).eps * q.abs().clamp_min(torch.finfo(torch.float32).tiny)
+        assert ((s - q).abs() <= 2 * ulp).all(), float(((s - q).abs() / ulp).max())
 
 
 def test_parameters_and_grads_are_views_of_flat_buffers():
