@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -25,8 +26,18 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, thread
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
+        # every rank's collectives are complete before any rank tears its group down: a peer
+        # closing its sockets under gloo's transport threads aborts them ("terminate called
+        # without an active exception")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    # success: leave without the interpreter's teardown, where gloo's remaining transport threads
+    # can still race the process exit (rare SIGABRT after a passed run); failures raise above and
+    # reach torch.multiprocessing's error reporting as usual
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_processes(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1) -> None:
