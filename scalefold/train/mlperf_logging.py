@@ -116,6 +116,11 @@ class MLPerfRunInfo:
         return cls(**dict(values))
 
 
+def caches_cleared(env: Mapping[str, str] | None = None) -> bool:
+    """Whether the launcher dropped the page cache before this run (``SCALEFOLD_CACHE_CLEARED``)."""
+    return (os.environ if env is None else env).get("SCALEFOLD_CACHE_CLEARED", "0").strip().lower() in ("1", "true", "yes")
+
+
 # Keys in log order, grouped as in mlperf_openfold.md section 5 (init_start and cache_clear precede).
 INIT_BLOCK_KEYS: tuple[str, ...] = (
     "submission_benchmark", "submission_org", "submission_division", "submission_status", "submission_platform",
@@ -271,9 +276,13 @@ class MLPerfLogger:
     # -- init block -------------------------------------------------------------------------------
 
     def init_start(self) -> None:
-        """``init_start`` then ``cache_clear`` (call before anything expensive)."""
+        """``init_start`` then ``cache_clear`` (call before anything expensive).
+
+        ``cache_clear`` is true only when the launcher dropped the page cache before this run and
+        says so: ``run.sub`` exports ``SCALEFOLD_CACHE_CLEARED=1`` after ``CLEAR_CACHES=1`` succeeded
+        (``0`` otherwise); a run started any other way did not clear caches and logs false."""
         self.start("init_start", _depth=4)
-        self.event("cache_clear", True, _depth=4)
+        self.event("cache_clear", caches_cleared(), _depth=4)
         self._init_started = True
 
     def log_init_block(self, info: Union[MLPerfRunInfo, Mapping[str, Any]]) -> None:

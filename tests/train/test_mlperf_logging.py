@@ -169,3 +169,20 @@ def test_deferred_logger_writes_its_early_lines_once_the_file_is_named(tmp_path)
     assert off.log_path == tmp_path / "other.log" and not (tmp_path / "other.log").exists()
     with pytest.raises(ValueError):
         MLPerfLogger(tmp_path / "x.log", deferred=True)
+
+
+def test_cache_clear_is_true_only_when_the_launcher_dropped_the_caches(tmp_path, monkeypatch):
+    """run.sub exports SCALEFOLD_CACHE_CLEARED=1 after a successful CLEAR_CACHES=1 drop; any other
+    start (the demo, a test, CLEAR_CACHES=0) logs cache_clear false rather than claiming it."""
+    from scalefold.train.mlperf_logging import caches_cleared
+
+    assert caches_cleared({}) is False and caches_cleared({"SCALEFOLD_CACHE_CLEARED": "0"}) is False
+    assert caches_cleared({"SCALEFOLD_CACHE_CLEARED": "1"}) is True
+    for value, expected in (("1", True), ("0", False)):
+        monkeypatch.setenv("SCALEFOLD_CACHE_CLEARED", value)
+        path = tmp_path / f"cache_{value}.log"
+        log = MLPerfLogger(path, enabled=True)
+        log.init_start()
+        log.close()
+        records = _records(path)
+        assert records[1]["key"] == "cache_clear" and records[1]["value"] is expected
