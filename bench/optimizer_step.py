@@ -16,7 +16,7 @@ the same count and total are used.
 Measured (2-core x86_64 CPU dev box, torch 2.13.0+cpu, 2 threads, idle; ``--steps 7 --compile``,
 MLPerf shapes; 2026-11-25, after the SWA average became one ``lerp_`` pass and the CPU reference
 update uses Adam's own ``addcdiv_``): per-tensor 405-420 ms, flat chunked eager 108-123 ms
-(3.3-3.9x over four runs), flat ``torch.compile``'d 72 ms (5.6x). Before those two changes the same
+(3.3-3.9x over three runs), flat ``torch.compile``'d 72 ms (5.6x). Before those two changes the same
 box gave 417 / 165 / 75 ms (2.5x / 5.5x). Whole-buffer eager passes (``--whole-buffer``) are slower than
 per-tensor on CPU (~840 ms): each op streams 373 MB through DRAM, hence the chunking.
 """

@@ -473,22 +473,12 @@ def store_eval_cache(store_path: str, chain_ids: Sequence[str], features: Any, r
     :func:`run_eval_rank` builds the features once at its start, while training runs its first
     cycle (``num_workers`` loader workers), and every evaluation replays them from host memory.
     """
-    from scalefold.data.store import Store
-    from scalefold.train.sample import StoreSample
+    from scalefold.train.sample import validation_cache
 
     if not runtime.is_eval_rank:
         raise ValueError(f"rank {runtime.rank} is not an evaluation rank")
-    with Store.open(store_path) as store:
-        table = store.chain_table()
-    length_of = dict(zip((str(c) for c in table["chain_id"]), (int(n) for n in table["length"])))
-    missing = [c for c in chain_ids if c not in length_of]
-    if missing:
-        raise KeyError(f"{store_path}: validation chains {missing[:10]} are not in the store")
-    return EvalCache(
-        StoreSample(str(store_path), list(chain_ids), features, mode="eval"),
-        [(i, 0) for i in range(len(chain_ids))], [length_of[c] for c in chain_ids],
-        rank=runtime.eval_ranks.index(runtime.rank), num_ranks=len(runtime.eval_ranks), num_workers=num_workers,
-    )  # fmt: skip
+    return validation_cache(store_path, list(chain_ids), features, rank=runtime.eval_ranks.index(runtime.rank),
+                            num_ranks=len(runtime.eval_ranks), num_workers=num_workers)  # fmt: skip
 
 
 def _say(line: str) -> None:

@@ -72,7 +72,7 @@ from scalefold.train.graphed_step import setup_graphed_step
 from scalefold.train.lr_schedule import WarmupConstantLR
 from scalefold.train.plots import plot_metrics
 from scalefold.train.runtime import Runtime, init_distributed, shutdown
-from scalefold.train.sample import StoreSample
+from scalefold.train.sample import StoreSample, validation_cache
 from scalefold.train.steps import (
     StopRequest,
     allreduce_step_stats,
@@ -509,12 +509,7 @@ def _train(cfg: TrainConfig, runtime: Runtime, stop_request: StopRequest) -> Tra
     def eval_cache() -> EvalCache:
         """Synchronous evaluation's validation batches, built once and kept in host DRAM
         (pinned on CUDA); each evaluation copies one batch at a time to the device."""
-        eval_sample = StoreSample(str(store_path), val_ids, features, mode="eval")
-        with Store.open(store_path) as val_store:
-            table = val_store.chain_table()
-        length_of = dict(zip((str(c) for c in table["chain_id"]), (int(n) for n in table["length"])))
-        cache = EvalCache(eval_sample, [(i, 0) for i in range(len(val_ids))], [length_of[c] for c in val_ids],
-                          pin_memory=device.type == "cuda")  # fmt: skip
+        cache = validation_cache(str(store_path), val_ids, features, pin_memory=device.type == "cuda")
         cache.fill()
         return cache
 
