@@ -68,7 +68,7 @@ from scalefold.train.checkpoint_io import (
 from scalefold.train.config import TrainConfig
 from scalefold.train.flat_optimizer import FlatAdamSWA
 from scalefold.train.grad_clipping import GradClipper
-from scalefold.train.graphed_step import setup_graphed_step
+from scalefold.train.graphed_step import setup_graphed_step, synthetic_step_batch
 from scalefold.train.lr_schedule import WarmupConstantLR
 from scalefold.train.plots import plot_metrics
 from scalefold.train.runtime import Runtime, init_distributed, shutdown
@@ -501,10 +501,13 @@ def _train(cfg: TrainConfig, runtime: Runtime, stop_request: StopRequest) -> Tra
     checkpoints = CheckpointManager(out / "checkpoints", keep_last=cfg.keep_last)
     resume_path, resume_ckpt = _resume_checkpoint(cfg, runtime, checkpoints) if cfg.resume else (None, None)
     mllog.open_file(mlperf_log_path(cfg, resume_path))
+    # the store's chain table is read after run_start (dataset construction is timed): below for the
+    # training ranks, after their run_start barrier for the evaluation ranks
     store_path = Path(cfg.store)
-    store = Store.open(store_path)
-    train_ids, weights, val_ids = split_chains(store, cfg)
-    store.close()
+
+    def read_chain_split() -> tuple[list[str], np.ndarray, list[str]]:
+        with Store.open(store_path) as store:
+            return split_chains(store, cfg)
 
     def eval_cache() -> EvalCache:
         """Synchronous evaluation's validation batches, built once and kept in host DRAM
@@ -517,6 +520,8 @@ def _train(cfg: TrainConfig, runtime: Runtime, stop_request: StopRequest) -> Tra
         async_eval = _async_eval_module()
         if runtime.distributed:  # training's run_start: the validation features are built after it (timed)
             dist.barrier()
+        with Store.open(store_path) as store:
+            val_ids = validation_chain_ids(store, cfg)
         cache = async_eval.store_eval_cache(str(store_path), val_ids, features, runtime, cfg.num_workers)
         # the first evaluation rank logs eval_start/eval_accuracy/eval_stop and run_stop success
         eval_log = mll.MLPerfLogger(mllog.log_path, enabled=runtime.is_main_eval_rank, instance=mllog.instance)
@@ -548,8 +553,8 @@ def _train(cfg: TrainConfig, runtime: Runtime, stop_request: StopRequest) -> Tra
                 keep_fp32_regions(module)
     lr_schedule = WarmupConstantLR(opt.lr, base_lr=cfg.lr, warmup_lr_init=cfg.warmup_lr_init, warmup_lr_iters=cfg.warmup_steps)
     if main:
-        print(f"model {cfg.model_preset}: {opt.num_params:,} parameters; {len(train_ids)} training / "
-              f"{len(val_ids)} validation chains; {runtime.num_train_ranks} training rank(s)", flush=True)  # fmt: skip
+        print(f"model {cfg.model_preset}: {opt.num_params:,} parameters; {runtime.num_train_ranks} training rank(s)",
+              flush=True)  # fmt: skip
 
     # -- starting point: --init-from (reference format) or --resume (own checkpoint) -----------------
     init_sha = None
@@ -573,15 +578,12 @@ def _train(cfg: TrainConfig, runtime: Runtime, stop_request: StopRequest) -> Tra
     elif main and metrics_path.exists():  # a fresh start (also --resume without any checkpoint)
         metrics_path.unlink()
 
-    if cfg.compile:  # compiled before run_start: one warm-up step on this rank's first sample
+    if cfg.compile:  # compiled before run_start: one warm-up step on a synthetic batch of the training shapes
         t_compile = time.perf_counter()
         compiled = compile_blocks(model, backend=cfg.compile_backend)
-        index, sample_seed = sample_pairs(weights, cfg.seed, start_step, start_step + 1, rank=pctx.dp_rank,
-                                          world_size=pctx.dp_size)[0]  # fmt: skip (the sample of step 1)
-        warm_sample = StoreSample(str(store_path), train_ids, features, mode="train")
-        first = step_batch(warm_sample(index, sample_seed), min(1, features.num_ensembles - 1), device, dtype)
-        warm_sample._open().close()  # no open HDF5 handle is inherited by the loader's workers
-        warm_up(model, first, autocast)
+        n_warm = min(1, features.num_ensembles - 1)  # a no-grad recycling pass and the grad pass
+        synthetic = synthetic_step_batch(features, model, device, dtype)
+        warm_up(model, {k: v[..., : n_warm + 1] for k, v in synthetic.items()}, autocast)
         if main:
             print(f"torch.compile: {compiled} blocks compiled in {time.perf_counter() - t_compile:.1f} s "
                   "(eager fallback on failure)", flush=True)  # fmt: skip
@@ -640,6 +642,9 @@ def _train(cfg: TrainConfig, runtime: Runtime, stop_request: StopRequest) -> Tra
         # before they touch the validation set)
         dist.barrier()
     mllog.init_stop_run_start()
+    train_ids, weights, val_ids = read_chain_split()
+    if main:
+        print(f"data: {len(train_ids)} training / {len(val_ids)} validation chains in {store_path}", flush=True)
 
     # the dataset is built after run_start (timed), each rank reading its own share of the stream
     pairs = sample_pairs(weights, cfg.seed, start_step, cfg.max_steps, rank=dp_rank, world_size=pctx.dp_size)

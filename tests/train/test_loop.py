@@ -218,9 +218,44 @@ def test_validation_set_is_built_after_run_start(tiny_run, tmp_path, monkeypatch
     monkeypatch.setattr(mll.MLPerfLogger, "init_stop_run_start", lambda self: (events.append("run_start"), run_start(self))[1])
     monkeypatch.setattr(EvalCache, "fill", lambda self: (events.append("fill") if not self.filled else None, fill(self))[1])
     monkeypatch.setattr(loop, "evaluate", lambda *a, **k: (events.append("evaluate"), evaluate(*a, **k))[1])
+    _record_chain_table_reads(monkeypatch, events)
     out = tmp_path / "run"
     run_cfg = cfg.replace(out=str(out), max_steps=1, eval_every=1, checkpoint_every=0, eval_baseline=baseline)
     result = train(run_cfg)
-    assert events == ["run_start", "fill", *(["evaluate"] if baseline else []), "evaluate"]
+    assert events[:2] == ["run_start", "chain_table"]  # the store's chain table too: only after run_start
+    assert [e for e in events if e != "chain_table"] == ["run_start", "fill", *(["evaluate"] if baseline else []), "evaluate"]
     assert [s for s, _ in result.eval_history] == ([0, 1] if baseline else [1])
     assert not TrainConfig.from_preset("mlperf", env={}).eval_baseline
+
+
+def _record_chain_table_reads(monkeypatch, events: list[str]) -> None:
+    from scalefold.data.store import Store
+
+    chain_table = Store.chain_table
+    monkeypatch.setattr(Store, "chain_table", lambda self, *a, **k: (events.append("chain_table"), chain_table(self, *a, **k))[1])
+
+
+def test_compiled_run_warms_up_on_a_synthetic_batch_before_run_start(tiny_run, tmp_path, monkeypatch, capsys):
+    """--compile: the blocks are compiled and warmed up before run_start on a synthetic batch of the training
+    shapes (no dataset work before the clock starts: the store's chain table is first read after
+    run_start), and the compiled run's losses equal the eager run's."""
+    from scalefold.train import loop
+    from scalefold.train import mlperf_logging as mll
+
+    cfg, _ = tiny_run
+    events: list[str] = []
+    run_start, warm_up = mll.MLPerfLogger.init_stop_run_start, loop.warm_up
+    monkeypatch.setattr(mll.MLPerfLogger, "init_stop_run_start", lambda self: (events.append("run_start"), run_start(self))[1])
+    monkeypatch.setattr(loop, "warm_up", lambda *a, **k: (events.append("warm_up"), warm_up(*a, **k))[1])
+    _record_chain_table_reads(monkeypatch, events)
+    losses = {}
+    for compiled in (False, True):
+        out = tmp_path / f"compile{int(compiled)}"
+        run_cfg = cfg.replace(out=str(out), max_steps=2, eval_every=0, checkpoint_every=0, compile=compiled,
+                              compile_backend="aot_eager")  # fmt: skip
+        train(run_cfg)
+        losses[compiled] = [r["loss"] for r in _records(out / "metrics.jsonl")[0]]
+    assert events == ["run_start", "chain_table", "warm_up", "run_start", "chain_table"]  # eager run, then compiled
+    assert re.search(r"torch.compile: [1-9]\d* blocks compiled", capsys.readouterr().out)
+    assert len(losses[True]) == 2
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
