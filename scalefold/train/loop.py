@@ -418,13 +418,16 @@ def train(cfg: TrainConfig) -> TrainResult:
     # clean stop: training ranks checkpoint at the end of the step, evaluation ranks serve until training's
     # sentinel; the loader's helper processes and workers ignore them
     start_multiprocessing_helpers_ignoring_stop_signals()
+    finished = False  # this rank's run returned: it meets its peers at the exit barrier (shutdown)
     try:
         with StopRequest() as stop_request:
-            return _train(cfg, runtime, stop_request)
+            result = _train(cfg, runtime, stop_request)
+        finished = True
+        return result
     finally:  # process-wide switches go back to what the caller had
         torch.use_deterministic_algorithms(numerics[0])
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = numerics[1:]
-        shutdown(runtime)
+        shutdown(runtime, clean=finished)
 
 
 def _resume_checkpoint(cfg: TrainConfig, runtime: Runtime, checkpoints: CheckpointManager) -> tuple[Path | None, dict | None]:

@@ -26,6 +26,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -342,7 +343,28 @@ def init_distributed(
     return build_process_groups(runtime, num_async_eval_ranks)
 
 
-def shutdown(runtime: Runtime) -> None:
-    if runtime.distributed and dist.is_initialized():
+#: seconds a cleanly finished rank waits at the exit barrier for its peers (gloo) before it leaves anyway
+SHUTDOWN_BARRIER_TIMEOUT_S = 120.0
+
+
+def shutdown(runtime: Runtime, clean: bool = True, barrier_timeout_s: float = SHUTDOWN_BARRIER_TIMEOUT_S) -> None:
+    """Tear the process group down. After a clean finish (``clean``: this rank's run returned), gloo
+    ranks first meet at a barrier, so that no rank closes its sockets while a peer's transport threads
+    still talk to it (that can abort a process at exit: "terminate called without an active
+    exception"). The barrier is ``monitored_barrier`` with ``barrier_timeout_s``: a peer that died or
+    failed cannot hang the exit; a barrier that fails is reported on stderr and the rank leaves anyway.
+    NCCL groups are destroyed directly (no barrier with a timeout there); a rank leaving on an exception
+    never waits."""
+    if not (runtime.distributed and dist.is_initialized()):
+        return
+    try:
+        if clean and dist.get_backend() == "gloo" and dist.get_world_size() > 1:
+            try:
+                dist.monitored_barrier(timeout=timedelta(seconds=barrier_timeout_s))
+            except RuntimeError as exc:  # a peer did not arrive in time (it failed, or is gone)
+                first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                print(f"scalefold: rank {runtime.rank}: exit barrier failed after {barrier_timeout_s:g} s "
+                      f"({first_line}); leaving without it", file=sys.stderr, flush=True)  # fmt: skip
+    finally:
         dist.destroy_process_group()
         runtime.backend = None

@@ -275,3 +275,49 @@ def test_train_passes_the_configured_timeouts(monkeypatch):
     args = parser.parse_args(["train", "--eval-timeout-s", "60", "--process-group-timeout-s", "90",
                               "--synthesize-missing-store"])  # fmt: skip
     assert (args.eval_timeout_s, args.process_group_timeout_s, args.synthesize_missing_store) == (60.0, 90.0, True)
+
+
+def _shutdown_entry(rank: int, world_size: int, port: int, leaver: int, out_dir: str) -> None:
+    import json
+    import os
+    import sys
+    import time
+
+    import torch.distributed as dist
+
+    from scalefold.train.runtime import shutdown
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if rank == leaver:  # a peer that is gone without any goodbye (crashed, killed)
+        os._exit(0)
+    sys.stderr = open(os.path.join(out_dir, f"stderr{rank}.txt"), "w")  # noqa: SIM115 (closed at exit)
+    t0 = time.monotonic()
+    shutdown(Runtime(rank=rank, world_size=world_size, backend="gloo"), clean=True, barrier_timeout_s=3.0)
+    sys.stderr.flush()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"seconds": time.monotonic() - t0, "initialized": dist.is_initialized()}, f)
+
+
+@pytest.mark.parametrize("leaver", [-1, 1], ids=["all-finish", "peer-gone"])
+def test_shutdown_meets_peers_at_a_barrier_that_cannot_hang(tmp_path, leaver):
+    """A cleanly finished rank waits for its peers at a gloo exit barrier before destroying the group;
+    a peer that never arrives (gone) makes it leave after the barrier's timeout with a message on stderr,
+    instead of hanging."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from scalefold.distributed.launch import free_port
+
+    mp.spawn(_shutdown_entry, args=(2, free_port(), leaver, str(tmp_path)), nprocs=2, join=True)
+    stayers = [r for r in range(2) if r != leaver]
+    for rank in stayers:
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert not result["initialized"]
+        assert result["seconds"] < 60
+        stderr = (tmp_path / f"stderr{rank}.txt").read_text()
+        if leaver < 0:
+            assert stderr == ""
+        else:
+            assert "exit barrier failed" in stderr
