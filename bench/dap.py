@@ -57,7 +57,7 @@ WIDTHS = dict(c_m=256, c_z=128, c_hidden_msa_att=32, c_hidden_opm=32, c_hidden_t
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(args.threads)
-    use_cuda = args.cuda and torch.cuda.is_available()
+    use_cuda = args.cuda  # checked in main: one GPU per rank
     device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
@@ -111,6 +111,8 @@ def main() -> None:
     ap.add_argument("--no-overlap", action="store_true", help="synchronous collectives (no Duality Async Ops)")
     ap.add_argument("--cuda", action="store_true", help="NCCL, one GPU per rank (needs max(--dap) GPUs)")
     args = ap.parse_args()
+    if args.cuda and torch.cuda.device_count() < max(args.dap):
+        ap.error(f"--cuda needs max(--dap) = {max(args.dap)} GPUs, {torch.cuda.device_count()} visible")
     ctx = torch.multiprocessing.get_context("spawn")
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
           f"{'cuda' if args.cuda else 'cpu gloo'}, N_res {args.n_res}, N_seq {args.n_seq}, fp32, "

@@ -142,8 +142,8 @@ def _attn_fwd(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    zh = tl.program_id(1).to(tl.int64)
+    zh = tl.program_id(0).to(tl.int64)  # axis 0: Z * H can pass CUDA's 65,535 cap of axes 1 and 2
+    pid_m = tl.program_id(1)
     z = zh // H
     h = zh % H
     a = z // (R * C)
@@ -251,8 +251,8 @@ def _attn_bwd_preprocess(
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    zh = tl.program_id(1).to(tl.int64)
+    zh = tl.program_id(0).to(tl.int64)  # axis 0: Z * H can pass CUDA's 65,535 cap of axes 1 and 2
+    pid_m = tl.program_id(1)
     z = zh // H
     h = zh % H
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -324,8 +324,8 @@ def _attn_bwd_dkdv(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    zh = tl.program_id(1).to(tl.int64)
+    zh = tl.program_id(0).to(tl.int64)  # axis 0: Z * H can pass CUDA's 65,535 cap of axes 1 and 2
+    pid_n = tl.program_id(1)
     z = zh // H
     h = zh % H
     a = z // (R * C)
@@ -441,9 +441,9 @@ def _attn_bwd_dq_dbias(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    ach = tl.program_id(0).to(tl.int64)  # axis 0: A * C * H can pass CUDA's 65,535 cap of axes 1 and 2
     split = tl.program_id(1).to(tl.int64)
-    ach = tl.program_id(2).to(tl.int64)
+    pid_m = tl.program_id(2)
     h = ach % H
     a = (ach // H) // C
     c = (ach // H) % C
@@ -528,6 +528,20 @@ def _attn_bwd_dq_dbias(
 # ----------------------------------------------------------------------------------------------
 # Layout helpers
 # ----------------------------------------------------------------------------------------------
+
+
+#: CUDA's largest grid: 2^31 - 1 blocks along axis 0, 65,535 along axes 1 and 2
+MAX_GRID = (2**31 - 1, 65535, 65535)
+
+
+def launch_grid(*sizes: int) -> tuple[int, ...]:
+    """A kernel's launch grid, checked against :data:`MAX_GRID`. Every attention kernel puts its
+    batch x head index on axis 0: the template pointwise attention batches N_res^2 pairs (4 heads x
+    256^2 = 262,144 at the MLPerf crop), far past the cap of the other axes."""
+    for axis, (size, cap) in enumerate(zip(sizes, MAX_GRID)):
+        if size > cap:
+            raise ValueError(f"attention launch grid {sizes}: axis {axis} has {size} blocks, CUDA allows {cap}")
+    return tuple(sizes)
 
 
 def _strides(t: torch.Tensor | None, ndim: int) -> tuple[int, ...]:
@@ -628,7 +642,7 @@ def attention_forward(
     row_logsum = torch.empty_like(row_max)
 
     def launch(cfg: dict) -> None:
-        grid = (triton.cdiv(NQ, cfg["BLOCK_M"]), Z * H)
+        grid = launch_grid(Z * H, triton.cdiv(NQ, cfg["BLOCK_M"]))
         _attn_fwd[grid](
             q, k, v, bias, mask_offset, gate, o, row_max, row_logsum,
             *q.stride(), *k.stride(), *v.stride(), *_strides(bias, 5), *_strides(mask_offset, 4),
@@ -678,7 +692,7 @@ def attention_backward(
     delta = torch.empty((Z, H, NQ), dtype=acc_torch, device=q.device)
     dgate = torch.empty((Z, H, NQ, D), dtype=gate.dtype, device=q.device) if gate is not None else None
     pre_block = 32
-    _attn_bwd_preprocess[(triton.cdiv(NQ, pre_block), Z * H)](
+    _attn_bwd_preprocess[launch_grid(Z * H, triton.cdiv(NQ, pre_block))](
         o, do, gate, do_attn, dgate, delta, *o.stride(), *do.stride(), *_strides(gate, 4), H, NQ, D,
         HAS_GATE=gate is not None, ACC_DTYPE=acc, BLOCK_M=pre_block, BLOCK_D=BLOCK_D,
     )  # fmt: skip
@@ -693,7 +707,7 @@ def attention_backward(
     dv = torch.empty((Z, H, NK, D), dtype=v.dtype, device=q.device)
 
     def launch_dkdv(cfg: dict) -> None:
-        _attn_bwd_dkdv[(triton.cdiv(NK, cfg["BLOCK_N"]), Z * H)](
+        _attn_bwd_dkdv[launch_grid(Z * H, triton.cdiv(NK, cfg["BLOCK_N"]))](
             q, k, v, bias, mask_offset, do_attn, row_max, row_logsum, delta, dk, dv, *strides,
             H, NQ, NK, D, R, C, scale, **common, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -717,7 +731,7 @@ def attention_backward(
         splits = triton.cdiv(n_blocks, split_blocks)
         alloc = torch.empty if dq_in_registers else torch.zeros
         dq_buf = alloc((splits, Z, H, NQ, D), dtype=acc_torch, device=q.device)
-        _attn_bwd_dq_dbias[(triton.cdiv(NQ, cfg["BLOCK_M"]), splits, A * C * H)](
+        _attn_bwd_dq_dbias[launch_grid(A * C * H, splits, triton.cdiv(NQ, cfg["BLOCK_M"]))](
             q, k, v, bias, mask_offset, do_attn, row_max, row_logsum, delta, dq_buf, dbias_full, *strides,
             H, NQ, NK, D, R, C, scale, split_blocks, **common,
             NEED_DBIAS=need_dbias, DQ_IN_REGISTERS=dq_in_registers,

@@ -133,14 +133,16 @@ class Tuner:
         import triton.testing
 
         timings = []
+        errors = []
         for cfg in self.configs:
             try:
                 ms = triton.testing.do_bench(functools.partial(launch, cfg), warmup=BENCH_WARMUP_MS, rep=BENCH_REP_MS)
-            except Exception:  # out of shared memory / registers for this shape: not a candidate
+            except Exception as exc:  # out of shared memory / registers for this shape: not a candidate
+                errors.append(f"{cfg}: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
                 continue
             timings.append((ms, cfg))
-        if not timings:
-            raise RuntimeError(f"no launch config of {self.name} runs on this device")
+        if not timings:  # every candidate failed: say why (a bad launch, not only a too-small device)
+            raise RuntimeError(f"no launch config of {self.name} runs on this device:\n  " + "\n  ".join(errors))
         return min(timings, key=lambda t: t[0])[1]
 
 

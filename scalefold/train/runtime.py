@@ -302,9 +302,22 @@ def build_process_groups(runtime: Runtime, num_async_eval_ranks: int = 0) -> Run
     return runtime
 
 
-def select_device(local_rank: int) -> torch.device:
+def cuda_device_index(local_rank: int, local_world_size: int, device_count: int) -> int:
+    """The GPU of a node's ``local_rank``. One visible GPU serves every local rank (the launcher binds one
+    GPU per task: ``srun --gpus-per-task=1``, per-task ``CUDA_VISIBLE_DEVICES``); with several visible,
+    local rank i takes GPU i, and more ranks than GPUs is refused (NCCL allows one rank per GPU; two ranks
+    on a GPU would otherwise fail later with NCCL's "Duplicate GPU detected")."""
+    if device_count > 1 and local_world_size > device_count:
+        raise RuntimeError(
+            f"{local_world_size} ranks on this node but {device_count} visible GPUs: NCCL needs one GPU per rank "
+            "(start at most as many tasks per node as GPUs, evaluation ranks included, or bind one GPU per task)"
+        )
+    return local_rank % device_count
+
+
+def select_device(local_rank: int, local_world_size: int = 1) -> torch.device:
     if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", cuda_device_index(local_rank, local_world_size, torch.cuda.device_count()))
         torch.cuda.set_device(device)
         return device
     return torch.device("cpu")
@@ -326,7 +339,7 @@ def init_distributed(
     nodelist = env_map.get("SLURM_STEP_NODELIST") or env_map.get("SLURM_JOB_NODELIST") or env_map.get("SLURM_NODELIST")
     if info.launcher == "slurm" and "MASTER_ADDR" not in env_map and nodelist:
         info = dataclasses.replace(info, master_addr=resolve_slurm_master(nodelist))  # scontrol if present
-    device = select_device(info.local_rank)
+    device = select_device(info.local_rank, info.local_world_size)
     runtime = Runtime(
         launcher=info.launcher, rank=info.rank, world_size=info.world_size, local_rank=info.local_rank,
         local_world_size=info.local_world_size, num_nodes=info.num_nodes, device=device,

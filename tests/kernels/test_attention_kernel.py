@@ -129,3 +129,18 @@ def test_bf16_on_gpu(shape):
     batch, H, N, D = shape
     _compare(*_inputs(batch, H, N, N, D, torch.bfloat16, "cuda", bias_shape=(1, 1, H, N, N),
                       mask_shape=batch + (1, 1, N), masked_rows=[(0, 1)]), ref_dtype=torch.float32)  # fmt: skip
+
+
+def test_launch_grids_fit_cuda_at_the_mlperf_template_shape():
+    """The template pointwise attention batches every residue pair: 256^2 pairs x 4 heads at the MLPerf
+    crop. That batch x head index lives on grid axis 0 (up to 2^31 - 1); axes 1 and 2 (row blocks, dQ
+    splits) stay far below CUDA's 65,535 cap, and a grid past a cap is refused with a message instead
+    of CUDA's bare "invalid argument"."""
+    from scalefold.kernels.attention_triton import MAX_GRID, launch_grid
+
+    pairs_x_heads = 256 * 256 * 4
+    assert launch_grid(pairs_x_heads, 1) == (pairs_x_heads, 1)
+    assert launch_grid(pairs_x_heads, 4, 1) == (pairs_x_heads, 4, 1)
+    with pytest.raises(ValueError, match="axis 1 has 262144 blocks"):
+        launch_grid(1, pairs_x_heads)  # the orientation the kernels had before
+    assert MAX_GRID[1] == MAX_GRID[2] == 65535

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from scalefold.kernels import autotune
@@ -47,3 +48,25 @@ def test_per_rank_triton_cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "2")
     path = autotune.set_per_rank_triton_cache_dir(tmp_path)
     assert path == tmp_path / "rank2" and path.is_dir()
+
+
+def test_benchmark_names_each_candidates_error_when_none_runs(monkeypatch):
+    """When every candidate config fails to launch, the error lists each config with its exception (a
+    bad launch such as an oversized grid must be visible, not reported as a too-small device); a
+    config that runs wins over failing ones."""
+    import triton.testing
+
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), float(kw.get("rep", 1)))[1])
+
+    def launch(cfg):
+        if cfg["B"] != 2:
+            raise ValueError(f"grid too large for B={cfg['B']}")
+
+    tuner = autotune.Tuner("t", [{"B": 1}, {"B": 2}, {"B": 3}], {"B": 64})
+    assert tuner._benchmark(launch) == {"B": 2}
+    tuner = autotune.Tuner("t", [{"B": 1}, {"B": 3}], {"B": 64})
+    with pytest.raises(RuntimeError) as info:
+        tuner._benchmark(lambda cfg: launch({"B": cfg["B"]}))
+    message = str(info.value)
+    assert "no launch config of t runs on this device" in message
+    assert "{'B': 1}: ValueError: grid too large for B=1" in message and "B=3" in message

@@ -64,6 +64,7 @@ def test_unknown_backend_rejected(monkeypatch):
         kernels.resolve_backend("auto")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter runs only on machines without CUDA (conftest)")
 def test_triton_backend_runs_kernel_on_cpu(monkeypatch):
     """backend='triton' on CPU tensors really runs the kernel (interpreter) and matches the reference."""
     pytest.importorskip("triton")

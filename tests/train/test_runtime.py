@@ -9,6 +9,7 @@ import pytest
 from scalefold.train.runtime import (
     SLURM_PORT_BASE,
     Runtime,
+    cuda_device_index,
     discover,
     expand_slurm_nodelist,
     init_distributed,
@@ -321,3 +322,12 @@ def test_shutdown_meets_peers_at_a_barrier_that_cannot_hang(tmp_path, leaver):
             assert stderr == ""
         else:
             assert "exit barrier failed" in stderr
+
+
+def test_cuda_device_per_local_rank():
+    """Several visible GPUs: local rank i takes GPU i, and more local ranks than GPUs is refused with a
+    message (NCCL cannot put two ranks on one GPU); one visible GPU (bound per task) serves every rank."""
+    assert [cuda_device_index(r, 8, 8) for r in range(8)] == list(range(8))
+    assert [cuda_device_index(r, 8, 1) for r in range(8)] == [0] * 8  # srun --gpus-per-task=1
+    with pytest.raises(RuntimeError, match="9 ranks on this node but 8 visible GPUs"):
+        cuda_device_index(8, 9, 8)

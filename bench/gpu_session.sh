@@ -1,0 +1,328 @@
+#!/usr/bin/env bash
+# GPU validation of ScaleFold's CUDA-only paths, in one batch (for a lent GPU machine: one command,
+# <= 10 minutes, files come back from $OUT).
+#
+#   bash bench/gpu_session.sh                       # everything (OUT defaults to runs/gpu_session)
+#   PARTS="tests train" bash bench/gpu_session.sh   # a subset (or: bash bench/gpu_session.sh tests train)
+#   DRY_RUN=1 bash bench/gpu_session.sh             # print what would run (no CUDA needed)
+#
+# What runs, in this order (each part under `timeout`; per-part limits in seconds; the order puts
+# correctness first, so the global deadline, if ever reached, cuts benchmarks rather than tests):
+#
+#   part               limit  what
+#   env                   20  nvidia-smi, torch/triton/NCCL versions, torch.cuda.is_available();
+#                             no CUDA: "no CUDA" message, exit 2 (nothing else runs)
+#   install               30  gemmi/mlperf-logging from carried wheels ($WHEELS, default .whl/) if
+#                             missing; `pip install -e '.[test]'` if scalefold is not importable
+#                             (offline: falls back to --no-deps, then to PYTHONPATH=<repo>)
+#   tests_kernels         70  pytest tests/kernels (Triton kernels compiled for the GPU, bf16 tests)
+#   probe_attention_grid  40  Triton attention at the template-pointwise shape of crops 64/128/256
+#                             ([1, N, N] x 4 heads, 1 query, 4 templates): the launch grid's y size
+#                             is N*N*4, over CUDA's 65535 from crop 128 on (attention_triton.py's
+#                             launchers put Z*H on grid axis 1); exits 1 if any size fails
+#   tests_graphs          70  pytest tests/train/test_cuda_graphs.py tests/train/test_graphed_step.py
+#                             tests/train/test_precision_compile.py (real CUDA-graph capture, bf16)
+#   train_bf16            70  scalefold train --preset demo --precision bf16 --max-steps 20
+#                             --eval-every 10 --cuda-graphs off   (eager bf16 baseline)
+#   train_graphs          60  the same with --cuda-graphs on      (captured recycling passes)
+#   bench_attention       55  bench/kernels.py --kernel attention --shape mlperf --dtype bf16
+#   bench_layernorm       30  bench/kernels.py --kernel layernorm --shape mlperf --dtype bf16
+#   bench_adam            30  bench/kernels.py --kernel adam --shape mlperf --dtype bf16
+#   bench_cuda_graphs     35  bench/cuda_graphs.py --preset demo --precision bf16 --steps 3
+#   bench_dap             30  bench/dap.py --cuda --dap 1 [2 4 8: as many GPUs as there are]
+#                   total 540 s = 9 min, plus a few seconds of bookkeeping
+#
+# Groups for PARTS: env and install (always run), tests (tests_* and the probe), train, bench; single
+# part names work too. A global deadline (DEADLINE_S, default 540) caps every part's limit at the
+# time left and skips a part with < 10 s left. TIMEOUT_SCALE multiplies every limit (e.g. 1.5 when a
+# call runs only part of the list and its parts need more time).
+#
+# Not run: bench/optimizer_step.py (CPU only: no device option; the GPU optimizer is bench_adam and
+# the training runs), bench/data_pipeline.py, loader_stall.py, dali_loader.py (data / CPU).
+# NCCL: no test in tests/ uses NCCL (the distributed tests are gloo on CPU). One GPU cannot host two
+# NCCL ranks ("duplicate GPU"), so on a 1-GPU machine bench_dap runs DAP 1 only (NCCL initialised,
+# no collective); DAP 2/4/8 over NCCL needs a machine with that many GPUs.
+#
+# Expected failures that are the tests' own (CPU-only assumptions), not kernel bugs:
+# tests/kernels/test_custom_ops.py and test_kernel_dispatch.py::test_triton_backend_runs_kernel_on_cpu
+# run the Triton ops on CPU tensors, which needs TRITON_INTERPRET=1 (conftest sets it only without
+# CUDA); test_graphed_step.py::test_tiny_training_run_is_identical_with_graphs_auto_off_and_fake
+# passes a CPU fake backend to a run that computes on CUDA (`--cuda-graphs on` is refused, exit 3).
+#
+# Output ($OUT: at most 8 files come back from the device tool, so the detail is packed):
+#   $OUT/SUMMARY.txt       one line per part: status, exit code, seconds, limit, last log line
+#   $OUT/session.log       the whole console output
+#   $OUT/results.tar.gz    every part's log, junit XML, benchmark output, training metrics.jsonl /
+#                          mlperf.log / curves, autotune tables, env.txt (checkpoints and the store
+#                          left out); refreshed after every part, so a kill still leaves one
+#   $OUT/junit_tests_kernels.xml, $OUT/junit_tests_graphs.xml   (copies, for a quick look)
+# Exit status: 0 all selected parts passed, 1 some part failed or timed out, 2 no CUDA.
+#
+# Environment: OUT, WORK (scratch, default a fresh mktemp dir), PYTHON, WHEELS, PARTS, DEADLINE_S,
+# TIMEOUT_SCALE, DRY_RUN, BENCH_CUDA_GRAPHS_PRESET (default demo; mlperf needs a longer limit).
+
+set -uo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO" || exit 1
+
+OUT=${OUT:-runs/gpu_session}
+mkdir -p "$OUT" || { echo "gpu_session: cannot create OUT=$OUT" >&2; exit 1; }
+OUT="$(cd "$OUT" && pwd)"
+WORK_IS_TEMP=0
+[ -z "${WORK:-}" ] && WORK_IS_TEMP=1
+WORK=${WORK:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_session.XXXXXX")}
+mkdir -p "$WORK" && WORK="$(cd "$WORK" && pwd)"
+WHEELS=${WHEELS:-.whl}
+DEADLINE_S=${DEADLINE_S:-540}
+TIMEOUT_SCALE=${TIMEOUT_SCALE:-1}
+DRY_RUN=${DRY_RUN:-0}
+BENCH_CUDA_GRAPHS_PRESET=${BENCH_CUDA_GRAPHS_PRESET:-demo}
+if [ "$#" -gt 0 ]; then PARTS="$*"; fi
+PARTS=${PARTS:-"tests train bench"}
+
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
+elif [ -n "${VIRTUAL_ENV:-}" ] && command -v python >/dev/null; then PY=python
+elif [ -x "$REPO/.venv/bin/python" ]; then PY="$REPO/.venv/bin/python"
+else PY=python3
+fi
+
+SUMMARY="$OUT/SUMMARY.txt"
+START=$SECONDS
+FAILED=0
+: >"$SUMMARY"
+: >"$OUT/session.log"
+exec > >(tee -a "$OUT/session.log") 2>&1
+TEE_PID=$!
+trap 'exec 1>&- 2>&-; wait "$TEE_PID" 2>/dev/null' EXIT  # session.log complete before we return
+
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
+export SCALEFOLD_AUTOTUNE_DIR="$WORK/autotune"   # tuned launch configs come back in the tarball
+export MPLBACKEND=Agg
+unset TRITON_INTERPRET                            # the kernels must compile for the GPU here
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+
+# `timeout -s INT`: Python turns SIGINT into KeyboardInterrupt, so a stuck part prints where it was
+# and pytest still writes its junit XML. `env --default-signal=INT` undoes an inherited SIG_IGN
+# (commands started in the background ignore SIGINT). -k: SIGKILL 15 s later if that did not work.
+if env --default-signal=INT true 2>/dev/null; then RESET_INT=(env --default-signal=INT); else RESET_INT=(); fi
+
+note() { printf '\n=== gpu_session [%4ds] %s\n' "$((SECONDS - START))" "$*"; }
+
+pack() {  # refresh $OUT/results.tar.gz from $WORK (small files only)
+    tar -czf "$OUT/results.tar.gz.tmp" -C "$WORK" --exclude='*.h5' --exclude='*.pt' --exclude='*.ckpt' \
+        --exclude='checkpoints' --exclude='*.tmp' . 2>/dev/null && mv -f "$OUT/results.tar.gz.tmp" "$OUT/results.tar.gz"
+    for f in "$WORK"/junit_*.xml; do [ -f "$f" ] && cp -f "$f" "$OUT/"; done
+    return 0
+}
+
+selected() {  # selected PART GROUP
+    local p
+    [ "$2" = always ] && return 0
+    for p in $PARTS; do [ "$p" = "$1" ] || [ "$p" = "$2" ] || [ "$p" = all ] && return 0; done
+    return 1
+}
+
+# part NAME GROUP LIMIT_S CMD...: run CMD under timeout, log to $WORK/NAME.log, one SUMMARY line
+part() {
+    local name=$1 group=$2 limit=$3; shift 3
+    if ! selected "$name" "$group"; then
+        printf '%-20s -        not in PARTS (%s)\n' "$name" "$PARTS" >>"$SUMMARY"; return 0
+    fi
+    limit=$(awk -v l="$limit" -v s="$TIMEOUT_SCALE" 'BEGIN { printf "%d", l * s }')
+    local left=$((DEADLINE_S - (SECONDS - START)))
+    local log="$WORK/$name.log" rc status t0 dt last
+    if [ "$left" -lt 10 ]; then
+        printf '%-20s SKIPPED  rc=-    %4ss  limit %ss  (global deadline %ss reached)\n' \
+            "$name" 0 "$limit" "$DEADLINE_S" >>"$SUMMARY"
+        note "$name: skipped, global deadline reached"; FAILED=1; return 0
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    note "$name (limit ${limit}s)"
+    t0=$SECONDS
+    local args=() a
+    for a in "$@"; do  # pytest's session timeout: 15 s inside this part's (possibly capped) limit
+        args+=("${a//@SESSION_LIMIT@/$((limit - 15 > 20 ? limit - 15 : 20))}")
+    done
+    if [ "$DRY_RUN" = 1 ]; then
+        echo "(dry run) ${args[*]}" | tee "$log"; rc=dry
+    else
+        timeout -s INT -k 15 "$limit" "${RESET_INT[@]}" "${args[@]}" 2>&1 | tee "$log"
+        rc=${PIPESTATUS[0]}
+    fi
+    dt=$((SECONDS - t0))
+    case $rc in
+        0) status=PASS ;;
+        dry) status=DRY_RUN ;;
+        124 | 137) status=TIMEOUT; FAILED=1 ;;
+        *) status=FAIL; FAILED=1 ;;
+    esac
+    last=$(grep -v '^[[:space:]]*$' "$log" 2>/dev/null | tail -n 1 | tr -d '\r' | cut -c1-160)
+    printf '%-20s %-8s rc=%-4s %4ss  limit %ss  | %s\n' "$name" "$status" "$rc" "$dt" "$limit" "$last" >>"$SUMMARY"
+    note "$name: $status (rc $rc, ${dt}s)"
+    pack
+}
+
+pytest_args() {  # pytest_args NAME: junit XML + per-test and per-session timeouts when available
+    PYTEST_ARGS=(-v -rfEs --junitxml="$WORK/junit_$1.xml" -o junit_family=xunit2)
+    if "$PY" -c 'import pytest_timeout' 2>/dev/null; then
+        PYTEST_ARGS+=(--timeout=60)  # one hung test fails, the others still run
+        # >= 2.3: no new test starts after the session limit, so the junit XML is still written
+        if "$PY" -c 'import importlib.metadata as m, sys
+sys.exit(tuple(int(x) for x in m.version("pytest-timeout").split(".")[:2]) < (2, 3))' 2>/dev/null; then
+            PYTEST_ARGS+=(--session-timeout=@SESSION_LIMIT@)
+        fi
+    fi
+}
+
+# ------------------------------------------------------------------------------------------------
+note "repo $REPO  OUT $OUT  WORK $WORK  python $PY  PARTS '$PARTS'  deadline ${DEADLINE_S}s"
+
+# 1. environment (always)
+ENV_PY='
+import os, platform, sys
+print("python", sys.version.split()[0], platform.platform())
+try:
+    import torch
+except Exception as exc:
+    print("torch: not importable:", exc); sys.exit(3)
+print("torch", torch.__version__, "cuda build", torch.version.cuda)
+try:
+    import triton; print("triton", triton.__version__)
+except Exception as exc:
+    print("triton: not importable:", exc)
+ok = torch.cuda.is_available()
+print("torch.cuda.is_available()", ok)
+if not ok:
+    sys.exit(3)
+n = torch.cuda.device_count()
+print("cuda devices", n)
+for i in range(n):
+    p = torch.cuda.get_device_properties(i)
+    print(f"  cuda:{i} {p.name} cc {p.major}.{p.minor} {p.total_memory / 2**30:.1f} GiB {p.multi_processor_count} SMs")
+print("bf16 supported", torch.cuda.is_bf16_supported())
+try:
+    print("nccl", torch.cuda.nccl.version(), "distributed nccl", torch.distributed.is_nccl_available())
+except Exception as exc:
+    print("nccl: unknown:", exc)
+for mod in ("gemmi", "mlperf_logging", "h5py", "pytest", "pytest_timeout", "scalefold"):
+    try:
+        __import__(mod); print(mod, "importable")
+    except Exception as exc:
+        print(mod, "NOT importable:", type(exc).__name__, exc)
+'
+note "env"
+t0=$SECONDS
+{ command -v nvidia-smi >/dev/null && timeout -k 5 10 nvidia-smi || echo "nvidia-smi: not found"; } 2>&1 | tee "$WORK/env.txt"
+timeout -k 5 20 "$PY" -c "$ENV_PY" 2>&1 | tee -a "$WORK/env.txt"
+env_rc=${PIPESTATUS[0]}
+if [ "$env_rc" -ne 0 ] && [ "$DRY_RUN" != 1 ]; then
+    msg="no CUDA: torch.cuda.is_available() is False (or torch is missing) for $PY -- nothing to validate here; run this on a GPU machine"
+    printf '%-20s %-8s rc=%-4s %4ss  | %s\n' env NO_CUDA "$env_rc" "$((SECONDS - t0))" "$msg" >>"$SUMMARY"
+    pack
+    echo "gpu_session: $msg" >&2
+    cat "$SUMMARY"
+    [ "$WORK_IS_TEMP" = 1 ] && rm -rf "$WORK"
+    exit 2
+fi
+printf '%-20s %-8s rc=%-4s %4ss  | %s\n' env "$([ "$env_rc" = 0 ] && echo PASS || echo DRY_RUN)" "$env_rc" "$((SECONDS - t0))" \
+    "$(grep -m1 '^  cuda:0' "$WORK/env.txt" | sed 's/^ *//')" >>"$SUMMARY"
+NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+[ "$DRY_RUN" = 1 ] && NGPU=${NGPU:-1}
+
+# 2. install (always): missing runtime deps from carried wheels, then the package itself
+cat >"$WORK/install.sh" <<'EOF'
+set -x
+if ! "$PY" -c 'import gemmi, mlperf_logging' 2>/dev/null; then
+    if compgen -G "$WHEELS/*.whl" >/dev/null; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/gpu_session_site "$WHEELS"/*.whl || echo "wheel install failed"
+    else
+        echo "gemmi/mlperf_logging missing and no wheels in $WHEELS (see bench/RESULTS.md, GPU validation)"
+    fi
+fi
+if ! "$PY" -c 'import scalefold.train.loop' 2>/dev/null; then
+    "$PY" -m pip install -q --retries 0 --timeout 5 -e '.[test]' ||
+        "$PY" -m pip install -q --no-deps --no-build-isolation -e . ||
+        echo "pip install failed: using PYTHONPATH=$PYTHONPATH"
+fi
+"$PY" -c 'import scalefold, scalefold.train.loop, gemmi, mlperf_logging
+print("scalefold", scalefold.__version__, "from", scalefold.__file__)'
+EOF
+export PY WHEELS
+export PYTHONPATH="/tmp/gpu_session_site:$PYTHONPATH"  # where carried wheels go (harmless if absent)
+part install always 30 bash "$WORK/install.sh"
+
+# 3. tests that exercise CUDA (all skip-on-CPU tests live in these files)
+pytest_args tests_kernels
+part tests_kernels tests 70 "$PY" -m pytest "${PYTEST_ARGS[@]}" tests/kernels
+cat >"$WORK/probe_attention_grid.py" <<'EOF'
+"""Triton attention at the template-pointwise shape (TemplatePointwiseAttention: batch [1, N, N],
+4 heads, 1 query, 4 templates, c_hidden 16), forward + backward vs the PyTorch reference, bf16.
+The kernels launch grid (cdiv(NQ, BLOCK_M), Z * H): Z * H = 4 N^2 exceeds CUDA's grid-y limit
+(65535) from N = 128 on."""
+import sys
+
+import torch
+
+from scalefold import kernels
+from scalefold.kernels import reference
+
+ok = True
+for n in (64, 128, 256):
+    torch.manual_seed(0)
+    H, T, D = 4, 4, 16
+
+    def leaf(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16).requires_grad_()
+
+    q, k, v = leaf(1, n, n, H, 1, D), leaf(1, n, n, H, T, D), leaf(1, n, n, H, T, D)
+    mask = torch.ones(1, 1, 1, 1, 1, T, device="cuda", dtype=torch.bfloat16)
+    mask[..., -1] = 0
+    head = f"N_res {n:3d} (grid y = Z*H = {n * n * H:6d})"
+    try:
+        o = kernels.attention(q, k, v, mask=mask, inf=1e5, backend="triton")
+        got = (o, *torch.autograd.grad(o.float().square().sum(), (q, k, v)))
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001
+        print(f"{head}: FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+        ok = False
+        continue
+    ro = reference.attention(q, k, v, mask=mask, inf=1e5)
+    want = (ro, *torch.autograd.grad(ro.float().square().sum(), (q, k, v)))
+    with torch.no_grad():
+        rel = max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
+                  for a, b in zip(got, want))
+    print(f"{head}: ran; max relative difference to the reference (o, dq, dk, dv) {rel:.2e}")
+    ok = ok and rel < 3e-2
+print("probe_attention_grid:", "PASS" if ok else "FAIL")
+sys.exit(0 if ok else 1)
+EOF
+part probe_attention_grid tests 40 "$PY" "$WORK/probe_attention_grid.py"
+pytest_args tests_graphs
+part tests_graphs tests 70 "$PY" -m pytest "${PYTEST_ARGS[@]}" \
+    tests/train/test_cuda_graphs.py tests/train/test_graphed_step.py tests/train/test_precision_compile.py
+
+# 4. short GPU training runs: bf16 eager, then bf16 with CUDA graphs (one synthetic store for both)
+TRAIN=(-m scalefold train --preset demo --precision bf16 --max-steps 20 --eval-every 10
+       --checkpoint-every 10 --store "$WORK/demo-store.h5" --no-progress)
+part train_bf16 train 70 "$PY" "${TRAIN[@]}" --out "$WORK/train_bf16" --cuda-graphs off
+part train_graphs train 60 "$PY" "${TRAIN[@]}" --out "$WORK/train_bf16_graphs" --cuda-graphs on
+
+# 5. benchmarks (stdout is the result; each is tee'd to $WORK/<part>.log)
+part bench_attention bench 55 "$PY" bench/kernels.py --kernel attention --shape mlperf --dtype bf16 --iters 50
+part bench_layernorm bench 30 "$PY" bench/kernels.py --kernel layernorm --shape mlperf --dtype bf16 --iters 50
+part bench_adam bench 30 "$PY" bench/kernels.py --kernel adam --shape mlperf --dtype bf16 --iters 50
+part bench_cuda_graphs bench 35 "$PY" bench/cuda_graphs.py --preset "$BENCH_CUDA_GRAPHS_PRESET" --precision bf16 --steps 3
+DAP_SIZES="1"
+for d in 2 4 8; do [ "${NGPU:-0}" -ge "$d" ] && DAP_SIZES="$DAP_SIZES $d"; done
+# shellcheck disable=SC2086
+part bench_dap bench 30 "$PY" bench/dap.py --cuda --dap $DAP_SIZES --n-res 256 --n-seq 128 --warmup 2 --iters 5
+
+# ------------------------------------------------------------------------------------------------
+printf '%-20s %-8s %4ss total (deadline %ss); detail in results.tar.gz (WORK %s)\n' \
+    TOTAL "$([ "$FAILED" = 0 ] && echo PASS || echo FAIL)" "$((SECONDS - START))" "$DEADLINE_S" "$WORK" >>"$SUMMARY"
+pack
+note "summary ($SUMMARY)"
+cat "$SUMMARY"
+exit "$FAILED"
