@@ -17,9 +17,9 @@
 #                             (offline: falls back to --no-deps, then to PYTHONPATH=<repo>)
 #   tests_kernels         70  pytest tests/kernels (Triton kernels compiled for the GPU, bf16 tests)
 #   probe_attention_grid  40  Triton attention at the template-pointwise shape of crops 64/128/256
-#                             ([1, N, N] x 4 heads, 1 query, 4 templates): the launch grid's y size
-#                             is N*N*4, over CUDA's 65535 from crop 128 on (attention_triton.py's
-#                             launchers put Z*H on grid axis 1); exits 1 if any size fails
+#                             ([1, N, N] x 4 heads, 1 query, 4 templates): Z*H = N*N*4 blocks, past
+#                             CUDA's 65535 of grid axes 1/2 from crop 128 on (the launchers put Z*H on
+#                             axis 0 since d3f1b36; this checks it on a GPU); exits 1 if any size fails
 #   tests_graphs          70  pytest tests/train/test_cuda_graphs.py tests/train/test_graphed_step.py
 #                             tests/train/test_precision_compile.py (real CUDA-graph capture, bf16)
 #   train_bf16            70  scalefold train --preset demo --precision bf16 --max-steps 20
@@ -43,11 +43,10 @@
 # NCCL ranks ("duplicate GPU"), so on a 1-GPU machine bench_dap runs DAP 1 only (NCCL initialised,
 # no collective); DAP 2/4/8 over NCCL needs a machine with that many GPUs.
 #
-# Expected failures that are the tests' own (CPU-only assumptions), not kernel bugs:
-# tests/kernels/test_custom_ops.py and test_kernel_dispatch.py::test_triton_backend_runs_kernel_on_cpu
-# run the Triton ops on CPU tensors, which needs TRITON_INTERPRET=1 (conftest sets it only without
-# CUDA); test_graphed_step.py::test_tiny_training_run_is_identical_with_graphs_auto_off_and_fake
-# passes a CPU fake backend to a run that computes on CUDA (`--cuda-graphs on` is refused, exit 3).
+# Expected failure that is the test's own (not a kernel bug):
+# test_graphed_step.py::test_tiny_training_run_is_identical_with_graphs_auto_off_and_fake passes a
+# CPU fake backend to a run that computes on CUDA (`--cuda-graphs on` is refused, exit 3), unless
+# that test has been made device-aware since. (The kernel tests use CUDA tensors when CUDA is there.)
 #
 # Output ($OUT: at most 8 files come back from the device tool, so the detail is packed):
 #   $OUT/SUMMARY.txt       one line per part: status, exit code, seconds, limit, last log line
