@@ -28,7 +28,7 @@ from scalefold.data.pipeline import FeatureConfig  # noqa: E402
 from scalefold.losses import AlphaFoldLoss  # noqa: E402
 from scalefold.model import AlphaFold, AlphaFoldConfig  # noqa: E402
 from scalefold.train.graphed_step import GraphedStep, synthetic_step_batch  # noqa: E402
-from scalefold.train.steps import float_outputs  # noqa: E402
+from scalefold.train.steps import float_outputs, keep_fp32_regions  # noqa: E402
 
 
 def timed(fn, steps: int, warmup: int = 2) -> float:
@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     model = AlphaFold(cfg, activation_checkpointing=args.activation_checkpointing).to(device).train()
     loss_fn = AlphaFoldLoss(cfg.loss_config)
     autocast = args.precision == "bf16"
+    if autocast:  # as the training loop: the structure module and the heads stay fp32
+        keep_fp32_regions(model)
     batch = synthetic_step_batch(features, model, device, torch.float32)
 
     t0 = time.perf_counter()

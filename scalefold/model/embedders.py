@@ -99,7 +99,7 @@ class RecyclingEmbedder(nn.Module):
         (pseudo-beta positions) ``[*, N_res, 3]`` -> updates for ``m[..., 0, :, :]`` and ``z``."""
         bins = torch.linspace(self.min_bin, self.max_bin, self.num_bins, dtype=x_prev.dtype, device=x_prev.device)
         lower = bins**2
-        upper = torch.cat([lower[1:], lower.new_tensor([self.inf])])
+        upper = torch.cat([lower[1:], lower.new_full((1,), self.inf)])  # new_full: no host-to-device copy
         d2 = torch.sum((x_prev.unsqueeze(-2) - x_prev.unsqueeze(-3)) ** 2, dim=-1, keepdim=True)
         # d2: [*, N_res, N_res, 1]
         dgram = ((d2 > lower) & (d2 < upper)).to(x_prev.dtype)

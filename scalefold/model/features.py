@@ -265,7 +265,7 @@ def build_template_pair_feat(
     tpb = template_pseudo_beta
     d2 = torch.sum((tpb.unsqueeze(-2) - tpb.unsqueeze(-3)) ** 2, dim=-1, keepdim=True)
     lower = torch.linspace(min_bin, max_bin, num_bins, device=tpb.device) ** 2
-    upper = torch.cat([lower[1:], lower.new_tensor([inf])], dim=-1)
+    upper = torch.cat([lower[1:], lower.new_full((1,), inf)], dim=-1)  # new_full: no host-to-device copy
     dgram = ((d2 > lower) & (d2 < upper)).to(dtype)
     # [*, N_res, N_res, num_bins]
 

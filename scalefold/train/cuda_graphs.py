@@ -20,20 +20,30 @@ capture-once, warm-up-only policy, static-input copying) is unit-tested on CPU w
 
 * No-grad calls: the inputs are cloned into static buffers, the function is captured with
   ``torch.cuda.graph``; a replay copies the live inputs into the static buffers and returns the static
-  outputs (overwritten by the next replay of the same key: consume or clone them first).
+  outputs (overwritten by the next replay of the same key -- and, as all graphs of a backend share
+  one memory pool, possibly by the replay of another key: consume or clone them first).
+* Before each capture the backend runs the function eagerly on a side stream (the first iteration
+  fills lazy caches, the others run with CUDA's sync check on: a host sync raises
+  :class:`HostSyncInCapturedRegion` before capture starts), under autocast with its weight-cast cache
+  off, and restores the caller's stream even when a capture fails.
 * Grad-mode calls: ``torch.cuda.make_graphed_callables`` (forward and backward graphs); the function
   must be an ``nn.Module`` so its parameters receive gradients.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-DEFAULT_WARMUP_ITERS = 3  # eager iterations on a side stream before each capture (DDP needs >= 11)
+#: Eager iterations on a side stream before each capture (the CUDA-graph notes' warm-up). The first
+#: fills lazy caches (cuBLAS handles, ``functools.cache`` constant tables, ``--compile`` guards); the
+#: others run with CUDA sync checks on (:func:`_no_host_syncs`). (Capturing a DDP-wrapped backward would
+#: need >= 11; the cache captures no DDP work.)
+DEFAULT_WARMUP_ITERS = 3
 
 
 # ----------------------------------------------------------------------------------------------
@@ -112,14 +122,43 @@ class GraphBackend(Protocol):
         ...
 
 
+class HostSyncInCapturedRegion(RuntimeError):
+    """The function to capture synchronises with the host (``.item()``, a pageable host-to-device copy
+    such as ``torch.tensor(..., device="cuda")``, ``nonzero``, boolean-mask indexing, ...): it cannot be
+    captured. Raised by the eager warm-up, before any capture starts."""
+
+
+@contextmanager
+def _no_host_syncs() -> Iterator[None]:
+    """CUDA's synchronising operations raise inside (``torch.cuda.set_sync_debug_mode("error")``)."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+def _first_device(obj: Any) -> torch.device | None:
+    tensors, _ = flatten(obj)
+    return next((t.device for t in tensors if t.device.type == "cuda"), None)
+
+
 class CudaGraphBackend:
-    """The real thing: ``torch.cuda.graph`` / ``torch.cuda.make_graphed_callables``."""
+    """The real thing: ``torch.cuda.graph`` / ``torch.cuda.make_graphed_callables``.
+
+    All graphs of one backend share one memory pool (``pool``): safe as long as they are never replayed
+    concurrently and each replay's outputs are consumed (cloned) before another graph of the pool
+    replays -- a later capture may reuse, for its outputs, memory an earlier graph uses as scratch.
+    """
 
     device_type = "cuda"
 
     def __init__(
         self, warmup_iters: int = DEFAULT_WARMUP_ITERS, pool: Any = None, capture_error_mode: str = "thread_local"
     ) -> None:
+        if warmup_iters < 2:
+            raise ValueError("warmup_iters must be >= 2 (one to fill lazy caches, then sync-checked ones)")
         self.warmup_iters = warmup_iters
         # "thread_local": CUDA calls of *other* threads during a capture (the NCCL watchdog polling its
         # events under DDP, a pin-memory thread) do not invalidate it; "global" would forbid them
@@ -130,15 +169,42 @@ class CudaGraphBackend:
         return torch.cuda.is_available()
 
     def capture(self, fn: Callable[..., Any], static_args: tuple) -> Callable[[], Any]:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(self.warmup_iters):
-                fn(*static_args)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=self.capture_error_mode):
-            static_out = fn(*static_args)
+        device = _first_device(static_args) or torch.device("cuda", torch.cuda.current_device())
+        with ExitStack() as stack:
+            stack.enter_context(torch.cuda.device(device))
+            if torch.is_autocast_enabled("cuda"):
+                # the autocast weight-cast cache must be off while capturing: a cast cached before the
+                # capture would be read by every replay (stale weights), one cached inside it would
+                # hand graph-pool memory to later eager code
+                dtype = torch.get_autocast_dtype("cuda")
+                stack.enter_context(torch.autocast("cuda", dtype=dtype, cache_enabled=False))
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for i in range(self.warmup_iters):
+                    if i == 0:  # fills lazy caches (their one-off host-to-device copies are fine here)
+                        fn(*static_args)
+                        continue
+                    try:
+                        with _no_host_syncs():
+                            fn(*static_args)
+                    except RuntimeError as exc:
+                        if "synchronizing CUDA operation" not in str(exc):
+                            raise
+                        raise HostSyncInCapturedRegion(
+                            f"the function synchronises with the host, so it cannot be captured ({exc})"
+                        ).with_traceback(exc.__traceback__) from None
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            previous = torch.cuda.current_stream()
+            try:
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=self.capture_error_mode):
+                    static_out = fn(*static_args)
+            finally:
+                # torch.cuda.graph.__exit__ skips restoring the stream when capture_end raises (an
+                # invalidated capture): every later kernel would run on the capture side stream
+                if torch.cuda.current_stream() != previous:
+                    torch.cuda.set_stream(previous)
 
         def replay() -> Any:
             graph.replay()
@@ -147,6 +213,8 @@ class CudaGraphBackend:
         return replay
 
     def capture_with_grad(self, module: torch.nn.Module, example_args: tuple) -> Callable[..., Any]:
+        if not all(isinstance(a, torch.Tensor) for a in example_args):
+            raise TypeError("grad-mode capture (make_graphed_callables) takes a flat tuple of tensors")
         return torch.cuda.make_graphed_callables(
             module, example_args, num_warmup_iters=self.warmup_iters, allow_unused_input=True
         )

@@ -19,10 +19,13 @@ What is captured, and when:
   ``init_stop``, i.e. before ``run_start``): on a synthetic batch with the training shapes (crop size,
   MSA clusters, extra MSA, templates: :func:`synthetic_step_batch`; the training pipeline pads every
   sample to them), one graph per recycling count ``1 .. R-1`` is captured (the backend runs a few eager
-  iterations on a side stream first), replayed once and compared with an eager run of the same passes
-  from the same RNG seed. The RNG state is restored afterwards, so warm-up does not shift the run's
-  random numbers, and no training data is read before ``run_start`` (the batch is synthetic).
-  Afterwards the cache captures nothing more: no capture inside the timed region.
+  iterations on a side stream first, all but the first with CUDA's sync check on, so a host sync in
+  the passes is reported with its file and line before any capture starts), replayed once and
+  compared with an eager run of the same passes from the same RNG seed: the recycled state, and the
+  state every random number generator is left in (torch CPU/CUDA, Python, NumPy). The RNG state is
+  restored afterwards, so warm-up does not shift the run's random numbers, and no training data is
+  read before ``run_start`` (the batch is synthetic). Afterwards the cache captures nothing more: no
+  capture inside the timed region.
 * **Step**: the live slices are copied into the graph's static input buffers, the graph is replayed,
   its recycled state cloned (static outputs are overwritten by the next replay, and graphs share one
   memory pool); then ``net(batch)`` runs with the model's first ``n`` passes short-circuited to that
@@ -36,14 +39,18 @@ Fallbacks (the same numbers as the plain path, through ``net(batch)``):
 * CPU / ``--cuda-graphs off`` / unsupported layouts: :meth:`GraphedStep.__call__` is ``net(batch)``
   (a transparent pass-through: bit-identical losses);
 * a step whose key was not captured (other shapes, another autocast state, ...): eager, the reason
-  logged once per key (:attr:`GraphedStepStats.eager_miss`);
+  logged once per recycling count and precision (``tag``), not per shape set: every miss is counted
+  in :attr:`GraphedStepStats.eager_miss` and the run's summary;
 * a capture that raises, or a replay that disagrees with eager at warm-up: graphs are switched off
   for the run, the reason logged once (every later step eager);
+* the parameters' storage reallocated after warm-up (``.data`` replaced, ``Module.to``; a graph reads
+  them by address): graphs are switched off at the next step, logged once;
 * ``n = 0`` (no no-grad pass) and calls under ``torch.no_grad``: eager.
 
-Modes (:func:`resolve_mode`): ``auto`` -- on for CUDA devices without DAP/BP, off elsewhere; ``on``
--- the same, but a run where graphs cannot be used (not CUDA, DAP/BP > 1) is refused
-(:class:`CudaGraphsUnavailable`, exit status 3 from the CLI); ``off`` -- never.
+Modes (:func:`resolve_mode`): ``auto`` -- on for CUDA devices without DAP/BP or the Parallel
+Evoformer, off elsewhere; ``on`` -- the same, but a run where graphs cannot be used (not CUDA, DAP/BP >
+1, ``--parallel-evoformer``: :func:`uncapturable_reason`) is refused (:class:`CudaGraphsUnavailable`,
+exit status 3 from the CLI); ``off`` -- never.
 
 Limits (by design; validate on a GPU before relying on the speed-up):
 
@@ -63,19 +70,25 @@ Limits (by design; validate on a GPU before relying on the speed-up):
 * The graphed share of a step is the no-grad passes only: with ``R = 4`` (3 recycling iterations),
   ``n`` averages 1.5 no-grad passes against one forward + backward (about 3 forward passes).
 * Parameters must stay at their addresses (``FlatAdamSWA`` updates its flat buffers in place; resume
-  and ``--init-from`` load before warm-up) -- a graph reads them by address. ``--compile`` regions
-  are traced by their own warm-up before capture.
+  and ``--init-from`` load before warm-up) -- a graph reads them by address (checked every step).
+  ``--compile`` regions are traced by their own warm-up before capture.
+* Memory: the graphs of all recycling counts share one pool (about the peak of the largest no-grad
+  pass plus each graph's recycled state), held for the run and not available to the eager grad pass.
 """
 
 from __future__ import annotations
 
+import random
 import sys
 import time
+import traceback
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from scalefold.train.cuda_graphs import CudaGraphBackend, CudaGraphCache, GraphBackend
@@ -92,8 +105,9 @@ class CudaGraphsUnavailable(ValueError):
 
 
 def resolve_mode(mode: str, device_type: str, model_parallel: int = 1, backend_available: bool = True,
-                 graph_device_type: str = "cuda") -> tuple[bool, str]:  # fmt: skip
-    """``(graphs on, why)`` for ``--cuda-graphs mode`` on ``device_type`` with DAP x BP = ``model_parallel``.
+                 graph_device_type: str = "cuda", unsupported: str | None = None) -> tuple[bool, str]:  # fmt: skip
+    """``(graphs on, why)`` for ``--cuda-graphs mode`` on ``device_type`` with DAP x BP = ``model_parallel``;
+    ``unsupported``: why the model's recycling passes cannot be captured (:func:`uncapturable_reason`).
 
     ``on`` raises :class:`CudaGraphsUnavailable` where graphs cannot be used; ``auto`` quietly resolves to off there.
     """
@@ -113,7 +127,27 @@ def resolve_mode(mode: str, device_type: str, model_parallel: int = 1, backend_a
                 f"--cuda-graphs on is not supported with --dap/--bp > 1 ({why}); use auto or off"
             )
         return False, why
+    if unsupported:
+        if mode == "on":
+            raise CudaGraphsUnavailable(f"--cuda-graphs on is not supported here: {unsupported}; use auto or off")
+        return False, unsupported
     return True, f"--cuda-graphs {mode}: CUDA device, no DAP/BP"
+
+
+def uncapturable_reason(model: torch.nn.Module) -> str | None:
+    """Why ``model``'s no-grad recycling passes cannot be captured, or ``None``.
+
+    The Parallel Evoformer (``--parallel-evoformer``) draws per-block branch seeds from the CPU generator
+    and reseeds the CUDA generator inside every block (``branch_seeds`` / ``branch_rng`` in
+    :mod:`scalefold.distributed.branch_parallel`): a graph would bake the seeds of its capture into every
+    replay (the same dropout masks each step) and the host RNG stream would no longer match eager.
+    """
+    return PARALLEL_EVOFORMER_UNCAPTURABLE if getattr(model, "parallel_evoformer", False) else None
+
+
+PARALLEL_EVOFORMER_UNCAPTURABLE = (
+    "the Parallel Evoformer reseeds the RNG inside the recycling passes (branch_rng), which a CUDA graph would freeze"
+)
 
 
 @dataclass
@@ -163,6 +197,8 @@ class GraphedStep:
         self.cache = CudaGraphCache(self._nograd_passes, backend=backend, enabled=enabled and backend is not None)
         self.stats = GraphedStepStats()
         self._missed: set = set()
+        self._params: list[torch.Tensor] = []  # the parameters the graphs read, and their addresses at capture
+        self._param_ptrs: list[int] | None = None
         method = getattr(type(model), "iteration", None)  # the class's method, never a swapped one
         self._iteration = method.__get__(model) if method is not None else None
         if self.active and self._iteration is None:
@@ -181,6 +217,13 @@ class GraphedStep:
         n = int(batch["aatype"].shape[-1]) - 1
         if n < 1:
             self.stats.eager_no_passes += 1
+            return self.net(batch)
+        if self._param_ptrs is not None and self._param_ptrs != list(map(torch.Tensor.data_ptr, self._params)):
+            # a graph reads the parameters by address: replaying it now would compute with freed
+            # memory (parameter storage reallocated after warm-up: .data replaced, Module.to(); ~0.5 ms
+            # a step for the 5,044 tensors of the mlperf model)
+            self._turn_off("the model's parameters moved since the graphs were captured")
+            self.stats.eager_off += 1
             return self.net(batch)
         inputs = self._inputs(batch, n)
         tag = self._tag(n, batch["aatype"].device.type)
@@ -225,9 +268,8 @@ class GraphedStep:
                         self.cache(inputs, tag=tag)  # capture (+ one replay)
                         problem = self._check_replay(inputs, tag)
                     except Exception as exc:  # noqa: BLE001 -- any capture failure: eager for the run
-                        problem = (
-                            f"capture failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                        )
+                        first_line = str(exc).splitlines()[0] if str(exc) else ""
+                        problem = f"capture failed: {type(exc).__name__}: {first_line}{_where(exc)}"
                     if problem is not None:
                         self._turn_off(f"recycling count {n}: {problem}")
                         captured = []
@@ -236,6 +278,9 @@ class GraphedStep:
         finally:
             self.cache.end_warmup()
             self.model.train(was_training)
+        if self.active and captured:
+            self._params = list(self.model.parameters())
+            self._param_ptrs = list(map(torch.Tensor.data_ptr, self._params))
         if self.active and self.log is not None:
             self.log(f"cuda graphs: captured the no-grad recycling passes of recycling counts {captured} "
                      f"in {time.perf_counter() - t0:.1f} s ({self.reason}); the grad pass, loss and "
@@ -308,11 +353,16 @@ class GraphedStep:
             raise RuntimeError(f"cuda graphs: the model ran {calls} passes, expected {n + 1}")
 
     def _check_replay(self, inputs: Mapping[str, torch.Tensor], tag: Hashable) -> str | None:
-        """``None`` when a replay matches the eager passes from the same seed, else the problem."""
+        """``None`` when a replay matches the eager passes from the same seed -- values, and the random
+        number generators' states afterwards (the grad pass must draw what it draws after the eager
+        passes) --, else the problem."""
+        device = next(iter(inputs.values())).device
         torch.manual_seed(_VALIDATION_SEED)
         graphed = [t.clone() for t in self.cache(inputs, tag=tag)]
+        rng_graphed = _rng_states(device)
         torch.manual_seed(_VALIDATION_SEED)
         eager = self._nograd_passes(inputs)
+        rng_eager = _rng_states(device)
         for name, g, e in zip(("m0", "z", "x"), graphed, eager):
             g, e = g.float(), e.float()
             if not bool(torch.isfinite(e).all()):
@@ -322,31 +372,70 @@ class GraphedStep:
             rel = float((g - e).norm() / e.norm().clamp_min(1e-12))
             if rel > self.tolerance:
                 return f"replay differs from eager ({name}: relative error {rel:.2e} > {self.tolerance:.0e})"
+        for (which, g), (_, e) in zip(rng_graphed, rng_eager):
+            if not _same_state(g, e):
+                return (f"the replay leaves the {which} random number generator in another state than the eager "
+                        "passes (random numbers drawn on the host, a private generator or a reseed inside the "
+                        "captured passes?)")  # fmt: skip
         return None
 
     def _turn_off(self, why: str) -> None:
         self.reason = f"turned off: {why}"
         self.cache.enabled = False
-        self.cache.clear()
+        self.cache.clear()  # the graphs, their static buffers and (once unreferenced) their memory pool
+        self._params, self._param_ptrs = [], None
         if self.backend is not None and self.backend.device_type == "cuda" and torch.cuda.is_available():
             try:
                 torch.cuda.synchronize()
+                torch.cuda.empty_cache()  # hand the graphs' pool back to the eager allocator
             except Exception:  # noqa: BLE001 -- a broken capture may have left an error behind
                 pass
         self.warn(f"cuda graphs: {why}; every step runs eagerly")
 
     def _log_miss(self, n: int, inputs: Mapping[str, torch.Tensor], tag: Hashable) -> None:
-        key = self.cache.key(inputs, tag=tag)
-        if key in self._missed:
+        if tag in self._missed:  # once per tag: unpadded batches would otherwise log every new shape
             return
-        self._missed.add(key)
+        self._missed.add(tag)
         shapes = {name: tuple(t.shape) for name, t in list(inputs.items())[:3]}
         self.warn(f"cuda graphs: no graph for recycling count {n} with tag {tag} and input shapes {shapes}... "
-                  f"(captured {len(self.cache)} at warm-up); such steps run eagerly")  # fmt: skip
+                  f"(captured {len(self.cache)} at warm-up); such steps run eagerly (not logged again for "
+                  "this recycling count; counted in the summary)")  # fmt: skip
 
     def _stderr(self, line: str) -> None:
         sys.stderr.write(f"rank {self.rank}: {line}\n")
         sys.stderr.flush()
+
+
+def _rng_states(device: torch.device) -> list[tuple[str, Any]]:
+    """The generators a captured region must leave as eager code would: torch's CPU and (CUDA) device
+    generators, Python's ``random`` and NumPy's global state."""
+    states: list[tuple[str, Any]] = [("torch CPU", torch.get_rng_state())]
+    if device.type == "cuda":
+        states.append(("CUDA", torch.cuda.get_rng_state(device)))
+    states += [("Python", random.getstate()), ("NumPy", np.random.get_state())]
+    return states
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a, b)
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _where(exc: BaseException) -> str:
+    """`` at path:line (function)`` of the innermost frame of the ``scalefold`` package, outside this
+    machinery, that raised ``exc`` (e.g. the model line doing a host sync), or ``""``."""
+    package = Path(__file__).resolve().parents[1]  # .../scalefold
+    ours = {Path(__file__).resolve(), package / "train" / "cuda_graphs.py"}
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        path = Path(frame.filename).resolve()
+        if path.is_relative_to(package) and path not in ours:
+            return f" at {path.relative_to(package.parent)}:{frame.lineno} ({frame.name})"
+    return ""
 
 
 def synthetic_step_batch(features: Any, model: torch.nn.Module, device: torch.device,
@@ -385,7 +474,8 @@ def setup_graphed_step(
     """
     available = backend.is_available() if backend is not None else torch.cuda.is_available()
     graph_device = backend.device_type if backend is not None else "cuda"
-    enabled, reason = resolve_mode(mode, device.type, model_parallel, available, graph_device)
+    enabled, reason = resolve_mode(mode, device.type, model_parallel, available, graph_device,
+                                   unsupported=uncapturable_reason(model))  # fmt: skip
     log = (lambda line: print(line, flush=True)) if verbose else None
     step = GraphedStep(model, net, enabled=enabled, reason=reason, backend=backend, log=log, rank=rank)
     if step.active:
@@ -403,4 +493,5 @@ __all__ = [
     "resolve_mode",
     "setup_graphed_step",
     "synthetic_step_batch",
+    "uncapturable_reason",
 ]

@@ -68,7 +68,8 @@ from scalefold.train.checkpoint_io import (
 from scalefold.train.config import TrainConfig
 from scalefold.train.flat_optimizer import FlatAdamSWA
 from scalefold.train.grad_clipping import GradClipper
-from scalefold.train.graphed_step import setup_graphed_step, synthetic_step_batch
+from scalefold.train.graphed_step import PARALLEL_EVOFORMER_UNCAPTURABLE, setup_graphed_step, synthetic_step_batch
+from scalefold.train.graphed_step import resolve_mode as resolve_graph_mode
 from scalefold.train.lr_schedule import WarmupConstantLR
 from scalefold.train.plots import plot_metrics
 from scalefold.train.runtime import Runtime, init_distributed, shutdown
@@ -420,6 +421,10 @@ def train(cfg: TrainConfig) -> TrainResult:
     start_multiprocessing_helpers_ignoring_stop_signals()
     finished = False  # this rank's run returned: it meets its peers at the exit barrier (shutdown)
     try:
+        # --cuda-graphs on where graphs cannot run is refused on every rank before anything is logged or built
+        # (evaluation ranks included, which would otherwise wait for a run_start that never comes)
+        resolve_graph_mode(cfg.cuda_graphs, runtime.device.type, model_parallel=cfg.dap * cfg.bp,
+                           unsupported=PARALLEL_EVOFORMER_UNCAPTURABLE if cfg.parallel_evoformer else None)  # fmt: skip
         with StopRequest() as stop_request:
             result = _train(cfg, runtime, stop_request)
         finished = True

@@ -6,7 +6,16 @@ import pytest
 import torch
 import torch.nn as nn
 
-from scalefold.train.cuda_graphs import CudaGraphBackend, CudaGraphCache, flatten, make_key, unflatten
+from scalefold.train.cuda_graphs import (
+    CudaGraphBackend,
+    CudaGraphCache,
+    HostSyncInCapturedRegion,
+    flatten,
+    make_key,
+    unflatten,
+)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 class FakeBackend:
@@ -133,3 +142,63 @@ def test_has_and_key_report_what_a_call_would_do():
         assert cache.key(*args, tag=0) in cache.keys()
     assert not cache.has(*args, tag=0)  # grad mode is part of the key
     assert not CudaGraphCache(_fn, backend=FakeBackend(available=False)).has(*args, tag=0)
+
+
+@needs_cuda
+def test_real_backend_refuses_a_host_sync_before_capturing():
+    """A function that syncs with the host (``.item()``) is refused by the sync-checked warm-up, before any
+    capture; the caller's stream and the sync debug mode are left as they were."""
+    stream, mode = torch.cuda.current_stream(), torch.cuda.get_sync_debug_mode()
+    x = torch.ones(4, device="cuda")
+    with torch.no_grad(), pytest.raises(HostSyncInCapturedRegion, match="synchronizing"):
+        CudaGraphBackend().capture(lambda t: t * t.sum().item(), (x,))
+    assert torch.cuda.current_stream() == stream and torch.cuda.get_sync_debug_mode() == mode
+
+
+@needs_cuda
+def test_real_backend_restores_the_stream_after_a_failed_capture():
+    """A capture that breaks inside torch.cuda.graph (a sync the warm-up did not see) raises, and later work
+    runs on the caller's stream again (torch.cuda.graph leaves its capture stream current otherwise)."""
+    stream = torch.cuda.current_stream()
+    calls = []
+
+    def fn(t):
+        calls.append(1)
+        return t * (t.sum().item() if len(calls) > 3 else 1.0)  # syncs only in the capture (4th call)
+
+    with torch.no_grad(), pytest.raises(Exception):
+        CudaGraphBackend(warmup_iters=3).capture(fn, (torch.ones(4, device="cuda"),))
+    assert torch.cuda.current_stream() == stream
+    torch.cuda.synchronize()
+    assert float((torch.ones(3, device="cuda") * 2).sum()) == 6.0
+
+
+@needs_cuda
+def test_real_replay_advances_the_cuda_rng_as_eager():
+    """Dropout in a captured region: from the same seed, a replay draws the eager masks and leaves the CUDA
+    generator where the eager call leaves it (the next eager op draws the same numbers)."""
+    x = torch.ones(64, 64, device="cuda")
+    fn = lambda t: torch.nn.functional.dropout(t, p=0.5, training=True)  # noqa: E731
+    with torch.no_grad():
+        replay = CudaGraphBackend().capture(fn, (x,))
+        torch.manual_seed(7)
+        graphed, state_graphed = replay().clone(), torch.cuda.get_rng_state()
+        torch.manual_seed(7)
+        eager, state_eager = fn(x), torch.cuda.get_rng_state()
+    assert torch.equal(graphed, eager) and torch.equal(state_graphed, state_eager)
+
+
+@needs_cuda
+def test_real_capture_under_autocast_reads_current_weights():
+    """Under autocast a captured linear layer reads the fp32 weights at replay time (the weight-cast cache is
+    off during capture), so in-place weight updates after capture reach the replay."""
+    module = nn.Linear(8, 8).cuda()
+    x = torch.randn(4, 8, device="cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        module(x)  # a cached bf16 cast of the weight, if the cache were on
+        cache = CudaGraphCache(module, backend=CudaGraphBackend())
+        cache(x, tag=0)
+        module.weight.mul_(2.0)  # in place, as the optimizer updates it
+        graphed = cache(x, tag=0).clone()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        torch.testing.assert_close(graphed, module(x))  # a fresh autocast region: the current weights

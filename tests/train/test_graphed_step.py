@@ -9,6 +9,8 @@ checked by the CUDA-only test at the end.
 from __future__ import annotations
 
 import json
+import re
+from unittest import mock
 
 import pytest
 import torch
@@ -17,7 +19,13 @@ from scalefold.data.pipeline import FeatureConfig
 from scalefold.losses import AlphaFoldLoss
 from scalefold.model import AlphaFold, AlphaFoldConfig
 from scalefold.model.features import make_synthetic_batch
-from scalefold.train.graphed_step import GraphedStep, resolve_mode, setup_graphed_step, synthetic_step_batch
+from scalefold.train.graphed_step import (
+    CudaGraphsUnavailable,
+    GraphedStep,
+    resolve_mode,
+    setup_graphed_step,
+    synthetic_step_batch,
+)
 from scalefold.train.steps import float_outputs
 
 DROPOUT = {  # dropout on, so the RNG order of the graphed path is checked too
@@ -33,8 +41,8 @@ class FakeBackend:
 
     device_type = "cpu"
 
-    def __init__(self, fail: bool = False, corrupt: bool = False) -> None:
-        self.fail, self.corrupt = fail, corrupt
+    def __init__(self, fail: bool = False, corrupt: bool = False, frozen_rng: bool = False) -> None:
+        self.fail, self.corrupt, self.frozen_rng = fail, corrupt, frozen_rng
         self.captures = 0
 
     def is_available(self) -> bool:
@@ -46,6 +54,13 @@ class FakeBackend:
         self.captures += 1
         if self.corrupt:  # a graph reading the wrong memory
             return lambda: tuple(torch.full_like(t, 7.0) for t in fn(*static_args))
+        if self.frozen_rng:  # a graph that does not advance the generator (or baked host random numbers in)
+
+            def replay():
+                with torch.random.fork_rng(devices=[]):
+                    return fn(*static_args)
+
+            return replay
         return lambda: fn(*static_args)
 
     def capture_with_grad(self, module, example_args):  # pragma: no cover -- never asked for
@@ -107,6 +122,9 @@ def test_resolve_mode():
         resolve_mode("on", "cuda", model_parallel=4)
     with pytest.raises(ValueError, match="must be one of"):
         resolve_mode("yes", "cuda")
+    assert resolve_mode("auto", "cuda", unsupported="frozen RNG") == (False, "frozen RNG")
+    with pytest.raises(CudaGraphsUnavailable, match="frozen RNG"):
+        resolve_mode("on", "cuda", unsupported="frozen RNG")
 
 
 def test_cpu_auto_is_a_pass_through(tiny):
@@ -156,11 +174,10 @@ def test_uncaptured_shapes_fall_back_to_eager_with_one_logged_reason(tiny):
     small = make_synthetic_batch(8, 4, 8, 2, num_recycling_iters=1, tf_dim=emb.tf_dim, msa_dim=emb.msa_dim)
     step.warm_up(small)
     other = make_synthetic_batch(12, 4, 8, 2, num_recycling_iters=1, tf_dim=emb.tf_dim, msa_dim=emb.msa_dim)
-    for _ in range(2):
-        _assert_identical(
-            _loss_and_grads(model, model, loss_fn, other, 5), _loss_and_grads(step, model, loss_fn, other, 5)
-        )
-    assert step.stats.eager_miss == 2 and step.stats.graphed == 0
+    third = make_synthetic_batch(10, 4, 8, 2, num_recycling_iters=1, tf_dim=emb.tf_dim, msa_dim=emb.msa_dim)
+    for b in (other, other, third):  # two uncaptured shape sets of one recycling count: one line
+        _assert_identical(_loss_and_grads(model, model, loss_fn, b, 5), _loss_and_grads(step, model, loss_fn, b, 5))
+    assert step.stats.eager_miss == 3 and step.stats.graphed == 0
     assert len(warned) == 1 and "no graph for recycling count 1" in warned[0]
     assert len(step.cache) == 1  # nothing captured after warm-up
 
@@ -176,6 +193,69 @@ def test_failed_or_wrong_capture_turns_graphs_off(tiny, backend):
     assert not step.active and len(step.cache) == 0
     assert len(warned) == 1 and "recycling count 1" in warned[0] and "eagerly" in warned[0]
     assert ("capture failed" in warned[0]) if backend.fail else ("differs from eager" in warned[0])
+
+
+def test_replay_that_leaves_the_rng_elsewhere_turns_graphs_off(tiny):
+    """A replay whose values match eager but which does not advance the random number generators as the
+    eager passes do (so the grad pass would draw other dropout masks) is refused at warm-up."""
+    model, _, batch = tiny
+    warned = []
+    step = GraphedStep(model, enabled=True, backend=FakeBackend(frozen_rng=True), warn=warned.append)
+    assert step.warm_up(_sliced(batch, 1)) == []
+    assert not step.active and len(warned) == 1 and "torch CPU random number generator" in warned[0]
+
+
+def test_capture_failure_names_the_model_line(tiny):
+    """A capture that fails inside the model (here: a host sync, as the real backend's sync-checked
+    warm-up reports it) is logged with the model's file and line, so the first GPU run says what to fix."""
+    model, _, batch = tiny
+    warned = []
+
+    def host_sync(*args, **kwargs):
+        raise RuntimeError("called a synchronizing CUDA operation")
+
+    class SyncingBackend(FakeBackend):
+        def capture(self, fn, static_args):
+            with mock.patch("torch.nn.functional.one_hot", host_sync):
+                fn(*static_args)
+            return super().capture(fn, static_args)
+
+    step = GraphedStep(model, enabled=True, backend=SyncingBackend(), warn=warned.append)
+    assert step.warm_up(_sliced(batch, 1)) == []
+    assert len(warned) == 1 and "synchronizing CUDA operation" in warned[0]
+    assert re.search(r" at scalefold/model/\w+\.py:\d+ \(\w+\)", warned[0]), warned[0]
+
+
+def test_parallel_evoformer_is_not_captured():
+    """The Parallel Evoformer reseeds the RNG inside the recycling passes (a graph would freeze the seeds):
+    `auto` leaves graphs off without capturing, `on` is refused before training."""
+    cfg = AlphaFoldConfig.from_preset("tiny", overrides={"num_recycling_iters": 1})
+    model = AlphaFold(cfg, activation_checkpointing=False, parallel_evoformer=True)
+    features = FeatureConfig.from_reference_config(cfg.to_dict())
+    backend = FakeBackend()
+    args = (model, model, features, torch.device("cpu"), torch.float32, False)
+    step = setup_graphed_step("auto", *args, verbose=False, backend=backend)
+    assert not step.active and backend.captures == 0 and "Parallel Evoformer" in step.reason
+    with pytest.raises(CudaGraphsUnavailable, match="Parallel Evoformer"):
+        setup_graphed_step("on", *args, verbose=False, backend=backend)
+
+
+def test_moved_parameters_turn_graphs_off(tiny):
+    """Graphs read the parameters by address: if they are reallocated after warm-up, the next step turns
+    graphs off (logged once) and runs eagerly -- the plain path's loss, never a replay of stale memory."""
+    model, loss_fn, batch = tiny
+    warned = []
+    step = GraphedStep(model, enabled=True, backend=FakeBackend(), warn=warned.append)
+    assert step.warm_up(batch) == [1, 2]
+    b = _sliced(batch, 1)
+    _assert_identical(_loss_and_grads(model, model, loss_fn, b, 3), _loss_and_grads(step, model, loss_fn, b, 3))
+    assert step.stats.graphed == 1
+    param = next(model.parameters())
+    param.data = param.data.clone()  # same values, new address
+    for _ in range(2):
+        _assert_identical(_loss_and_grads(model, model, loss_fn, b, 4), _loss_and_grads(step, model, loss_fn, b, 4))
+    assert not step.active and step.stats.graphed == 1 and step.stats.eager_off == 2
+    assert len(warned) == 1 and "parameters moved" in warned[0]
 
 
 def test_synthetic_warm_up_batch_has_the_training_shapes(tmp_path):
@@ -229,6 +309,7 @@ def test_tiny_training_run_is_identical_with_graphs_auto_off_and_fake(tmp_path, 
         return created[-1]
 
     monkeypatch.setattr(loop, "setup_graphed_step", fake_setup)
+    monkeypatch.setattr(loop, "resolve_graph_mode", lambda *a, **k: (True, "fake backend"))  # train()'s early check
     assert main([*common, "--out", str(tmp_path / "fake"), "--cuda-graphs", "on"]) == 0
     off, auto, fake = (_metrics(tmp_path / m / "metrics.jsonl") for m in ("off", "auto", "fake"))
     assert len(off) == 2 and off == auto == fake
@@ -247,7 +328,7 @@ def test_real_cuda_graphs_match_eager(tiny, autocast):
     model = AlphaFold(model.config, activation_checkpointing=True).cuda()
     batch = {k: v.cuda() for k, v in batch.items()}
     step = GraphedStep(model, enabled=True, log=print)
-    assert step.warm_up(batch, autocast=autocast) == [1, 2]
+    assert step.warm_up(batch, autocast=autocast) == [1, 2], step.reason  # e.g. a host sync in the model
     tol = dict(rtol=2e-2, atol=2e-3) if autocast else dict(rtol=1e-4, atol=1e-5)
     for i, n in enumerate((2, 1, 0, 2)):
         b = _sliced(batch, n)
@@ -287,3 +368,4 @@ def test_cuda_graphs_option_is_validated(tmp_path):
         ]
         assert main(args) == 3
         assert not (out / "metrics.jsonl").exists()
+        assert not (out / "mlperf.log").exists()  # refused before init_start, on every rank
