@@ -43,11 +43,6 @@
 # NCCL ranks ("duplicate GPU"), so on a 1-GPU machine bench_dap runs DAP 1 only (NCCL initialised,
 # no collective); DAP 2/4/8 over NCCL needs a machine with that many GPUs.
 #
-# Expected failure that is the test's own (not a kernel bug):
-# test_graphed_step.py::test_tiny_training_run_is_identical_with_graphs_auto_off_and_fake passes a
-# CPU fake backend to a run that computes on CUDA (`--cuda-graphs on` is refused, exit 3), unless
-# that test has been made device-aware since. (The kernel tests use CUDA tensors when CUDA is there.)
-#
 # Output ($OUT: at most 8 files come back from the device tool, so the detail is packed):
 #   $OUT/SUMMARY.txt       one line per part: status, exit code, seconds, limit, last log line
 #   $OUT/session.log       the whole console output

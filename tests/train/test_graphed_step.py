@@ -290,6 +290,8 @@ def _metrics(path):
     ]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU integration test (auto means real graphs on CUDA: "
+                    "test_real_cuda_graphs_match_eager and bench/gpu_session.sh cover that)")
 def test_tiny_training_run_is_identical_with_graphs_auto_off_and_fake(tmp_path, monkeypatch):
     """`scalefold train --preset tiny --max-steps 2`: --cuda-graphs auto (CPU: pass-through) and off give
     bit-identical losses; so does a run whose graphs are captured before run_start by the fake backend
