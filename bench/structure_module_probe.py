@@ -64,10 +64,14 @@ class PerfectInputs(torch.nn.Module):
         return self.single(F.one_hot(aatype.clamp(max=20), 21).float()), self.pair(pair)
 
 
-def structure_module(cfg: TrainConfig, num_blocks: int | None) -> tuple[StructureModule, int, int]:
+def structure_module(
+    cfg: TrainConfig, num_blocks: int | None, dropout: float | None = None
+) -> tuple[StructureModule, int, int]:
     sm_cfg = build_model_config(cfg).to_dict()["structure_module_config"]
     if num_blocks:
         sm_cfg["num_blocks"] = num_blocks
+    if dropout is not None:
+        sm_cfg["dropout_rate"] = dropout
     accepted = inspect.signature(StructureModule.__init__).parameters
     return StructureModule(**{k: v for k, v in sm_cfg.items() if k in accepted}), sm_cfg["c_s"], sm_cfg["c_z"]
 
@@ -94,6 +98,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--sm-blocks", type=int, default=None, help="structure-module iterations (demo: 2)")
+    parser.add_argument("--sm-dropout", type=float, default=None, help="structure-module dropout (demo: 0.1)")
     parser.add_argument("--clamped-fraction", type=float, default=0.9, help="steps with clamped FAPE")
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--eval-chains", type=int, default=12)
@@ -108,7 +113,7 @@ def main() -> None:
     features = FeatureConfig.from_reference_config(build_model_config(cfg).to_dict())
     with Store.open(cfg.store) as store:
         train_ids, _, val_ids = split_chains(store, cfg)
-    sm, c_s, c_z = structure_module(cfg, args.sm_blocks)
+    sm, c_s, c_z = structure_module(cfg, args.sm_blocks, args.sm_dropout)
     inputs = PerfectInputs(c_s, c_z)
     opt = torch.optim.Adam([*sm.parameters(), *inputs.parameters()], lr=args.lr, eps=1e-6)
     train_sample = StoreSample(cfg.store, train_ids, features, mode="train")
