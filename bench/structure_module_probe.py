@@ -21,7 +21,6 @@ step budget, the full model, whose pair representation must be learned first, ca
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 
 from scalefold.data.pipeline import FeatureConfig
 from scalefold.data.store import Store
+from scalefold.losses.distogram import distogram_bin_index
 from scalefold.losses.fape import backbone_fape_loss
 from scalefold.metrics import validation_lddt_ca
 from scalefold.model.structure_module import StructureModule
@@ -39,7 +39,7 @@ from scalefold.train.config import TrainConfig
 from scalefold.train.loop import build_model_config, ensure_store, split_chains
 from scalefold.train.sample import StoreSample
 
-DISTANCE_EDGES = torch.linspace(3.25, 50.75, 39)  # the distogram's bin edges
+DISTANCE_BINS = (3.25, 50.75, 40)  # 39 evenly spaced edges (the template distogram's), 40 bins
 MAX_RELPOS = 32
 
 
@@ -49,14 +49,13 @@ class PerfectInputs(torch.nn.Module):
     def __init__(self, c_s: int, c_z: int) -> None:
         super().__init__()
         self.single = torch.nn.Linear(21, c_s)
-        self.pair = torch.nn.Linear(len(DISTANCE_EDGES) + 1 + 2 * MAX_RELPOS + 1, c_z)
+        self.pair = torch.nn.Linear(DISTANCE_BINS[2] + 2 * MAX_RELPOS + 1, c_z)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         aatype = batch["aatype"][..., -1]
         ca = batch["all_atom_positions"][..., -1][..., 1, :]  # [1, N, 3]
         ca_mask = batch["all_atom_mask"][..., -1][..., 1]
-        bins = (torch.cdist(ca, ca)[..., None] > DISTANCE_EDGES).sum(-1)
-        distance = F.one_hot(bins, len(DISTANCE_EDGES) + 1).float()
+        distance = F.one_hot(distogram_bin_index(ca, *DISTANCE_BINS), DISTANCE_BINS[2]).float()
         distance = distance * (ca_mask[..., :, None] * ca_mask[..., None, :])[..., None]  # unknown: all zero
         index = batch["residue_index"][..., -1]
         relpos = (index[..., :, None] - index[..., None, :]).clamp(-MAX_RELPOS, MAX_RELPOS) + MAX_RELPOS
@@ -64,16 +63,15 @@ class PerfectInputs(torch.nn.Module):
         return self.single(F.one_hot(aatype.clamp(max=20), 21).float()), self.pair(pair)
 
 
-def structure_module(
-    cfg: TrainConfig, num_blocks: int | None, dropout: float | None = None
-) -> tuple[StructureModule, int, int]:
-    sm_cfg = build_model_config(cfg).to_dict()["structure_module_config"]
+def structure_module(sm_cfg: dict, num_blocks: int | None, dropout: float | None = None) -> StructureModule:
+    """The model config's structure module (as :class:`~scalefold.model.AlphaFold` builds it), with
+    optional iteration count and dropout overrides."""
+    sm_cfg = dict(sm_cfg)
     if num_blocks:
         sm_cfg["num_blocks"] = num_blocks
     if dropout is not None:
         sm_cfg["dropout_rate"] = dropout
-    accepted = inspect.signature(StructureModule.__init__).parameters
-    return StructureModule(**{k: v for k, v in sm_cfg.items() if k in accepted}), sm_cfg["c_s"], sm_cfg["c_z"]
+    return StructureModule(**sm_cfg)
 
 
 def validation_score(sm: StructureModule, inputs: PerfectInputs, batches: list[dict[str, torch.Tensor]]) -> float:
@@ -110,11 +108,13 @@ def main() -> None:
     overrides = {"store": args.store, "eval_max_chains": args.eval_chains}
     cfg = TrainConfig.from_preset("demo", overrides=overrides, env={})
     ensure_store(cfg)
-    features = FeatureConfig.from_reference_config(build_model_config(cfg).to_dict())
+    model_cfg = build_model_config(cfg).to_dict()
+    features = FeatureConfig.from_reference_config(model_cfg)
     with Store.open(cfg.store) as store:
         train_ids, _, val_ids = split_chains(store, cfg)
-    sm, c_s, c_z = structure_module(cfg, args.sm_blocks, args.sm_dropout)
-    inputs = PerfectInputs(c_s, c_z)
+    sm_cfg = model_cfg["structure_module_config"]
+    sm = structure_module(sm_cfg, args.sm_blocks, args.sm_dropout)
+    inputs = PerfectInputs(sm_cfg["c_s"], sm_cfg["c_z"])
     opt = torch.optim.Adam([*sm.parameters(), *inputs.parameters()], lr=args.lr, eps=1e-6)
     train_sample = StoreSample(cfg.store, train_ids, features, mode="train")
     val_sample = StoreSample(cfg.store, val_ids, features, mode="eval")

@@ -96,31 +96,6 @@ def _to_host(batch: Any, pin_memory: bool) -> Any:
     return batch
 
 
-def _tensor_nbytes(batch: Any) -> int:
-    try:
-        import torch
-    except ImportError:  # pragma: no cover
-        return 0
-    if isinstance(batch, dict):
-        return sum(_tensor_nbytes(v) for v in batch.values())
-    if isinstance(batch, (list, tuple)):
-        return sum(_tensor_nbytes(v) for v in batch)
-    if isinstance(batch, torch.Tensor):
-        return batch.numel() * batch.element_size()
-    return int(getattr(batch, "nbytes", 0))
-
-
-def _tensors(batch: Any) -> Iterator[Any]:
-    if isinstance(batch, dict):
-        for v in batch.values():
-            yield from _tensors(v)
-    elif isinstance(batch, (list, tuple)):
-        for v in batch:
-            yield from _tensors(v)
-    elif hasattr(batch, "device") and hasattr(batch, "is_pinned"):
-        yield batch
-
-
 class EvalCache:
     """This rank's validation batches, built once and then replayed from host memory.
 
@@ -167,15 +142,6 @@ class EvalCache:
     @property
     def filled(self) -> bool:
         return self._cache is not None
-
-    @property
-    def nbytes(self) -> int:
-        """Host memory held by the cached tensors/arrays (0 before :meth:`fill`)."""
-        return sum(_tensor_nbytes(b) for b in self._cache or ())
-
-    def devices(self) -> set[str]:
-        """Device types of the cached tensors (``{"cpu"}`` once filled: the cache is host-only)."""
-        return {t.device.type for b in self._cache or () for t in _tensors(b)}
 
     def _pin(self) -> bool:
         if not self.pin_memory:

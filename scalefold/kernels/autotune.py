@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from scalefold.errors import exception_summary
+
 CACHE_DIR_ENV = "SCALEFOLD_AUTOTUNE_DIR"
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "scalefold" / "autotune"
 # Benchmark settings (milliseconds of warm-up / measurement per candidate config).
@@ -138,7 +140,7 @@ class Tuner:
             try:
                 ms = triton.testing.do_bench(functools.partial(launch, cfg), warmup=BENCH_WARMUP_MS, rep=BENCH_REP_MS)
             except Exception as exc:  # out of shared memory / registers for this shape: not a candidate
-                errors.append(f"{cfg}: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
+                errors.append(f"{cfg}: {exception_summary(exc)}")
                 continue
             timings.append((ms, cfg))
         if not timings:  # every candidate failed: say why (a bad launch, not only a too-small device)

@@ -433,8 +433,9 @@ class AsyncEvalClient:
 # ----------------------------------------------------------------------------------------------
 
 
-def _batches_to(batch: dict[str, Any], device: torch.device, copy: bool) -> dict[str, Any]:
-    return {k: v.to(device, copy=copy) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+def _batches_to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """A copy of ``batch`` on ``device`` (the model may modify its inputs in place)."""
+    return {k: v.to(device, copy=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 class _EvalShard:
@@ -457,10 +458,12 @@ class _EvalShard:
                 raise ValueError(f"eval_batches returned {len(self._batches)} batches for {len(self.indices)} targets")
         self.num_targets = 0  # over the whole evaluation group (set after the setup reduction)
 
-    def __iter__(self):
+    def on(self, device: torch.device):
+        """``(target index, batch)`` with each batch a fresh copy on ``device`` (one copy: the cache's
+        own host-to-device copy, asynchronous from pinned memory)."""
         if self._cache is not None:
-            return ((i, b, False) for i, b in zip(self.indices, self._cache))  # the cache yields copies
-        return ((i, b, True) for i, b in zip(self.indices, self._batches))
+            return zip(self.indices, self._cache.batches(device))
+        return ((i, _batches_to(b, device)) for i, b in zip(self.indices, self._batches))
 
 
 def store_eval_cache(store_path: str, chain_ids: Sequence[str], features: Any, runtime: Runtime,
@@ -478,7 +481,8 @@ def store_eval_cache(store_path: str, chain_ids: Sequence[str], features: Any, r
     if not runtime.is_eval_rank:
         raise ValueError(f"rank {runtime.rank} is not an evaluation rank")
     return validation_cache(store_path, list(chain_ids), features, rank=runtime.eval_ranks.index(runtime.rank),
-                            num_ranks=len(runtime.eval_ranks), num_workers=num_workers)  # fmt: skip
+                            num_ranks=len(runtime.eval_ranks), num_workers=num_workers,
+                            pin_memory=runtime.device.type == "cuda")  # fmt: skip
 
 
 def _say(line: str) -> None:
@@ -729,8 +733,8 @@ def _score_shard(model: nn.Module, shard: _EvalShard, score_fn: Callable[[nn.Mod
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        for index, batch, copy in shard:
-            sums[index] = float(score_fn(model, _batches_to(batch, device, copy)))
+        for index, batch in shard.on(device):
+            sums[index] = float(score_fn(model, batch))
             sums[num_targets + index] = 1.0
     except Exception as exc:  # noqa: BLE001 -- shared with the group, reported to training
         error = _error_text(exc)

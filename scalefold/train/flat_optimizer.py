@@ -108,7 +108,7 @@ def _reference_update_(
         compute.copy_(param)
     if swa_copy:  # AveragedModel's first update copies the weights
         swa.copy_(param)
-    else:  # swa + (param - swa) * (1 - decay), one pass (lerp evaluates exactly that for weights < 0.5)
+    else:  # swa + (param - swa) * (1 - decay) in one pass (lerp may fuse the multiply-add: within 2 ulp)
         swa.lerp_(param, 1.0 - swa_decay)
 
 

@@ -43,8 +43,6 @@ Fallbacks (the same numbers as the plain path, through ``net(batch)``):
   in :attr:`GraphedStepStats.eager_miss` and the run's summary;
 * a capture that raises, or a replay that disagrees with eager at warm-up: graphs are switched off
   for the run, the reason logged once (every later step eager);
-* the parameters' storage reallocated after warm-up (``.data`` replaced, ``Module.to``; a graph reads
-  them by address): graphs are switched off at the next step, logged once;
 * ``n = 0`` (no no-grad pass) and calls under ``torch.no_grad``: eager.
 
 Modes (:func:`resolve_mode`): ``auto`` -- on for CUDA devices without DAP/BP or the Parallel
@@ -70,7 +68,8 @@ Limits (by design; validate on a GPU before relying on the speed-up):
 * The graphed share of a step is the no-grad passes only: with ``R = 4`` (3 recycling iterations),
   ``n`` averages 1.5 no-grad passes against one forward + backward (about 3 forward passes).
 * Parameters must stay at their addresses (``FlatAdamSWA`` updates its flat buffers in place; resume
-  and ``--init-from`` load before warm-up) -- a graph reads them by address (checked every step).
+  and ``--init-from`` load before warm-up) -- a graph reads them by address. Not checked per step
+  (that would walk every parameter tensor on the hot path): nothing in the loop reallocates them.
   ``--compile`` regions are traced by their own warm-up before capture.
 * Memory: the graphs of all recycling counts share one pool (about the peak of the largest no-grad
   pass plus each graph's recycled state), held for the run and not available to the eager grad pass.
@@ -91,9 +90,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from scalefold.errors import exception_summary
+from scalefold.train.config import CUDA_GRAPHS_MODES
 from scalefold.train.cuda_graphs import CudaGraphBackend, CudaGraphCache, GraphBackend
 
-MODES = ("auto", "on", "off")
+MODES = CUDA_GRAPHS_MODES  # one list: the config validates it too
 #: Relative L2 error between a warm-up replay and the eager passes above which graphs are refused
 #: (catches a graph reading the wrong buffers -- O(1) errors --, not bf16 rounding).
 VALIDATION_TOLERANCE = 5e-2
@@ -197,8 +198,6 @@ class GraphedStep:
         self.cache = CudaGraphCache(self._nograd_passes, backend=backend, enabled=enabled and backend is not None)
         self.stats = GraphedStepStats()
         self._missed: set = set()
-        self._params: list[torch.Tensor] = []  # the parameters the graphs read, and their addresses at capture
-        self._param_ptrs: list[int] | None = None
         method = getattr(type(model), "iteration", None)  # the class's method, never a swapped one
         self._iteration = method.__get__(model) if method is not None else None
         if self.active and self._iteration is None:
@@ -217,13 +216,6 @@ class GraphedStep:
         n = int(batch["aatype"].shape[-1]) - 1
         if n < 1:
             self.stats.eager_no_passes += 1
-            return self.net(batch)
-        if self._param_ptrs is not None and self._param_ptrs != list(map(torch.Tensor.data_ptr, self._params)):
-            # a graph reads the parameters by address: replaying it now would compute with freed
-            # memory (parameter storage reallocated after warm-up: .data replaced, Module.to(); ~0.5 ms
-            # a step for the 5,044 tensors of the mlperf model)
-            self._turn_off("the model's parameters moved since the graphs were captured")
-            self.stats.eager_off += 1
             return self.net(batch)
         inputs = self._inputs(batch, n)
         tag = self._tag(n, batch["aatype"].device.type)
@@ -268,8 +260,7 @@ class GraphedStep:
                         self.cache(inputs, tag=tag)  # capture (+ one replay)
                         problem = self._check_replay(inputs, tag)
                     except Exception as exc:  # noqa: BLE001 -- any capture failure: eager for the run
-                        first_line = str(exc).splitlines()[0] if str(exc) else ""
-                        problem = f"capture failed: {type(exc).__name__}: {first_line}{_where(exc)}"
+                        problem = f"capture failed: {exception_summary(exc)}{_where(exc)}"
                     if problem is not None:
                         self._turn_off(f"recycling count {n}: {problem}")
                         captured = []
@@ -278,9 +269,6 @@ class GraphedStep:
         finally:
             self.cache.end_warmup()
             self.model.train(was_training)
-        if self.active and captured:
-            self._params = list(self.model.parameters())
-            self._param_ptrs = list(map(torch.Tensor.data_ptr, self._params))
         if self.active and self.log is not None:
             self.log(f"cuda graphs: captured the no-grad recycling passes of recycling counts {captured} "
                      f"in {time.perf_counter() - t0:.1f} s ({self.reason}); the grad pass, loss and "
@@ -383,7 +371,6 @@ class GraphedStep:
         self.reason = f"turned off: {why}"
         self.cache.enabled = False
         self.cache.clear()  # the graphs, their static buffers and (once unreferenced) their memory pool
-        self._params, self._param_ptrs = [], None
         if self.backend is not None and self.backend.device_type == "cuda" and torch.cuda.is_available():
             try:
                 torch.cuda.synchronize()

@@ -513,10 +513,6 @@ def _train(cfg: TrainConfig, runtime: Runtime, stop_request: StopRequest) -> Tra
     # training ranks, after their run_start barrier for the evaluation ranks
     store_path = Path(cfg.store)
 
-    def read_chain_split() -> tuple[list[str], np.ndarray, list[str]]:
-        with Store.open(store_path) as store:
-            return split_chains(store, cfg)
-
     def eval_cache() -> EvalCache:
         """Synchronous evaluation's validation batches, built once and kept in host DRAM
         (pinned on CUDA); each evaluation copies one batch at a time to the device."""
@@ -650,7 +646,8 @@ def _train(cfg: TrainConfig, runtime: Runtime, stop_request: StopRequest) -> Tra
         # before they touch the validation set)
         dist.barrier()
     mllog.init_stop_run_start()
-    train_ids, weights, val_ids = read_chain_split()
+    with Store.open(store_path) as store:
+        train_ids, weights, val_ids = split_chains(store, cfg)
     if main:
         print(f"data: {len(train_ids)} training / {len(val_ids)} validation chains in {store_path}", flush=True)
 

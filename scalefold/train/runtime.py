@@ -34,6 +34,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from scalefold.errors import exception_summary
+
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
 # Slurm jobs derive their port from the job id so concurrent jobs sharing a node don't collide.
@@ -375,9 +377,8 @@ def shutdown(runtime: Runtime, clean: bool = True, barrier_timeout_s: float = SH
             try:
                 dist.monitored_barrier(timeout=timedelta(seconds=barrier_timeout_s))
             except RuntimeError as exc:  # a peer did not arrive in time (it failed, or is gone)
-                first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 print(f"scalefold: rank {runtime.rank}: exit barrier failed after {barrier_timeout_s:g} s "
-                      f"({first_line}); leaving without it", file=sys.stderr, flush=True)  # fmt: skip
+                      f"({exception_summary(exc)}); leaving without it", file=sys.stderr, flush=True)  # fmt: skip
     finally:
         dist.destroy_process_group()
         runtime.backend = None

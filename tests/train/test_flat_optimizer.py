@@ -209,3 +209,25 @@ def test_compiled_update_matches_reference():
     adam_swa_update_(*b, backend="compile", **kw)
     for x, y in zip(a, b):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_reference_update_host_and_device_step_size_agree(clip):
+    """_reference_update_'s two Adam branches: a host-float step size (CPU: torch.optim.Adam's own
+    ``addcdiv_``) and a device-tensor step size (CUDA: no host sync) give the same parameters, moments
+    and SWA weights to within a few ulp, with and without the clip scale."""
+    from scalefold.train.flat_optimizer import _reference_update_
+
+    gen = torch.Generator().manual_seed(0)
+    param, grad, m, swa = (torch.randn(1000, generator=gen) for _ in range(4))
+    v = torch.rand(1000, generator=gen)
+    results = []
+    for neg_step_size in (-1e-3, torch.tensor(-1e-3, dtype=torch.float64)):
+        state = [t.clone() for t in (param, grad, m, v, swa)]
+        p, g, ea, eas, sw = state
+        _reference_update_(p, g, ea, eas, sw, None, torch.tensor(0.25) if clip else None, neg_step_size,
+                           torch.tensor(0.9, dtype=torch.float64), 0.9, 0.999, 1e-6, 0.9, swa_copy=False)  # fmt: skip
+        results.append((p, ea, eas, sw))
+    assert not torch.equal(results[0][0], param)  # the update did move the parameters
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=4 * torch.finfo(torch.float32).eps, atol=1e-12)

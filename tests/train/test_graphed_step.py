@@ -240,24 +240,6 @@ def test_parallel_evoformer_is_not_captured():
         setup_graphed_step("on", *args, verbose=False, backend=backend)
 
 
-def test_moved_parameters_turn_graphs_off(tiny):
-    """Graphs read the parameters by address: if they are reallocated after warm-up, the next step turns
-    graphs off (logged once) and runs eagerly -- the plain path's loss, never a replay of stale memory."""
-    model, loss_fn, batch = tiny
-    warned = []
-    step = GraphedStep(model, enabled=True, backend=FakeBackend(), warn=warned.append)
-    assert step.warm_up(batch) == [1, 2]
-    b = _sliced(batch, 1)
-    _assert_identical(_loss_and_grads(model, model, loss_fn, b, 3), _loss_and_grads(step, model, loss_fn, b, 3))
-    assert step.stats.graphed == 1
-    param = next(model.parameters())
-    param.data = param.data.clone()  # same values, new address
-    for _ in range(2):
-        _assert_identical(_loss_and_grads(model, model, loss_fn, b, 4), _loss_and_grads(step, model, loss_fn, b, 4))
-    assert not step.active and step.stats.graphed == 1 and step.stats.eager_off == 2
-    assert len(warned) == 1 and "parameters moved" in warned[0]
-
-
 def test_synthetic_warm_up_batch_has_the_training_shapes(tmp_path):
     """The warm-up batch has exactly the model-feature shapes/dtypes of a real tiny training batch, so
     the graphs captured before run_start are hit by the run's steps."""
