@@ -191,23 +191,45 @@ def test_chain_without_resolved_ca_is_rejected(mmcif_dir: Path) -> None:
     assert info.value.reason == "no_resolved_ca"
 
 
-def test_arginine_nh1_is_the_nitrogen_closer_to_cd():
-    """ARG NH1/NH2 are renamed so NH1 is nearer CD (AlphaFold's convention), whatever the file says."""
-    import gemmi
-
-    from scalefold import residue_constants as rc
-    from scalefold.data.parsers.mmcif import _atom37_of_residue
-
+def _arginine(coords: dict) -> gemmi.Residue:
     residue = gemmi.Residue()
     residue.name = "ARG"
-    coords = {"CD": (0.0, 0.0, 0.0), "NH1": (3.0, 0.0, 0.0), "NH2": (1.5, 0.0, 0.0)}  # NH2 closer: swapped in file
     for name, xyz in coords.items():
         atom = gemmi.Atom()
         atom.name = name
         atom.occ = 1.0
         atom.pos = gemmi.Position(*xyz)
         residue.add_atom(atom)
+    return residue
+
+
+def test_arginine_nh_names_kept_as_deposited_by_default():
+    """ARG NH1/NH2 keep the file's names, as the MLPerf reference reads them (NH2 nearer CD here)."""
+    from scalefold.data.parsers.mmcif import _atom37_of_residue
+
+    residue = _arginine({"CD": (0.0, 0.0, 0.0), "NH1": (3.0, 0.0, 0.0), "NH2": (1.5, 0.0, 0.0)})
     positions, mask = _atom37_of_residue(residue)
     assert mask[rc.atom_order["NH1"]] == 1 and mask[rc.atom_order["NH2"]] == 1
-    assert positions[rc.atom_order["NH1"]][0] == 1.5
-    assert positions[rc.atom_order["NH2"]][0] == 3.0
+    assert positions[rc.atom_order["NH1"]][0] == 3.0
+    assert positions[rc.atom_order["NH2"]][0] == 1.5
+
+
+def test_arginine_renaming_is_an_explicit_opt_in(mmcif_dir: Path):
+    """``fix_arginine_naming=True`` swaps NH1/NH2 so NH1 is nearer CD; on 3u8v chain B (arginine 86
+    deposited the other way round) only arginine NH columns move, and only by the swap."""
+    from scalefold.data.parsers.mmcif import _atom37_of_residue
+
+    residue = _arginine({"CD": (0.0, 0.0, 0.0), "NH1": (3.0, 0.0, 0.0), "NH2": (1.5, 0.0, 0.0)})
+    positions, _ = _atom37_of_residue(residue, fix_arginine_naming=True)
+    assert positions[rc.atom_order["NH1"]][0] == 1.5 and positions[rc.atom_order["NH2"]][0] == 3.0
+
+    plain = parse_mmcif(mmcif_dir / "3u8v.cif").chains["B"]
+    fixed = parse_mmcif(mmcif_dir / "3u8v.cif", fix_arginine_naming=True).chains["B"]
+    nh1, nh2, cd = (rc.atom_order[n] for n in ("NH1", "NH2", "CD"))
+    moved = sorted({int(i) for i in np.nonzero(np.any(plain.all_atom_positions != fixed.all_atom_positions, axis=-1))[0]})
+    assert moved and all(plain.sequence[i] == "R" for i in moved)
+    np.testing.assert_array_equal(plain.all_atom_mask, fixed.all_atom_mask)
+    for i in moved:
+        np.testing.assert_array_equal(fixed.all_atom_positions[i, [nh1, nh2]], plain.all_atom_positions[i, [nh2, nh1]])
+        d = np.linalg.norm(fixed.all_atom_positions[i, [nh1, nh2]] - fixed.all_atom_positions[i, cd], axis=-1)
+        assert d[0] <= d[1]

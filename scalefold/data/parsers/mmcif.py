@@ -9,6 +9,9 @@ Semantics follow the MLPerf reference (``openfold/data/mmcif.py``, itself AlphaF
   monomer with ``num == min(num) + i``, so unobserved residues have an all-zero mask;
 * only the first model is read; modified residues map to their parent amino acid (MSE → M, its SE
   atom goes into the SD column); atoms whose names are not among the 37 atom types are dropped;
+* atoms keep their deposited names: arginine NH1/NH2 are *not* renamed (the reference keeps them as
+  deposited; ``fix_arginine_naming=True`` opts into AlphaFold-style renaming, NH1 = the nitrogen
+  nearer CD, for non-MLPerf use);
 * release date = earliest ``_pdbx_audit_revision_history.revision_date``; resolution from
   ``_refine.ls_d_res_high``, else ``_em_3d_reconstruction.resolution``, else
   ``_reflns.d_resolution_high`` (maximum when several), NaN when none (e.g. NMR);
@@ -108,8 +111,11 @@ class MmcifEntry:
 # public entry points
 
 
-def parse_mmcif(path: PathLike, pdb_id: str | None = None) -> MmcifEntry:
+def parse_mmcif(path: PathLike, pdb_id: str | None = None, *, fix_arginine_naming: bool = False) -> MmcifEntry:
     """Parse an mmCIF file (``.cif`` or ``.cif.gz``).
+
+    ``fix_arginine_naming`` swaps arginine NH1/NH2 so NH1 is nearer CD (off: as deposited, as the
+    MLPerf reference reads them).
 
     Raises:
         MmcifError: the file is missing, corrupt/truncated, or has no protein chain.
@@ -121,16 +127,18 @@ def parse_mmcif(path: PathLike, pdb_id: str | None = None) -> MmcifEntry:
         raise MmcifError("missing_file", f"mmCIF file not found ({exc})", path) from exc
     except (ValueError, RuntimeError, UnicodeDecodeError) as exc:
         raise MmcifError("corrupt_mmcif", f"corrupt or truncated mmCIF: {exc}", path) from exc
-    return _parse_document(doc, path=path, pdb_id=pdb_id)
+    return _parse_document(doc, path=path, pdb_id=pdb_id, fix_arginine_naming=fix_arginine_naming)
 
 
-def parse_mmcif_string(text: str, pdb_id: str | None = None, path: str | None = None) -> MmcifEntry:
-    """Parse mmCIF content held in memory (``path`` only labels errors)."""
+def parse_mmcif_string(
+    text: str, pdb_id: str | None = None, path: str | None = None, *, fix_arginine_naming: bool = False
+) -> MmcifEntry:
+    """Parse mmCIF content held in memory (``path`` only labels errors); options as :func:`parse_mmcif`."""
     try:
         doc = gemmi.cif.read_string(text)
     except (ValueError, RuntimeError) as exc:
         raise MmcifError("corrupt_mmcif", f"corrupt or truncated mmCIF: {exc}", path) from exc
-    return _parse_document(doc, path=path, pdb_id=pdb_id)
+    return _parse_document(doc, path=path, pdb_id=pdb_id, fix_arginine_naming=fix_arginine_naming)
 
 
 def read_entry_header(path: PathLike) -> tuple[str, str | None, frozenset[str]]:
@@ -238,7 +246,7 @@ def _one_letter(residue_name: str) -> str:
     return "X"
 
 
-def _atom37_of_residue(residue: gemmi.Residue) -> tuple[np.ndarray, np.ndarray]:
+def _atom37_of_residue(residue: gemmi.Residue, fix_arginine_naming: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Atom37 positions ``[37, 3]`` and mask ``[37]`` of one residue; highest-occupancy altloc wins."""
     positions = np.zeros((rc.atom_type_num, 3), dtype=np.float32)
     mask = np.zeros((rc.atom_type_num,), dtype=np.float32)
@@ -254,16 +262,17 @@ def _atom37_of_residue(residue: gemmi.Residue) -> tuple[np.ndarray, np.ndarray]:
         best_occupancy[index] = atom.occ
         positions[index] = (atom.pos.x, atom.pos.y, atom.pos.z)
         mask[index] = 1.0
-    if residue.name == "ARG":
+    if fix_arginine_naming and residue.name == "ARG":
         _fix_arginine_nh_naming(positions, mask)
     return positions, mask
 
 
 def _fix_arginine_nh_naming(positions: np.ndarray, mask: np.ndarray) -> None:
-    """Name the arginine NH atoms as AlphaFold does: NH1 is the one closer to CD (swap in place).
+    """Name the arginine NH atoms so NH1 is the one closer to CD (swap in place); opt-in only.
 
-    Deposited structures are inconsistent about which guanidinium nitrogen is NH1; AlphaFold's
-    mmCIF reader (``get_atom_coords``) normalises it so targets and templates agree.
+    Deposited structures are inconsistent about which guanidinium nitrogen is NH1. The MLPerf
+    reference keeps the deposited names, and the model must see its data, so this is off unless
+    ``fix_arginine_naming=True``.
     """
     cd, nh1, nh2 = (rc.atom_order[n] for n in ("CD", "NH1", "NH2"))
     if not (mask[cd] and mask[nh1] and mask[nh2]):
@@ -308,6 +317,7 @@ def _chain_from_seqres(
     entity_id: str,
     monomers: list[tuple[int, str]],
     observed: dict[int, gemmi.Residue],
+    fix_arginine_naming: bool = False,
 ) -> MmcifChain:
     # One entry per position: microheterogeneous SEQRES positions collapse to the observed type.
     by_num: dict[int, str] = {}
@@ -326,7 +336,7 @@ def _chain_from_seqres(
             continue
         names.append(residue.name)
         auth_ids.append(_author_residue_id(residue))
-        positions[i], mask[i] = _atom37_of_residue(residue)
+        positions[i], mask[i] = _atom37_of_residue(residue, fix_arginine_naming)
     sequence = "".join(_one_letter(name) for name in names)
     return MmcifChain(
         author_chain_id=author_chain_id,
@@ -341,7 +351,11 @@ def _chain_from_seqres(
 
 
 def _chain_from_observed(
-    author_chain_id: str, mmcif_chain_id: str, entity_id: str, residues: list[gemmi.Residue]
+    author_chain_id: str,
+    mmcif_chain_id: str,
+    entity_id: str,
+    residues: list[gemmi.Residue],
+    fix_arginine_naming: bool = False,
 ) -> MmcifChain:
     """Fallback without SEQRES: the observed residues, one per position."""
     chosen: dict[object, gemmi.Residue] = {}
@@ -355,7 +369,7 @@ def _chain_from_observed(
     positions = np.zeros((num_res, rc.atom_type_num, 3), dtype=np.float32)
     mask = np.zeros((num_res, rc.atom_type_num), dtype=np.float32)
     for i, residue in enumerate(picked):
-        positions[i], mask[i] = _atom37_of_residue(residue)
+        positions[i], mask[i] = _atom37_of_residue(residue, fix_arginine_naming)
     names = tuple(r.name for r in picked)
     return MmcifChain(
         author_chain_id=author_chain_id,
@@ -380,7 +394,9 @@ def _is_amino_acid(name: str) -> bool:
 # the whole document
 
 
-def _parse_document(doc: gemmi.cif.Document, path: str | None, pdb_id: str | None) -> MmcifEntry:
+def _parse_document(
+    doc: gemmi.cif.Document, path: str | None, pdb_id: str | None, fix_arginine_naming: bool = False
+) -> MmcifEntry:
     if len(doc) == 0:
         raise MmcifError("corrupt_mmcif", "no data block in file", path)
     block = doc[0]
@@ -417,7 +433,7 @@ def _parse_document(doc: gemmi.cif.Document, path: str | None, pdb_id: str | Non
                 if author is None or author in chains:
                     continue  # no atoms in the first model (cannot name it), or duplicate author id
                 chains[author] = _chain_from_seqres(
-                    author, asym_id, entity_id, monomers, observed["by_seq"].get(asym_id, {})
+                    author, asym_id, entity_id, monomers, observed["by_seq"].get(asym_id, {}), fix_arginine_naming
                 )
     else:
         for asym_id, residues in observed["in_order"].items():
@@ -427,7 +443,9 @@ def _parse_document(doc: gemmi.cif.Document, path: str | None, pdb_id: str | Non
             author = author_of[asym_id]
             if author in chains:
                 continue
-            chains[author] = _chain_from_observed(author, asym_id, polymer_residues[0].entity_id, polymer_residues)
+            chains[author] = _chain_from_observed(
+                author, asym_id, polymer_residues[0].entity_id, polymer_residues, fix_arginine_naming
+            )
 
     if not chains:
         raise MmcifError("no_protein_chains", "no protein chain found", path)
