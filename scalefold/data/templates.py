@@ -49,7 +49,9 @@ sequences that pass the identity threshold they agreed in every case tested.
 
 Deliberate differences from the reference (both documented where they happen):
 
-* a missing template mmCIF file skips that hit with a logged reason (the reference crashes);
+* a missing template mmCIF file skips that hit with a logged reason (the reference crashes); so
+  does a template mmCIF released after the cutoff although the prefilter's release date was not
+  (the reference fails an assertion);
 * after realignment, query positions whose template residue has no counterpart in the mmCIF
   sequence stay gaps. The reference maps them to index ``-1``, i.e. silently to the chain's *last*
   residue.
@@ -600,9 +602,9 @@ class TemplateHitFeaturizer:
         """Realign the hit sequence to the chain's SEQRES sequence and remap the query mapping."""
         new_sequence = chain_sequences.get(chain_id, "")
         if not new_sequence:
-            if len(chain_sequences) != 1:
-                raise TemplateError("chain_not_found", f"chain {chain_id!r} not among the protein chains of {pdb_id}")
-            chain_id, new_sequence = next(iter(chain_sequences.items()))
+            # The reference realigns to the entry's only chain here, but then reads the atoms of the
+            # hit's chain id, finds none (NoAtomDataInTemplateError) and drops the hit: so do we.
+            raise TemplateError("chain_not_found", f"chain {chain_id!r} not among the protein chains of {pdb_id}")
         try:
             old_aligned, new_aligned = self.aligner.align(old_sequence, new_sequence)
         except (RuntimeError, ValueError, OSError, subprocess.SubprocessError) as exc:

@@ -348,3 +348,14 @@ def test_allowed_chain_set_and_own_entry_are_rejected():
         "a": "template_is_query",
         "b": "not_in_template_set",
     }
+
+
+def test_hit_to_a_chain_that_is_not_a_protein_chain_is_dropped():
+    """A hit whose chain id is not a protein chain of its entry and whose sequence needs realignment
+    is dropped (``chain_not_found``), as the reference drops it (no atoms under that chain id) --
+    even when the entry has a single protein chain to realign to."""
+    query, hit = _realignment_case()
+    hit = TemplateHit(**{**hit.__dict__, "name": "1ABC_Z test"})
+    result = _featurizer(_entry()).get_templates(query, [hit])
+    assert [s.reason for s in result.skipped] == ["chain_not_found"]
+    assert result.features["template_aatype"].shape == (0, len(query))

@@ -15,7 +15,11 @@ Semantics follow the MLPerf reference (``openfold/data/mmcif.py``, itself AlphaF
 * release date = earliest ``_pdbx_audit_revision_history.revision_date``; resolution from
   ``_refine.ls_d_res_high``, else ``_em_3d_reconstruction.resolution``, else
   ``_reflns.d_resolution_high`` (maximum when several), NaN when none (e.g. NMR);
-* chains are named by their author chain id (``_atom_site.auth_asym_id``).
+* chains are named by their author chain id (``_atom_site.auth_asym_id``); atoms and residues by
+  their *label* names (``label_atom_id``, ``label_comp_id``), as Biopython's parser (the reference's)
+  reads them -- gemmi would otherwise take the ``auth_*`` names;
+* an entity is protein when a monomer's ``_chem_comp.type`` contains "peptide", case-sensitively as
+  in the reference (so ``L-PEPTIDE LINKING`` in upper case does not count).
 
 Deliberate differences from the reference, where it is ill-defined:
 
@@ -142,9 +146,11 @@ def parse_mmcif_string(
 
 
 def read_entry_header(path: PathLike) -> tuple[str, str | None, frozenset[str]]:
-    """``(pdb_id, release_date, author chain ids)`` of an mmCIF file without building its structure.
+    """``(pdb_id, release_date, protein author chain ids)`` of an mmCIF file, mostly without building
+    its structure.
 
-    Cheap metadata for template prefiltering (release dates and which chains exist).
+    Cheap metadata for template prefiltering: release dates, and the protein chains that may serve as
+    templates (the reference's ``template_pdb_chain_ids`` holds only the protein chains it parsed).
     Raises :class:`MmcifError` like :func:`parse_mmcif`.
     """
     path = str(path)
@@ -157,8 +163,52 @@ def read_entry_header(path: PathLike) -> tuple[str, str | None, frozenset[str]]:
     if len(doc) == 0:
         raise MmcifError("corrupt_mmcif", "no data block in file", path)
     block = doc[0]
-    chains = frozenset(_values(block, "_atom_site.auth_asym_id"))
+    chains = _protein_author_chains(block)
+    if chains is None:  # no SEQRES (rare): the observed amino-acid chains, as the parser finds them
+        try:
+            chains = frozenset(_parse_document(doc, path=path, pdb_id=None).chains)
+        except MmcifError:
+            chains = frozenset()
     return _pdb_id(block, path, None), _release_date(block, path), chains
+
+
+def _protein_entities(block: gemmi.cif.Block) -> dict[str, list[tuple[int, str]]] | None:
+    """``entity id -> [(num, mon_id)]`` of the protein polymers (``None``: no ``_entity_poly_seq``)."""
+    entity_rows = _table(block, "_entity_poly_seq.", ["entity_id", "num", "mon_id"])
+    if not entity_rows:
+        return None
+    chem_types = dict(_table(block, "_chem_comp.", ["id", "type"]))
+    polymers: dict[str, list[tuple[int, str]]] = defaultdict(list)
+    for entity_id, num, mon_id in entity_rows:
+        polymers[entity_id].append((int(num), mon_id))
+    proteins = {}
+    for entity_id, monomers in polymers.items():
+        if chem_types:  # the reference's test, case-sensitive
+            is_protein = any("peptide" in chem_types.get(m, "") for _, m in monomers)
+        else:
+            is_protein = any(_is_amino_acid(m) for _, m in monomers)
+        if is_protein:
+            proteins[entity_id] = monomers
+    return proteins
+
+
+def _protein_author_chains(block: gemmi.cif.Block) -> frozenset[str] | None:
+    """Author ids of the chains :func:`parse_mmcif` returns as protein chains, without building the
+    structure (``None`` for files without ``_entity_poly_seq``)."""
+    proteins = _protein_entities(block)
+    if proteins is None:
+        return None
+    subchains = {a for a, e in _table(block, "_struct_asym.", ["id", "entity_id"]) if e in proteins}
+    pairs = _table(block, "_atom_site.", ["label_asym_id", "auth_asym_id"])
+    return frozenset(auth for label, auth in pairs if label in subchains)
+
+
+def _use_label_names(block: gemmi.cif.Block) -> None:
+    """Make gemmi name atoms and residues by ``label_atom_id`` / ``label_comp_id`` (Biopython's
+    choice) by dropping the ``auth_*`` name columns when the label ones exist (in memory only)."""
+    for label, auth in (("label_atom_id", "auth_atom_id"), ("label_comp_id", "auth_comp_id")):
+        if len(block.find_values(f"_atom_site.{label}")) and len(block.find_values(f"_atom_site.{auth}")):
+            block.find_values(f"_atom_site.{auth}").erase()
 
 
 def check_chain_usable(entry: MmcifEntry, chain: MmcifChain) -> None:
@@ -402,6 +452,7 @@ def _parse_document(
     block = doc[0]
     if len(block.find_values("_atom_site.Cartn_x")) == 0:
         raise MmcifError("corrupt_mmcif", "no _atom_site coordinates (truncated file?)", path)
+    _use_label_names(block)
     try:
         structure = gemmi.make_structure_from_block(block)
     except (ValueError, RuntimeError) as exc:
@@ -410,24 +461,14 @@ def _parse_document(
         raise MmcifError("corrupt_mmcif", "no models in _atom_site", path)
 
     observed, author_of = _observed_by_subchain(structure[0])
-    entity_rows = _table(block, "_entity_poly_seq.", ["entity_id", "num", "mon_id"])
+    proteins = _protein_entities(block)  # DNA / RNA / other polymers left out
     chains: dict[str, MmcifChain] = {}
 
-    if entity_rows:
-        chem_types = dict(_table(block, "_chem_comp.", ["id", "type"]))
-        polymers: dict[str, list[tuple[int, str]]] = defaultdict(list)
-        for entity_id, num, mon_id in entity_rows:
-            polymers[entity_id].append((int(num), mon_id))
+    if proteins is not None:
         subchains_of: dict[str, list[str]] = defaultdict(list)
         for asym_id, entity_id in _table(block, "_struct_asym.", ["id", "entity_id"]):
             subchains_of[entity_id].append(asym_id)
-        for entity_id, monomers in polymers.items():
-            if chem_types:
-                is_protein = any("peptide" in chem_types.get(m, "").lower() for _, m in monomers)
-            else:
-                is_protein = any(_is_amino_acid(m) for _, m in monomers)
-            if not is_protein:
-                continue  # DNA / RNA / other polymer
+        for entity_id, monomers in proteins.items():
             for asym_id in subchains_of.get(entity_id, []):
                 author = author_of.get(asym_id)
                 if author is None or author in chains:
@@ -457,7 +498,7 @@ def _parse_document(
         release_date=_release_date(block, path),
         resolution=_resolution(block),
         chains=chains,
-        has_seqres=bool(entity_rows),
+        has_seqres=proteins is not None,
     )
 
 
