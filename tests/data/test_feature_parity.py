@@ -147,8 +147,10 @@ def _reference_empty_template_feats(num_res: int) -> dict:
 def _unusable_hit(query: str) -> TemplateHit:
     """A hit whose structure file does not exist: featurised to nothing."""
     n = len(query)
-    return TemplateHit(index=1, name="9zzz_A missing", aligned_cols=n, sum_probs=50.0, query=query,
-                       hit_sequence=query[:-1] + "W", indices_query=list(range(n)), indices_hit=list(range(n)))  # fmt: skip
+    return TemplateHit(
+        index=1, name="9zzz_A missing", aligned_cols=n, sum_probs=50.0, query=query,
+        hit_sequence=query[:-1] + "W", indices_query=list(range(n)), indices_hit=list(range(n)),
+    )  # fmt: skip
 
 
 def test_zero_templates_match_the_reference_layout(tmp_path):

@@ -226,7 +226,8 @@ def test_arginine_renaming_is_an_explicit_opt_in(mmcif_dir: Path):
     plain = parse_mmcif(mmcif_dir / "3u8v.cif").chains["B"]
     fixed = parse_mmcif(mmcif_dir / "3u8v.cif", fix_arginine_naming=True).chains["B"]
     nh1, nh2, cd = (rc.atom_order[n] for n in ("NH1", "NH2", "CD"))
-    moved = sorted({int(i) for i in np.nonzero(np.any(plain.all_atom_positions != fixed.all_atom_positions, axis=-1))[0]})
+    changed = np.any(plain.all_atom_positions != fixed.all_atom_positions, axis=-1)  # [N, 37]
+    moved = sorted({int(i) for i in np.nonzero(changed)[0]})
     assert moved and all(plain.sequence[i] == "R" for i in moved)
     np.testing.assert_array_equal(plain.all_atom_mask, fixed.all_atom_mask)
     for i in moved:
