@@ -11,7 +11,7 @@ AlphaFold's source order (uniref90, bfd/uniclust, mgnify, then any other file by
 Stockholm outputs are capped as AlphaFold does (uniref90 10,000 rows, mgnify 501); a3m files are
 used as they are (as the MLPerf reference does with OpenProteinSet).
 
-Template hits are featurised here, once, against their query chain (schema 2 stores): the hits'
+Template hits are featurised here, once, against their query chain (schema >= 2 stores): the hits'
 template structures are read from ``template_mmcif_dir`` (default: the mmCIF directory), with the
 MLPerf reference's prefilter (template chain present in that directory, released at least 60 days
 before the query, not the query's own entry, ...). The store keeps each hit's outcome and the

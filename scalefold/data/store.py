@@ -17,7 +17,8 @@ Layout (schema version :data:`SCHEMA_VERSION`; root attribute ``schema_version``
     /template_residues/query_index [P] int32, residue [P] uint8 (ASCII letter),
     /template_residues/all_atom_positions [P,37,3] float32, all_atom_mask [P,37] uint8
 
-Template structures (schema 2): every hit is prefiltered and featurised against its query chain at
+Template structures (schema 2; zero-centred per template chain as the MLPerf reference does, and
+arginine NH1/NH2 as deposited, since schema 3): every hit is prefiltered and featurised against its query chain at
 preprocessing time (:meth:`~scalefold.data.templates.TemplateHitFeaturizer.assess_hits`, cutoff = the
 chain's release date minus 60 days); a usable hit keeps the atom37 coordinates of the template
 residues aligned to the query, so training builds template features from the store alone
@@ -47,11 +48,12 @@ from scalefold.data.templates import HIT_STAGES, STAGE_OK, STAGE_UNPROCESSED, Al
 
 PathLike = Union[str, os.PathLike]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # What changed in each version (named in the error a reader of another version raises).
 SCHEMA_HISTORY = {
     1: "template hits without template structures",
     2: "template hits with their precomputed template structures (training needs no mmCIF directory)",
+    3: "the MLPerf reference's coordinates: template chains zero-centred, arginine NH1/NH2 as deposited",
 }
 FORMAT_NAME = "scalefold-store"
 DELETION_DTYPE = np.int16

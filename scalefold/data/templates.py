@@ -8,8 +8,10 @@ AlphaFold's *raw* template feature dict (``[N_templ, N_res, ...]``):
 ========================================  ==========  ===============================================
 key                                       dtype       meaning
 ========================================  ==========  ===============================================
-``template_aatype``                       float32     one-hot 22 in the HHblits alphabet (21 = gap)
-``template_all_atom_positions``           float32     ``[N_templ, N_res, 37, 3]``, zeros off-alignment
+``template_aatype``                       int32       one-hot 22 in the HHblits alphabet (21 = gap);
+                                                      ``[0, N_res]`` when there is no template
+``template_all_atom_positions``           float32     ``[N_templ, N_res, 37, 3]``, zeros off-alignment;
+                                                      each template chain zero-centred (see 3.)
 ``template_all_atom_masks``               float32     ``[N_templ, N_res, 37]``
 ``template_domain_names``                 str         ``"{pdb_id}_{chain}"`` of each template
 ``template_sequence``                     str         template residue per query position, ``-`` = gap
@@ -30,7 +32,13 @@ MLPerf reference (``openfold/data/templates.py``) copies:
    then a fuzzy match with ``X`` as wildcard; when none matches (PDB70 holds another version of
    the sequence) the hit sequence is *realigned* to the chain's SEQRES sequence and accepted only
    with ``>= min_realign_identity`` identity over the shorter sequence;
-3. templates whose mapped residues have fewer than ``min_atoms`` resolved atoms, or whose
+3. the template chain's coordinates are *zero-centred* as the MLPerf reference does
+   (``zero_center=True`` in its ``_get_atom_positions``): the mean of all resolved atoms of the
+   whole chain is subtracted from every resolved atom, in float32, before the aligned residues are
+   picked (unresolved atoms stay 0). DeepMind's AlphaFold keeps the deposited frame
+   (``zero_center=False`` here). The model is invariant to this translation, but the features are
+   not: ``template_pseudo_beta`` and the torsion features at masked positions depend on it;
+4. templates whose mapped residues have fewer than ``min_atoms`` resolved atoms, or whose
    consecutive resolved Cα atoms are more than ``max_ca_ca_distance`` apart, are skipped.
 
 Realignment runs ``kalign`` when it is on ``PATH`` (as the reference does). Otherwise a pure-Python
@@ -41,7 +49,9 @@ sequences that pass the identity threshold they agreed in every case tested.
 
 Deliberate differences from the reference (both documented where they happen):
 
-* a missing template mmCIF file skips that hit with a logged reason (the reference crashes);
+* a missing template mmCIF file skips that hit with a logged reason (the reference crashes); so
+  does a template mmCIF released after the cutoff although the prefilter's release date was not
+  (the reference fails an assertion);
 * after realignment, query positions whose template residue has no counterpart in the mmCIF
   sequence stay gaps. The reference maps them to index ``-1``, i.e. silently to the chain's *last*
   residue.
@@ -75,9 +85,9 @@ logger = logging.getLogger(__name__)
 
 PathLike = Union[str, os.PathLike]
 
-# Output dtype of each raw template feature (AlphaFold's ``TEMPLATE_FEATURES``).
+# Output dtype of each raw template feature (the MLPerf reference's; AlphaFold has float32 aatype).
 TEMPLATE_FEATURE_DTYPES: dict[str, type] = {
-    "template_aatype": np.float32,
+    "template_aatype": np.int32,
     "template_all_atom_positions": np.float32,
     "template_all_atom_masks": np.float32,
     "template_domain_names": np.str_,
@@ -134,7 +144,7 @@ class AlignedTemplate:
         letters[index] = list(self.residues)
         sequence = "".join(letters.tolist())
         return {
-            "template_aatype": rc.sequence_to_onehot(sequence, rc.HHBLITS_AA_TO_ID),  # [N_res, 22]
+            "template_aatype": rc.sequence_to_onehot(sequence, rc.HHBLITS_AA_TO_ID).astype(np.int32),  # [N_res, 22]
             "template_all_atom_positions": positions,
             "template_all_atom_masks": mask,
             "template_domain_names": self.domain_name,
@@ -355,6 +365,10 @@ class TemplateHitFeaturizer:
             ``FileNotFoundError`` or :class:`ParseError` when the structure is unavailable.
         filters: thresholds, see :class:`TemplateFilter`.
         structure_cache_size: parsed mmCIF entries kept in memory (``mmcif_dir`` loading only).
+        zero_center: translate each template chain so the mean of its resolved atoms is at the
+            origin (the MLPerf reference; ``False``: the deposited frame, as DeepMind's AlphaFold).
+        fix_arginine_naming: passed to :func:`~scalefold.data.parsers.mmcif.parse_mmcif`
+            (``mmcif_dir`` loading only; off, as the reference).
     """
 
     def __init__(
@@ -370,6 +384,8 @@ class TemplateHitFeaturizer:
         load_structure: Callable[[str], MmcifEntry] | None = None,
         filters: TemplateFilter = TemplateFilter(),
         structure_cache_size: int = 32,
+        zero_center: bool = True,
+        fix_arginine_naming: bool = False,
     ) -> None:
         if mmcif_dir is None and load_structure is None:
             raise ValueError("give mmcif_dir or load_structure")
@@ -380,6 +396,8 @@ class TemplateHitFeaturizer:
         self.obsolete_pdbs = {k.lower(): v for k, v in (obsolete_pdbs or {}).items()}
         self.allowed_chain_ids = None if allowed_chain_ids is None else frozenset(allowed_chain_ids)
         self.aligner = aligner if aligner is not None else make_aligner(kalign_binary_path)
+        self.zero_center = zero_center
+        self.fix_arginine_naming = fix_arginine_naming
         if load_structure is None:  # parsed entries are reused by the hits of the next queries
             load_structure = functools.lru_cache(maxsize=structure_cache_size)(self._load_from_dir)
         self.load_structure = load_structure
@@ -551,6 +569,8 @@ class TemplateHitFeaturizer:
         chain = entry.chains[chain_id]
         positions = chain.all_atom_positions  # [N_chain, 37, 3]
         mask = chain.all_atom_mask  # [N_chain, 37]
+        if self.zero_center:
+            positions = zero_center_positions(positions, mask)
         check_ca_ca_distances(positions, mask, self.filters.max_ca_ca_distance, f"{pdb_id}_{chain_id}")
 
         query_index = np.array(sorted(mapping), dtype=np.int32)  # [K]
@@ -582,9 +602,9 @@ class TemplateHitFeaturizer:
         """Realign the hit sequence to the chain's SEQRES sequence and remap the query mapping."""
         new_sequence = chain_sequences.get(chain_id, "")
         if not new_sequence:
-            if len(chain_sequences) != 1:
-                raise TemplateError("chain_not_found", f"chain {chain_id!r} not among the protein chains of {pdb_id}")
-            chain_id, new_sequence = next(iter(chain_sequences.items()))
+            # The reference realigns to the entry's only chain here, but then reads the atoms of the
+            # hit's chain id, finds none (NoAtomDataInTemplateError) and drops the hit: so do we.
+            raise TemplateError("chain_not_found", f"chain {chain_id!r} not among the protein chains of {pdb_id}")
         try:
             old_aligned, new_aligned = self.aligner.align(old_sequence, new_sequence)
         except (RuntimeError, ValueError, OSError, subprocess.SubprocessError) as exc:
@@ -608,7 +628,7 @@ class TemplateHitFeaturizer:
         for name in (f"{pdb_id}.cif", f"{pdb_id}.cif.gz", f"{pdb_id.upper()}.cif", f"{pdb_id.upper()}.cif.gz"):
             path = self.mmcif_dir / name
             if path.is_file():
-                return parse_mmcif(path, pdb_id=pdb_id)
+                return parse_mmcif(path, pdb_id=pdb_id, fix_arginine_naming=self.fix_arginine_naming)
         raise FileNotFoundError(f"{pdb_id}.cif not in {self.mmcif_dir}")
 
 
@@ -668,9 +688,10 @@ def select_templates(
 
 
 def empty_template_features(num_res: int) -> dict[str, np.ndarray]:
-    """Zero templates, with the right trailing shapes (AlphaFold returns 1-D empty arrays)."""
+    """Zero templates, as the MLPerf reference's ``_create_empty_template_feats``: ``template_aatype``
+    is int32 ``[0, N_res]`` (no one-hot axis), the coordinate arrays keep their trailing shapes."""
     return {
-        "template_aatype": np.zeros((0, num_res, len(rc.restypes_with_x_and_gap)), np.float32),
+        "template_aatype": np.zeros((0, num_res), np.int32),
         "template_all_atom_positions": np.zeros((0, num_res, rc.atom_type_num, 3), np.float32),
         "template_all_atom_masks": np.zeros((0, num_res, rc.atom_type_num), np.float32),
         "template_domain_names": np.zeros((0,), np.str_),
@@ -750,6 +771,21 @@ def alignment_index_map(first_aligned: str, second_aligned: str) -> tuple[dict[i
             mapping[first_index] = second_index
             identical += a == b
     return mapping, identical
+
+
+def zero_center_positions(positions: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """A copy of ``positions`` ``[N, 37, 3]`` with the mean of the resolved atoms (``mask`` ``[N, 37]``
+    > 0) subtracted from every resolved atom; unresolved atoms keep their value.
+
+    Exactly the reference's ``zero_center_atom_positions``: float32 in, float32 mean
+    (``ndarray.mean(axis=0)`` over the resolved atoms in row order), float32 subtraction, so the
+    result is bit-identical to it. No resolved atom: unchanged.
+    """
+    resolved = np.asarray(mask) > 0  # [N, 37]
+    centred = np.array(positions, dtype=np.float32, copy=True)  # [N, 37, 3]
+    if resolved.any():
+        centred[resolved] -= centred[resolved].mean(axis=0)  # [3]
+    return centred
 
 
 def check_ca_ca_distances(positions: np.ndarray, mask: np.ndarray, max_distance: float, name: str = "template") -> None:

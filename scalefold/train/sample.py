@@ -63,8 +63,7 @@ def chain_raw_features(
         raw.update(empty_template_features(num_res))
     raw["all_atom_positions"] = chain["all_atom_positions"]  # [N_res, 37, 3]
     raw["all_atom_mask"] = chain["all_atom_mask"]  # [N_res, 37]
-    resolution = chain["resolution"]
-    raw["resolution"] = np.array([0.0 if np.isnan(resolution) else resolution], dtype=np.float32)
+    raw["resolution"] = np.array([chain["resolution"]], dtype=np.float32)  # NaN (NMR) kept, as the reference
     raw["is_distillation"] = np.array(0.0, dtype=np.float32)
     return raw
 

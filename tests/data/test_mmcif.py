@@ -191,23 +191,125 @@ def test_chain_without_resolved_ca_is_rejected(mmcif_dir: Path) -> None:
     assert info.value.reason == "no_resolved_ca"
 
 
-def test_arginine_nh1_is_the_nitrogen_closer_to_cd():
-    """ARG NH1/NH2 are renamed so NH1 is nearer CD (AlphaFold's convention), whatever the file says."""
-    import gemmi
-
-    from scalefold import residue_constants as rc
-    from scalefold.data.parsers.mmcif import _atom37_of_residue
-
+def _arginine(coords: dict) -> gemmi.Residue:
     residue = gemmi.Residue()
     residue.name = "ARG"
-    coords = {"CD": (0.0, 0.0, 0.0), "NH1": (3.0, 0.0, 0.0), "NH2": (1.5, 0.0, 0.0)}  # NH2 closer: swapped in file
     for name, xyz in coords.items():
         atom = gemmi.Atom()
         atom.name = name
         atom.occ = 1.0
         atom.pos = gemmi.Position(*xyz)
         residue.add_atom(atom)
+    return residue
+
+
+def test_arginine_nh_names_kept_as_deposited_by_default():
+    """ARG NH1/NH2 keep the file's names, as the MLPerf reference reads them (NH2 nearer CD here)."""
+    from scalefold.data.parsers.mmcif import _atom37_of_residue
+
+    residue = _arginine({"CD": (0.0, 0.0, 0.0), "NH1": (3.0, 0.0, 0.0), "NH2": (1.5, 0.0, 0.0)})
     positions, mask = _atom37_of_residue(residue)
     assert mask[rc.atom_order["NH1"]] == 1 and mask[rc.atom_order["NH2"]] == 1
-    assert positions[rc.atom_order["NH1"]][0] == 1.5
-    assert positions[rc.atom_order["NH2"]][0] == 3.0
+    assert positions[rc.atom_order["NH1"]][0] == 3.0
+    assert positions[rc.atom_order["NH2"]][0] == 1.5
+
+
+def test_arginine_renaming_is_an_explicit_opt_in(mmcif_dir: Path):
+    """``fix_arginine_naming=True`` swaps NH1/NH2 so NH1 is nearer CD; on 3u8v chain B (arginine 86
+    deposited the other way round) only arginine NH columns move, and only by the swap."""
+    from scalefold.data.parsers.mmcif import _atom37_of_residue
+
+    residue = _arginine({"CD": (0.0, 0.0, 0.0), "NH1": (3.0, 0.0, 0.0), "NH2": (1.5, 0.0, 0.0)})
+    positions, _ = _atom37_of_residue(residue, fix_arginine_naming=True)
+    assert positions[rc.atom_order["NH1"]][0] == 1.5 and positions[rc.atom_order["NH2"]][0] == 3.0
+
+    plain = parse_mmcif(mmcif_dir / "3u8v.cif").chains["B"]
+    fixed = parse_mmcif(mmcif_dir / "3u8v.cif", fix_arginine_naming=True).chains["B"]
+    nh1, nh2, cd = (rc.atom_order[n] for n in ("NH1", "NH2", "CD"))
+    changed = np.any(plain.all_atom_positions != fixed.all_atom_positions, axis=-1)  # [N, 37]
+    moved = sorted({int(i) for i in np.nonzero(changed)[0]})
+    assert moved and all(plain.sequence[i] == "R" for i in moved)
+    np.testing.assert_array_equal(plain.all_atom_mask, fixed.all_atom_mask)
+    for i in moved:
+        np.testing.assert_array_equal(fixed.all_atom_positions[i, [nh1, nh2]], plain.all_atom_positions[i, [nh2, nh1]])
+        d = np.linalg.norm(fixed.all_atom_positions[i, [nh1, nh2]] - fixed.all_atom_positions[i, cd], axis=-1)
+        assert d[0] <= d[1]
+
+
+def _mini_cif(chem_type: str = "L-peptide linking", auth_atom: str = "CA", auth_comp: str = "GLY") -> str:
+    """One ALA residue of entity 1 (chain A) plus a DNA entity 2 (chain B); the CA's author atom name
+    and residue name can be set apart from its label ones."""
+    return f"""data_MINI
+_entry.id MINI
+loop_
+_entity_poly_seq.entity_id
+_entity_poly_seq.num
+_entity_poly_seq.mon_id
+1 1 ALA
+2 1 DA
+loop_
+_chem_comp.id
+_chem_comp.type
+ALA '{chem_type}'
+DA 'DNA linking'
+loop_
+_struct_asym.id
+_struct_asym.entity_id
+A 1
+B 2
+loop_
+_atom_site.group_PDB
+_atom_site.id
+_atom_site.type_symbol
+_atom_site.label_atom_id
+_atom_site.auth_atom_id
+_atom_site.label_alt_id
+_atom_site.label_comp_id
+_atom_site.auth_comp_id
+_atom_site.label_asym_id
+_atom_site.label_entity_id
+_atom_site.label_seq_id
+_atom_site.Cartn_x
+_atom_site.Cartn_y
+_atom_site.Cartn_z
+_atom_site.occupancy
+_atom_site.auth_seq_id
+_atom_site.auth_asym_id
+_atom_site.pdbx_PDB_model_num
+ATOM 1 N N N . ALA {auth_comp} A 1 1 0.0 0.0 0.0 1.0 1 A 1
+ATOM 2 C CA {auth_atom} . ALA {auth_comp} A 1 1 1.5 0.0 0.0 1.0 1 A 1
+ATOM 3 P P P . DA DA B 2 1 9.0 0.0 0.0 1.0 1 B 1
+"""
+
+
+def test_atoms_and_residues_take_their_label_names(tmp_path: Path):
+    """As Biopython (the reference's parser): ``label_atom_id`` / ``label_comp_id`` name atoms and
+    residues even where the author names differ (gemmi alone would use the author ones)."""
+    chain = parse_mmcif_string(_mini_cif(auth_atom="XX", auth_comp="GLY")).chains["A"]
+    assert chain.residue_names == ("ALA",) and chain.sequence == "A"
+    assert chain.all_atom_mask[0, CA] == 1 and chain.all_atom_positions[0, CA, 0] == 1.5
+
+
+def test_protein_entities_are_found_case_sensitively_as_the_reference(tmp_path: Path):
+    """An entity is protein when a monomer's ``_chem_comp.type`` contains "peptide" (case-sensitive,
+    as the reference); the cheap header reader returns exactly the protein chains the parser does."""
+    from scalefold.data.parsers.mmcif import read_entry_header
+
+    path = tmp_path / "mini.cif"
+    path.write_text(_mini_cif())
+    assert list(parse_mmcif(path).chains) == ["A"]
+    assert read_entry_header(path) == ("mini", None, frozenset({"A"}))  # DNA chain B left out
+    with pytest.raises(MmcifError) as info:
+        parse_mmcif_string(_mini_cif(chem_type="L-PEPTIDE LINKING"))
+    assert info.value.reason == "no_protein_chains"
+    path.write_text(_mini_cif(chem_type="L-PEPTIDE LINKING"))
+    assert read_entry_header(path)[2] == frozenset()
+
+
+def test_header_chains_equal_parsed_protein_chains(mmcif_dir: Path):
+    """On every shared file the header's chain set is the parser's protein chain set (2q2k: its DNA
+    chain is not a template candidate, as in the reference's ``template_pdb_chain_ids``)."""
+    from scalefold.data.parsers.mmcif import read_entry_header
+
+    for path in sorted(mmcif_dir.rglob("*.cif")):
+        assert read_entry_header(path)[2] == frozenset(parse_mmcif(path).chains), path

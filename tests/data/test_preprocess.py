@@ -16,6 +16,7 @@ from scalefold.data.mlperf_layout import MlperfLayout, PickleNotAllowedError, co
 from scalefold.data.parsers.mmcif import parse_mmcif
 from scalefold.data.preprocess import preprocess, report_path
 from scalefold.data.store import Store
+from scalefold.data.templates import zero_center_positions
 
 HHR = (
     "No 1\n>1ABC_A test\n"
@@ -249,7 +250,8 @@ def test_preprocess_featurises_template_hits_into_the_store(mixed_inputs, tmp_pa
     stored = outcomes[1].template
     assert stored.domain_name == "1aki_A" and stored.residues == template.sequence[5:25]
     np.testing.assert_array_equal(stored.query_index, np.arange(20, 40))
-    np.testing.assert_array_equal(stored.all_atom_positions, template.all_atom_positions[5:25])
+    centred = zero_center_positions(template.all_atom_positions, template.all_atom_mask)  # whole chain
+    np.testing.assert_array_equal(stored.all_atom_positions, centred[5:25])
     np.testing.assert_array_equal(stored.all_atom_mask, template.all_atom_mask[5:25])
 
     preprocess(mmcif, alignments, tmp_path / "hits_only.h5", workers=1, progress=False, templates=False)

@@ -57,8 +57,8 @@ def golden(reference_dir) -> dict:
     return reference
 
 
-def _query_features(data_dir, aligner=None):
-    featurizer = TemplateHitFeaturizer(data_dir / "mmcif", MAX_TEMPLATE_DATE, aligner=aligner)
+def _query_features(data_dir, aligner=None, zero_center=True):
+    featurizer = TemplateHitFeaturizer(data_dir / "mmcif", MAX_TEMPLATE_DATE, aligner=aligner, zero_center=zero_center)
     return build_raw_features_from_alignment_dir(data_dir / "alignments" / "query", featurizer)
 
 
@@ -66,16 +66,43 @@ def _query_features(data_dir, aligner=None):
 def test_golden_raw_features_match_alphafold(data_dir, golden, aligner):
     """Every raw feature of the query equals DeepMind's: integer/one-hot/string arrays exactly
     (same shape and dtype kind), template coordinates to 1e-3 Å -- with kalign (when on PATH) and
-    with the pure-Python realignment fallback."""
-    features = _query_features(data_dir, OverlapAligner() if aligner == "python" else None)
+    with the pure-Python realignment fallback. DeepMind keeps templates in the deposited frame
+    (``zero_center=False``) and stores ``template_aatype`` as float32 one-hot (the MLPerf reference
+    and ScaleFold: int32, same values)."""
+    features = _query_features(data_dir, OverlapAligner() if aligner == "python" else None, zero_center=False)
     assert set(features) == set(golden)
     for key in INTEGER_KEYS + STRING_KEYS + ("template_sum_probs",):
         assert features[key].shape == golden[key].shape, key
-        assert features[key].dtype.kind == golden[key].dtype.kind, key
+        if key != "template_aatype":
+            assert features[key].dtype.kind == golden[key].dtype.kind, key
         np.testing.assert_array_equal(features[key], golden[key], err_msg=key)
+    assert features["template_aatype"].dtype == np.int32
     positions = features["template_all_atom_positions"]
     assert positions.shape == golden["template_all_atom_positions"].shape
     np.testing.assert_allclose(positions, golden["template_all_atom_positions"], atol=COORDINATE_TOLERANCE, rtol=0)
+
+
+def test_templates_are_zero_centred_per_template_chain(data_dir):
+    """By default (MLPerf reference) each template is its deposited coordinates minus one vector: the
+    mean of the resolved atoms of the *whole* template chain (not only the aligned residues), in
+    float32; unresolved atoms stay exactly 0 and nothing else changes."""
+    from scalefold.data.parsers.mmcif import parse_mmcif
+
+    centred = _query_features(data_dir)
+    deposited = _query_features(data_dir, zero_center=False)
+    for key in centred:
+        if key != "template_all_atom_positions":
+            np.testing.assert_array_equal(centred[key], deposited[key], err_msg=key)
+    mask = centred["template_all_atom_masks"] > 0  # [T, N, 37]
+    for t, name in enumerate(centred["template_domain_names"]):
+        pdb_id, chain_id = str(name).split("_")
+        chain = parse_mmcif(data_dir / "mmcif" / f"{pdb_id}.cif").chains[chain_id]
+        resolved = chain.all_atom_mask > 0
+        translation = chain.all_atom_positions[resolved].mean(axis=0)  # [3] float32, the reference's
+        assert translation.dtype == np.float32 and np.abs(translation).max() > 1.0
+        got, want = centred["template_all_atom_positions"][t], deposited["template_all_atom_positions"][t]
+        np.testing.assert_array_equal(got[mask[t]], want[mask[t]] - translation, err_msg=str(name))
+        assert not got[~mask[t]].any()
 
 
 def test_golden_template_skips_are_explained(data_dir):
@@ -130,7 +157,7 @@ def test_build_raw_features_without_msa_or_templates_uses_the_query():
     features = build_raw_features("ACDE", "q", [])
     np.testing.assert_array_equal(features["msa"], [[rc.HHBLITS_AA_TO_ID[c] for c in "ACDE"]])
     assert features["template_all_atom_positions"].shape == (0, 4, 37, 3)
-    assert features["template_aatype"].shape == (0, 4, 22)
+    assert features["template_aatype"].shape == (0, 4) and features["template_aatype"].dtype == np.int32
 
 
 # ----------------------------------------------------------------------------------------------
@@ -194,7 +221,8 @@ def _featurizer(entry, **kwargs):
 
 def test_template_coordinates_land_on_mapped_query_positions():
     """Each mapped query position receives the atoms of its template residue (offset of the hit in
-    the chain included); unmapped positions are gaps with zero atoms."""
+    the chain included), zero-centred over the whole chain (residue i has x = i, so the mean x of
+    its 28 residues is 13.5); unmapped positions are gaps with zero atoms."""
     query = "PPPAYIAKQRQISFVKPP"  # 18 residues, positions 3..16 align to chain residues 3..16
     segment = CHAIN_SEQUENCE[3:17]
     hit = _hit(query[3:17], segment, query_start=3, hit_start=3)
@@ -202,7 +230,8 @@ def test_template_coordinates_land_on_mapped_query_positions():
     features = result.features
     assert features["template_sequence"][0] == "---" + segment + "-"
     ca = rc.atom_order["CA"]
-    np.testing.assert_array_equal(features["template_all_atom_positions"][0, 3:17, ca, 0], np.arange(3, 17))
+    np.testing.assert_array_equal(features["template_all_atom_positions"][0, 3:17, ca, 0], np.arange(3, 17) - 13.5)
+    assert not features["template_all_atom_positions"][0, [0, 1, 2, 17]].any()
     assert features["template_all_atom_masks"][0, [0, 1, 2, 17]].sum() == 0
     np.testing.assert_array_equal(features["template_aatype"][0, 0], np.eye(22)[21])  # gap
     assert features["template_sum_probs"].shape == (1, 1)
@@ -254,7 +283,7 @@ def test_missing_structure_and_unresolved_residues_are_skipped():
     featurizer = TemplateHitFeaturizer(None, "2020-01-01", load_structure=missing, aligner=OverlapAligner())
     result = featurizer.get_templates(query, [hit])
     assert [s.reason for s in result.skipped] == ["mmcif_missing"]
-    assert result.features["template_aatype"].shape == (0, len(query), 22)
+    assert result.features["template_aatype"].shape == (0, len(query))
     result = _featurizer(_entry(unresolved=range(12))).get_templates(query, [hit])
     assert [s.reason for s in result.skipped] == ["no_resolved_atoms"]
 
@@ -288,6 +317,7 @@ def test_realignment_when_hit_sequence_differs_from_mmcif(aligner):
     assert sequence == "--" + chain[:13] + "-" + chain[13:] + "--"
     ca = rc.atom_order["CA"]
     x = result.features["template_all_atom_positions"][0, :, ca, 0]
+    x = x + 13.5  # undo the zero-centring (mean x of the 28 chain residues): residue i has x = i
     np.testing.assert_array_equal(x[2:15], np.arange(4, 17))
     np.testing.assert_array_equal(x[16:23], np.arange(17, 24))
     assert result.features["template_all_atom_masks"][0, 15].sum() == 0
@@ -318,3 +348,14 @@ def test_allowed_chain_set_and_own_entry_are_rejected():
         "a": "template_is_query",
         "b": "not_in_template_set",
     }
+
+
+def test_hit_to_a_chain_that_is_not_a_protein_chain_is_dropped():
+    """A hit whose chain id is not a protein chain of its entry and whose sequence needs realignment
+    is dropped (``chain_not_found``), as the reference drops it (no atoms under that chain id) --
+    even when the entry has a single protein chain to realign to."""
+    query, hit = _realignment_case()
+    hit = TemplateHit(**{**hit.__dict__, "name": "1ABC_Z test"})
+    result = _featurizer(_entry()).get_templates(query, [hit])
+    assert [s.reason for s in result.skipped] == ["chain_not_found"]
+    assert result.features["template_aatype"].shape == (0, len(query))

@@ -9,10 +9,17 @@ Semantics follow the MLPerf reference (``openfold/data/mmcif.py``, itself AlphaF
   monomer with ``num == min(num) + i``, so unobserved residues have an all-zero mask;
 * only the first model is read; modified residues map to their parent amino acid (MSE → M, its SE
   atom goes into the SD column); atoms whose names are not among the 37 atom types are dropped;
+* atoms keep their deposited names: arginine NH1/NH2 are *not* renamed (the reference keeps them as
+  deposited; ``fix_arginine_naming=True`` opts into AlphaFold-style renaming, NH1 = the nitrogen
+  nearer CD, for non-MLPerf use);
 * release date = earliest ``_pdbx_audit_revision_history.revision_date``; resolution from
   ``_refine.ls_d_res_high``, else ``_em_3d_reconstruction.resolution``, else
   ``_reflns.d_resolution_high`` (maximum when several), NaN when none (e.g. NMR);
-* chains are named by their author chain id (``_atom_site.auth_asym_id``).
+* chains are named by their author chain id (``_atom_site.auth_asym_id``); atoms and residues by
+  their *label* names (``label_atom_id``, ``label_comp_id``), as Biopython's parser (the reference's)
+  reads them -- gemmi would otherwise take the ``auth_*`` names;
+* an entity is protein when a monomer's ``_chem_comp.type`` contains "peptide", case-sensitively as
+  in the reference (so ``L-PEPTIDE LINKING`` in upper case does not count).
 
 Deliberate differences from the reference, where it is ill-defined:
 
@@ -108,8 +115,11 @@ class MmcifEntry:
 # public entry points
 
 
-def parse_mmcif(path: PathLike, pdb_id: str | None = None) -> MmcifEntry:
+def parse_mmcif(path: PathLike, pdb_id: str | None = None, *, fix_arginine_naming: bool = False) -> MmcifEntry:
     """Parse an mmCIF file (``.cif`` or ``.cif.gz``).
+
+    ``fix_arginine_naming`` swaps arginine NH1/NH2 so NH1 is nearer CD (off: as deposited, as the
+    MLPerf reference reads them).
 
     Raises:
         MmcifError: the file is missing, corrupt/truncated, or has no protein chain.
@@ -121,22 +131,26 @@ def parse_mmcif(path: PathLike, pdb_id: str | None = None) -> MmcifEntry:
         raise MmcifError("missing_file", f"mmCIF file not found ({exc})", path) from exc
     except (ValueError, RuntimeError, UnicodeDecodeError) as exc:
         raise MmcifError("corrupt_mmcif", f"corrupt or truncated mmCIF: {exc}", path) from exc
-    return _parse_document(doc, path=path, pdb_id=pdb_id)
+    return _parse_document(doc, path=path, pdb_id=pdb_id, fix_arginine_naming=fix_arginine_naming)
 
 
-def parse_mmcif_string(text: str, pdb_id: str | None = None, path: str | None = None) -> MmcifEntry:
-    """Parse mmCIF content held in memory (``path`` only labels errors)."""
+def parse_mmcif_string(
+    text: str, pdb_id: str | None = None, path: str | None = None, *, fix_arginine_naming: bool = False
+) -> MmcifEntry:
+    """Parse mmCIF content held in memory (``path`` only labels errors); options as :func:`parse_mmcif`."""
     try:
         doc = gemmi.cif.read_string(text)
     except (ValueError, RuntimeError) as exc:
         raise MmcifError("corrupt_mmcif", f"corrupt or truncated mmCIF: {exc}", path) from exc
-    return _parse_document(doc, path=path, pdb_id=pdb_id)
+    return _parse_document(doc, path=path, pdb_id=pdb_id, fix_arginine_naming=fix_arginine_naming)
 
 
 def read_entry_header(path: PathLike) -> tuple[str, str | None, frozenset[str]]:
-    """``(pdb_id, release_date, author chain ids)`` of an mmCIF file without building its structure.
+    """``(pdb_id, release_date, protein author chain ids)`` of an mmCIF file, mostly without building
+    its structure.
 
-    Cheap metadata for template prefiltering (release dates and which chains exist).
+    Cheap metadata for template prefiltering: release dates, and the protein chains that may serve as
+    templates (the reference's ``template_pdb_chain_ids`` holds only the protein chains it parsed).
     Raises :class:`MmcifError` like :func:`parse_mmcif`.
     """
     path = str(path)
@@ -149,8 +163,52 @@ def read_entry_header(path: PathLike) -> tuple[str, str | None, frozenset[str]]:
     if len(doc) == 0:
         raise MmcifError("corrupt_mmcif", "no data block in file", path)
     block = doc[0]
-    chains = frozenset(_values(block, "_atom_site.auth_asym_id"))
+    chains = _protein_author_chains(block)
+    if chains is None:  # no SEQRES (rare): the observed amino-acid chains, as the parser finds them
+        try:
+            chains = frozenset(_parse_document(doc, path=path, pdb_id=None).chains)
+        except MmcifError:
+            chains = frozenset()
     return _pdb_id(block, path, None), _release_date(block, path), chains
+
+
+def _protein_entities(block: gemmi.cif.Block) -> dict[str, list[tuple[int, str]]] | None:
+    """``entity id -> [(num, mon_id)]`` of the protein polymers (``None``: no ``_entity_poly_seq``)."""
+    entity_rows = _table(block, "_entity_poly_seq.", ["entity_id", "num", "mon_id"])
+    if not entity_rows:
+        return None
+    chem_types = dict(_table(block, "_chem_comp.", ["id", "type"]))
+    polymers: dict[str, list[tuple[int, str]]] = defaultdict(list)
+    for entity_id, num, mon_id in entity_rows:
+        polymers[entity_id].append((int(num), mon_id))
+    proteins = {}
+    for entity_id, monomers in polymers.items():
+        if chem_types:  # the reference's test, case-sensitive
+            is_protein = any("peptide" in chem_types.get(m, "") for _, m in monomers)
+        else:
+            is_protein = any(_is_amino_acid(m) for _, m in monomers)
+        if is_protein:
+            proteins[entity_id] = monomers
+    return proteins
+
+
+def _protein_author_chains(block: gemmi.cif.Block) -> frozenset[str] | None:
+    """Author ids of the chains :func:`parse_mmcif` returns as protein chains, without building the
+    structure (``None`` for files without ``_entity_poly_seq``)."""
+    proteins = _protein_entities(block)
+    if proteins is None:
+        return None
+    subchains = {a for a, e in _table(block, "_struct_asym.", ["id", "entity_id"]) if e in proteins}
+    pairs = _table(block, "_atom_site.", ["label_asym_id", "auth_asym_id"])
+    return frozenset(auth for label, auth in pairs if label in subchains)
+
+
+def _use_label_names(block: gemmi.cif.Block) -> None:
+    """Make gemmi name atoms and residues by ``label_atom_id`` / ``label_comp_id`` (Biopython's
+    choice) by dropping the ``auth_*`` name columns when the label ones exist (in memory only)."""
+    for label, auth in (("label_atom_id", "auth_atom_id"), ("label_comp_id", "auth_comp_id")):
+        if len(block.find_values(f"_atom_site.{label}")) and len(block.find_values(f"_atom_site.{auth}")):
+            block.find_values(f"_atom_site.{auth}").erase()
 
 
 def check_chain_usable(entry: MmcifEntry, chain: MmcifChain) -> None:
@@ -238,7 +296,7 @@ def _one_letter(residue_name: str) -> str:
     return "X"
 
 
-def _atom37_of_residue(residue: gemmi.Residue) -> tuple[np.ndarray, np.ndarray]:
+def _atom37_of_residue(residue: gemmi.Residue, fix_arginine_naming: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Atom37 positions ``[37, 3]`` and mask ``[37]`` of one residue; highest-occupancy altloc wins."""
     positions = np.zeros((rc.atom_type_num, 3), dtype=np.float32)
     mask = np.zeros((rc.atom_type_num,), dtype=np.float32)
@@ -254,16 +312,17 @@ def _atom37_of_residue(residue: gemmi.Residue) -> tuple[np.ndarray, np.ndarray]:
         best_occupancy[index] = atom.occ
         positions[index] = (atom.pos.x, atom.pos.y, atom.pos.z)
         mask[index] = 1.0
-    if residue.name == "ARG":
+    if fix_arginine_naming and residue.name == "ARG":
         _fix_arginine_nh_naming(positions, mask)
     return positions, mask
 
 
 def _fix_arginine_nh_naming(positions: np.ndarray, mask: np.ndarray) -> None:
-    """Name the arginine NH atoms as AlphaFold does: NH1 is the one closer to CD (swap in place).
+    """Name the arginine NH atoms so NH1 is the one closer to CD (swap in place); opt-in only.
 
-    Deposited structures are inconsistent about which guanidinium nitrogen is NH1; AlphaFold's
-    mmCIF reader (``get_atom_coords``) normalises it so targets and templates agree.
+    Deposited structures are inconsistent about which guanidinium nitrogen is NH1. The MLPerf
+    reference keeps the deposited names, and the model must see its data, so this is off unless
+    ``fix_arginine_naming=True``.
     """
     cd, nh1, nh2 = (rc.atom_order[n] for n in ("CD", "NH1", "NH2"))
     if not (mask[cd] and mask[nh1] and mask[nh2]):
@@ -308,6 +367,7 @@ def _chain_from_seqres(
     entity_id: str,
     monomers: list[tuple[int, str]],
     observed: dict[int, gemmi.Residue],
+    fix_arginine_naming: bool = False,
 ) -> MmcifChain:
     # One entry per position: microheterogeneous SEQRES positions collapse to the observed type.
     by_num: dict[int, str] = {}
@@ -326,7 +386,7 @@ def _chain_from_seqres(
             continue
         names.append(residue.name)
         auth_ids.append(_author_residue_id(residue))
-        positions[i], mask[i] = _atom37_of_residue(residue)
+        positions[i], mask[i] = _atom37_of_residue(residue, fix_arginine_naming)
     sequence = "".join(_one_letter(name) for name in names)
     return MmcifChain(
         author_chain_id=author_chain_id,
@@ -341,7 +401,11 @@ def _chain_from_seqres(
 
 
 def _chain_from_observed(
-    author_chain_id: str, mmcif_chain_id: str, entity_id: str, residues: list[gemmi.Residue]
+    author_chain_id: str,
+    mmcif_chain_id: str,
+    entity_id: str,
+    residues: list[gemmi.Residue],
+    fix_arginine_naming: bool = False,
 ) -> MmcifChain:
     """Fallback without SEQRES: the observed residues, one per position."""
     chosen: dict[object, gemmi.Residue] = {}
@@ -355,7 +419,7 @@ def _chain_from_observed(
     positions = np.zeros((num_res, rc.atom_type_num, 3), dtype=np.float32)
     mask = np.zeros((num_res, rc.atom_type_num), dtype=np.float32)
     for i, residue in enumerate(picked):
-        positions[i], mask[i] = _atom37_of_residue(residue)
+        positions[i], mask[i] = _atom37_of_residue(residue, fix_arginine_naming)
     names = tuple(r.name for r in picked)
     return MmcifChain(
         author_chain_id=author_chain_id,
@@ -380,12 +444,15 @@ def _is_amino_acid(name: str) -> bool:
 # the whole document
 
 
-def _parse_document(doc: gemmi.cif.Document, path: str | None, pdb_id: str | None) -> MmcifEntry:
+def _parse_document(
+    doc: gemmi.cif.Document, path: str | None, pdb_id: str | None, fix_arginine_naming: bool = False
+) -> MmcifEntry:
     if len(doc) == 0:
         raise MmcifError("corrupt_mmcif", "no data block in file", path)
     block = doc[0]
     if len(block.find_values("_atom_site.Cartn_x")) == 0:
         raise MmcifError("corrupt_mmcif", "no _atom_site coordinates (truncated file?)", path)
+    _use_label_names(block)
     try:
         structure = gemmi.make_structure_from_block(block)
     except (ValueError, RuntimeError) as exc:
@@ -394,30 +461,20 @@ def _parse_document(doc: gemmi.cif.Document, path: str | None, pdb_id: str | Non
         raise MmcifError("corrupt_mmcif", "no models in _atom_site", path)
 
     observed, author_of = _observed_by_subchain(structure[0])
-    entity_rows = _table(block, "_entity_poly_seq.", ["entity_id", "num", "mon_id"])
+    proteins = _protein_entities(block)  # DNA / RNA / other polymers left out
     chains: dict[str, MmcifChain] = {}
 
-    if entity_rows:
-        chem_types = dict(_table(block, "_chem_comp.", ["id", "type"]))
-        polymers: dict[str, list[tuple[int, str]]] = defaultdict(list)
-        for entity_id, num, mon_id in entity_rows:
-            polymers[entity_id].append((int(num), mon_id))
+    if proteins is not None:
         subchains_of: dict[str, list[str]] = defaultdict(list)
         for asym_id, entity_id in _table(block, "_struct_asym.", ["id", "entity_id"]):
             subchains_of[entity_id].append(asym_id)
-        for entity_id, monomers in polymers.items():
-            if chem_types:
-                is_protein = any("peptide" in chem_types.get(m, "").lower() for _, m in monomers)
-            else:
-                is_protein = any(_is_amino_acid(m) for _, m in monomers)
-            if not is_protein:
-                continue  # DNA / RNA / other polymer
+        for entity_id, monomers in proteins.items():
             for asym_id in subchains_of.get(entity_id, []):
                 author = author_of.get(asym_id)
                 if author is None or author in chains:
                     continue  # no atoms in the first model (cannot name it), or duplicate author id
                 chains[author] = _chain_from_seqres(
-                    author, asym_id, entity_id, monomers, observed["by_seq"].get(asym_id, {})
+                    author, asym_id, entity_id, monomers, observed["by_seq"].get(asym_id, {}), fix_arginine_naming
                 )
     else:
         for asym_id, residues in observed["in_order"].items():
@@ -427,7 +484,9 @@ def _parse_document(doc: gemmi.cif.Document, path: str | None, pdb_id: str | Non
             author = author_of[asym_id]
             if author in chains:
                 continue
-            chains[author] = _chain_from_observed(author, asym_id, polymer_residues[0].entity_id, polymer_residues)
+            chains[author] = _chain_from_observed(
+                author, asym_id, polymer_residues[0].entity_id, polymer_residues, fix_arginine_naming
+            )
 
     if not chains:
         raise MmcifError("no_protein_chains", "no protein chain found", path)
@@ -439,7 +498,7 @@ def _parse_document(doc: gemmi.cif.Document, path: str | None, pdb_id: str | Non
         release_date=_release_date(block, path),
         resolution=_resolution(block),
         chains=chains,
-        has_seqres=bool(entity_rows),
+        has_seqres=proteins is not None,
     )
 
 
