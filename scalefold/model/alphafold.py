@@ -68,23 +68,22 @@ class AlphaFold(nn.Module):
             config = AlphaFoldConfig.from_dict(dict(config))
         self.config = config
         self.activation_checkpointing = activation_checkpointing
-        cfg = config.to_dict()
         self.templates_enabled = config.templates_enabled
         self.embed_template_torsion_angles = config.embed_template_torsion_angles
 
-        self.input_embedder = InputEmbedder(**cfg["input_embedder_config"])
-        self.recycling_embedder = RecyclingEmbedder(**cfg["recycling_embedder_config"])
+        self.input_embedder = InputEmbedder(config.input_embedder_config)
+        self.recycling_embedder = RecyclingEmbedder(config.recycling_embedder_config)
         if self.templates_enabled:
-            self.template_angle_embedder = TemplateAngleEmbedder(**cfg["template_angle_embedder_config"])
-            self.template_pair_embedder = TemplatePairEmbedder(**cfg["template_pair_embedder_config"])
+            self.template_angle_embedder = TemplateAngleEmbedder(config.template_angle_embedder_config)
+            self.template_pair_embedder = TemplatePairEmbedder(config.template_pair_embedder_config)
             self.template_pair_stack = TemplatePairStack(config.template_pair_stack_config)
             self.template_pointwise_attention = TemplatePointwiseAttention(config.template_pointwise_attention_config)
-        self.extra_msa_embedder = ExtraMSAEmbedder(**cfg["extra_msa_embedder_config"])
+        self.extra_msa_embedder = ExtraMSAEmbedder(config.extra_msa_embedder_config)
         self.extra_msa_stack = ExtraMSAStack(config.extra_msa_stack_config)
         self.parallel_evoformer = parallel_evoformer
         self.evoformer_stack = EvoformerStack(config.evoformer_stack_config, parallel=parallel_evoformer)
-        self.structure_module = StructureModule(**cfg["structure_module_config"])
-        self.auxiliary_heads = AuxiliaryHeads(**cfg["auxiliary_heads_config"])
+        self.structure_module = StructureModule(config.structure_module_config)
+        self.auxiliary_heads = AuxiliaryHeads(config.auxiliary_heads_config)
 
         self._model_features = features.required_features("model", templates_enabled=self.templates_enabled)
         self._feature_symbols = {
