@@ -27,6 +27,8 @@ Parallelism (a BP pair set on the stack) runs them on two ranks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 
@@ -129,21 +131,61 @@ PAIR_BRANCH_MODULES = (
 )
 
 
-class EvoformerBlock(nn.Module):
+class MSABlock(nn.Module):
+    """What an Evoformer and an extra-MSA block share: MSA row attention with pair bias (row-wise
+    dropout), a column attention (Alg. 8, or the global one of Alg. 19), then the core.
+
+    ``column_attention`` builds the column attention (called between the row attention and the
+    rest, so parameters are initialised in the reference's order)."""
+
+    def __init__(
+        self, cfg: EvoformerStackConfig | ExtraMSAStackConfig, c_m: int, column_attention: Callable[[], nn.Module]
+    ) -> None:
+        super().__init__()
+        self.msa_att_row = MSARowAttentionWithPairBias(
+            c_m, cfg.c_z, cfg.c_hidden_msa_att, cfg.num_heads_msa, inf=cfg.inf, chunk_size=cfg.chunk_size_msa_att
+        )
+        self.msa_att_col = column_attention()
+        self.msa_dropout_rowwise = DropoutRowwise(cfg.msa_dropout)
+        self.core = EvoformerBlockCore(cfg, c_m=c_m)
+
+    def forward(
+        self,
+        m: torch.Tensor,
+        z: torch.Tensor,
+        msa_mask: torch.Tensor,
+        pair_mask: torch.Tensor,
+        dap: Axial | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``m`` ``[*, N_seq, N_res, c_m]``, ``z`` ``[*, N_res, N_res, c_z]``, ``msa_mask``
+        ``[*, N_seq, N_res]``, ``pair_mask`` ``[*, N_res, N_res]`` -> updated ``(m, z)``.
+        Under DAP (``dap``) ``m`` and ``z`` are row-sharded in and out; the column attention runs
+        in the column-sharded layout."""
+        m = self._msa_attention(m, z, msa_mask, dap)
+        return self.core(m, z, msa_mask=msa_mask, pair_mask=pair_mask, dap=dap)
+
+    def _msa_attention(self, m: torch.Tensor, z: torch.Tensor, msa_mask: torch.Tensor, dap: Axial | None):
+        """Row attention with pair bias, then column attention; ``m`` leaves column-sharded."""
+        msa, pair = split_planes(dap)
+        row_update = self.msa_att_row(m, z, mask=mask_rows(msa_mask, msa), pair_plane=pair)
+        m = m + self.msa_dropout_rowwise(row_update, msa, ROWS)
+        m = row_to_col(m, msa)
+        return m + self.msa_att_col(m, mask=mask_cols(msa_mask, msa))
+
+
+class EvoformerBlock(MSABlock):
     """One Evoformer block (Supplementary Alg. 6)."""
 
     def __init__(self, cfg: EvoformerStackConfig, parallel: bool = False) -> None:
         """``cfg``: the stack's config (its block sizes); ``parallel``: a Parallel Evoformer block."""
-        super().__init__()
+
+        def column_attention() -> nn.Module:
+            return MSAColumnAttention(
+                cfg.c_m, cfg.c_hidden_msa_att, cfg.num_heads_msa, inf=cfg.inf, chunk_size=cfg.chunk_size_msa_att
+            )
+
+        super().__init__(cfg, cfg.c_m, column_attention)
         self.parallel = parallel
-        self.msa_att_row = MSARowAttentionWithPairBias(
-            cfg.c_m, cfg.c_z, cfg.c_hidden_msa_att, cfg.num_heads_msa, inf=cfg.inf, chunk_size=cfg.chunk_size_msa_att
-        )
-        self.msa_att_col = MSAColumnAttention(
-            cfg.c_m, cfg.c_hidden_msa_att, cfg.num_heads_msa, inf=cfg.inf, chunk_size=cfg.chunk_size_msa_att
-        )
-        self.msa_dropout_rowwise = DropoutRowwise(cfg.msa_dropout)
-        self.core = EvoformerBlockCore(cfg, c_m=cfg.c_m)
 
     def forward(
         self,
@@ -163,8 +205,7 @@ class EvoformerBlock(nn.Module):
             return self._forward_parallel(m, z, msa_mask, pair_mask, dap, branch)
         if branch is not None:
             raise ValueError("Branch Parallelism needs the Parallel Evoformer (parallel=True)")
-        m = self._msa_attention(m, z, msa_mask, dap)
-        return self.core(m, z, msa_mask=msa_mask, pair_mask=pair_mask, dap=dap)
+        return super().forward(m, z, msa_mask, pair_mask, dap)
 
     def branch_parameters(self) -> list[nn.Parameter]:
         """Parameters of the MSA and the pair branch (one rank of a BP pair updates each)."""
@@ -172,14 +213,6 @@ class EvoformerBlock(nn.Module):
             return []
         names = MSA_BRANCH_MODULES + PAIR_BRANCH_MODULES
         return [p for name in names for p in self.get_submodule(name).parameters()]
-
-    def _msa_attention(self, m: torch.Tensor, z: torch.Tensor, msa_mask: torch.Tensor, dap: Axial | None):
-        """Row attention with pair bias, then column attention; ``m`` leaves column-sharded."""
-        msa, pair = split_planes(dap)
-        row_update = self.msa_att_row(m, z, mask=mask_rows(msa_mask, msa), pair_plane=pair)
-        m = m + self.msa_dropout_rowwise(row_update, msa, ROWS)
-        m = row_to_col(m, msa)
-        return m + self.msa_att_col(m, mask=mask_cols(msa_mask, msa))
 
     def _forward_parallel(self, m, z, msa_mask, pair_mask, dap, branch):
         msa, pair = split_planes(dap)
@@ -245,4 +278,4 @@ class EvoformerStack(ParallelStack):
         return m, z, s
 
 
-__all__ = ["EvoformerBlockCore", "EvoformerBlock", "EvoformerStack", "MSA_BRANCH_MODULES", "PAIR_BRANCH_MODULES"]
+__all__ = ["EvoformerBlockCore", "MSABlock", "EvoformerBlock", "EvoformerStack", "MSA_BRANCH_MODULES", "PAIR_BRANCH_MODULES"]

@@ -2,9 +2,10 @@
 
 Like an Evoformer block, but the many unclustered MSA rows ``e`` ``[*, N_extra, N_res, c_e]``
 use *global* column attention (Alg. 19) and only the pair representation leaves the stack.
-Block order: row attention with pair bias (row-wise dropout), global column attention, then the
-shared :class:`~scalefold.model.evoformer.EvoformerBlockCore` (MSA transition, outer product
-mean, triangle updates, pair transition).
+Block order (the shared :class:`~scalefold.model.evoformer.MSABlock`): row attention with pair bias
+(row-wise dropout), global column attention, then the
+:class:`~scalefold.model.evoformer.EvoformerBlockCore` (MSA transition, outer product mean,
+triangle updates, pair transition).
 """
 
 from __future__ import annotations
@@ -13,46 +14,24 @@ import torch
 import torch.nn as nn
 
 from scalefold.model.config import ExtraMSAStackConfig
-from scalefold.model.dropout import DropoutRowwise
-from scalefold.model.evoformer import EvoformerBlockCore
+from scalefold.model.evoformer import MSABlock
 from scalefold.model.memory import run_block
-from scalefold.model.msa_attention import MSAColumnGlobalAttention, MSARowAttentionWithPairBias
-from scalefold.model.parallel import ROWS, Axial, ParallelStack, mask_cols, mask_rows, row_to_col, split_planes
+from scalefold.model.msa_attention import MSAColumnGlobalAttention
+from scalefold.model.parallel import ParallelStack
 
 
-class ExtraMSABlock(nn.Module):
-    """One extra-MSA block (Supplementary Alg. 18, one iteration)."""
+class ExtraMSABlock(MSABlock):
+    """One extra-MSA block (Supplementary Alg. 18, one iteration): an Evoformer block whose column
+    attention is the global one (Alg. 19); ``m`` is the extra MSA ``[*, N_extra, N_res, c_e]``."""
 
     def __init__(self, cfg: ExtraMSAStackConfig) -> None:
-        super().__init__()
-        c_e, inf, chunk_size = cfg.c_e, cfg.inf, cfg.chunk_size_msa_att
-        self.msa_att_row = MSARowAttentionWithPairBias(
-            c_e, cfg.c_z, cfg.c_hidden_msa_att, cfg.num_heads_msa, inf=inf, chunk_size=chunk_size
-        )
-        self.msa_att_col = MSAColumnGlobalAttention(
-            c_e, cfg.c_hidden_msa_att, cfg.num_heads_msa, inf=inf, eps=cfg.eps, chunk_size=chunk_size
-        )
-        self.msa_dropout_rowwise = DropoutRowwise(cfg.msa_dropout)
-        self.core = EvoformerBlockCore(cfg, c_m=c_e)
+        def column_attention() -> nn.Module:
+            return MSAColumnGlobalAttention(
+                cfg.c_e, cfg.c_hidden_msa_att, cfg.num_heads_msa, inf=cfg.inf, eps=cfg.eps,
+                chunk_size=cfg.chunk_size_msa_att,
+            )  # fmt: skip
 
-    def forward(
-        self,
-        m: torch.Tensor,
-        z: torch.Tensor,
-        msa_mask: torch.Tensor,
-        pair_mask: torch.Tensor,
-        dap: Axial | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``m`` ``[*, N_extra, N_res, c_e]``, ``z`` ``[*, N_res, N_res, c_z]``, ``msa_mask``
-        ``[*, N_extra, N_res]``, ``pair_mask`` ``[*, N_res, N_res]`` -> updated ``(m, z)``.
-        Under DAP (``dap``) ``m`` and ``z`` are row-sharded in and out; the global column
-        attention runs in the column-sharded layout."""
-        msa, pair = split_planes(dap)
-        row_update = self.msa_att_row(m, z, mask=mask_rows(msa_mask, msa), pair_plane=pair)
-        m = m + self.msa_dropout_rowwise(row_update, msa, ROWS)
-        m = row_to_col(m, msa)
-        m = m + self.msa_att_col(m, mask=mask_cols(msa_mask, msa))
-        return self.core(m, z, msa_mask=msa_mask, pair_mask=pair_mask, dap=dap)
+        super().__init__(cfg, cfg.c_e, column_attention)
 
 
 class ExtraMSAStack(ParallelStack):
