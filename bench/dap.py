@@ -48,7 +48,9 @@ sys.path.insert(0, str(REPO))
 from scalefold.distributed.group import DAPGroup  # noqa: E402
 from scalefold.distributed.launch import free_port  # noqa: E402
 from scalefold.distributed.volume import evoformer_block_bytes  # noqa: E402
-from scalefold.model.evoformer import EvoformerBlock, enter_stack  # noqa: E402
+from scalefold.model.config import EvoformerStackConfig  # noqa: E402
+from scalefold.model.evoformer import EvoformerBlock  # noqa: E402
+from scalefold.model.parallel import enter_stack  # noqa: E402
 
 WIDTHS = dict(c_m=256, c_z=128, c_hidden_msa_att=32, c_hidden_opm=32, c_hidden_tri_mul=128, c_hidden_tri_att=32,
               num_heads_msa=8, num_heads_tri=4, transition_n=4)  # fmt: skip
@@ -64,7 +66,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results)
     dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
-        block = EvoformerBlock(**WIDTHS, msa_dropout=0.15, pair_dropout=0.25).to(device).train()
+        block = EvoformerBlock(EvoformerStackConfig(**WIDTHS, msa_dropout=0.15, pair_dropout=0.25)).to(device).train()
         with torch.no_grad():  # "final" inits are zero: give every path work and gradient
             for p in block.parameters():
                 p.add_(0.02 * torch.randn_like(p))

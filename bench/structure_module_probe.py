@@ -34,6 +34,7 @@ from scalefold.data.store import Store
 from scalefold.losses.distogram import distogram_bin_index
 from scalefold.losses.fape import backbone_fape_loss
 from scalefold.metrics import validation_lddt_ca
+from scalefold.model.config import StructureModuleConfig
 from scalefold.model.structure_module import StructureModule
 from scalefold.train.config import TrainConfig
 from scalefold.train.loop import build_model_config, ensure_store, split_chains
@@ -71,7 +72,7 @@ def structure_module(sm_cfg: dict, num_blocks: int | None, dropout: float | None
         sm_cfg["num_blocks"] = num_blocks
     if dropout is not None:
         sm_cfg["dropout_rate"] = dropout
-    return StructureModule(**sm_cfg)
+    return StructureModule(StructureModuleConfig(**sm_cfg))
 
 
 def validation_score(sm: StructureModule, inputs: PerfectInputs, batches: list[dict[str, torch.Tensor]]) -> float:

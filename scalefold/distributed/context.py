@@ -79,16 +79,12 @@ class ParallelContext:
 
     def wrap(self, model: nn.Module, grad_hooks: bool = True) -> nn.Module:
         """Attach the DAP group / BP pair to the model's stacks; with ``grad_hooks`` scale each
-        gradient by its DAP/BP factor (see :mod:`scalefold.distributed.grad_sync`)."""
-        if self.layout.bp > 1 and not any(getattr(m, "parallel", False) for m in model.modules()):
-            raise ValueError("--bp 2 needs --parallel-evoformer (the model has no parallel Evoformer block)")
-        for module in model.modules():
-            if hasattr(module, "dap_group") and hasattr(module, "blocks"):
-                module.dap_group = self.dap_group
-            if hasattr(module, "branch") and hasattr(module, "blocks"):
-                module.branch = self.branch
-        if grad_hooks:
-            self.hooks = grad_sync.install_grad_scale_hooks(model, self.layout.dap, self.layout.bp)
+        gradient by its DAP/BP factor (:func:`scalefold.distributed.parallelize.parallelize`)."""
+        from scalefold.distributed.parallelize import parallelize
+
+        hooks = parallelize(model, dap_group=self.dap_group, branch=self.branch, dap=self.layout.dap,
+                            bp=self.layout.bp, grad_hooks=grad_hooks)  # fmt: skip
+        self.hooks = hooks if grad_hooks else self.hooks
         return model
 
     def sync_grads(self, model: nn.Module) -> None:

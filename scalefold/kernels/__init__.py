@@ -5,19 +5,23 @@ Every fast path has a plain PyTorch reference beside it (``scalefold.kernels.ref
 
 * ``"auto"``   -- the Triton kernel on CUDA tensors when Triton is available, else the reference;
 * ``"triton"`` -- force the kernel (on CPU it needs ``TRITON_INTERPRET=1``);
-* ``"torch"``  -- force the PyTorch reference.
+* ``"torch"``  -- force the PyTorch reference;
+* ``"compile"`` -- :func:`adam_swa_` only: ``torch.compile`` of the reference.
 
 The environment variable ``SCALEFOLD_KERNELS`` (``auto``/``triton``/``torch``) overrides
 ``"auto"`` globally, so a whole run can be pinned to either path.
 
 Kernels (``scalefold.kernels.triton_ops`` registers them as ``torch.ops.scalefold.*`` custom ops):
 :func:`attention` (``attention_triton``), :func:`layer_norm` (``layer_norm_triton``) and
-:func:`adam_swa_` (``adam_swa_triton``); their launch configs are tuned by ``autotune``.
+:func:`adam_swa_` (``adam_swa_triton``); their launch configs are tuned by ``autotune``. The flat
+optimizer (``scalefold.train.flat_optimizer``) steps through :func:`adam_swa_`: training and the
+kernel tests share one Adam+SWA reference.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -95,6 +99,10 @@ def layer_norm(
     return reference.layer_norm(x, weight, bias, eps)
 
 
+_ADAM_BACKENDS = _BACKENDS + ("compile",)
+_compiled_adam_swa_chunk = None
+
+
 def adam_swa_(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -111,6 +119,8 @@ def adam_swa_(
     eps: float = 1e-6,
     swa_decay: float = 0.9,
     swa_n_averaged: int = 1,
+    chunk_numel: int | None = None,
+    scratch: Sequence[torch.Tensor] | None = None,
     backend: str = "auto",
 ) -> None:
     """Fused Adam + SWA step over flat 1-D buffers, in place.
@@ -120,14 +130,41 @@ def adam_swa_(
     optional low-precision copy) -> SWA: ``swa = param`` when ``swa_n_averaged == 0``, else
     ``swa += (param - swa) * (1 - swa_decay)``. ``param``, ``exp_avg``, ``exp_avg_sq``, ``swa``
     share the master dtype; ``grad``/``compute`` may be low precision. ``lr``, ``step`` and
-    ``clip_scale`` are 0-dim device tensors (nothing is read back to the host).
+    ``clip_scale`` are 0-dim device tensors (nothing is read back to the host on CUDA).
+
+    Besides the common backends, ``"compile"`` runs ``torch.compile`` of the reference (one fused
+    loop over the whole buffers). ``chunk_numel`` / ``scratch`` tune the eager reference only (see
+    :func:`scalefold.kernels.reference.adam_swa_`).
     """
+    numel = param.numel()
+    for t in (grad, exp_avg, exp_avg_sq, swa) + ((compute,) if compute is not None else ()):
+        if t.dim() != 1 or t.numel() != numel:
+            raise ValueError("adam_swa_ expects flat 1-D tensors of equal length")
     kwargs = dict(lr=lr, step=step, clip_scale=clip_scale, beta1=beta1, beta2=beta2, eps=eps,
                   swa_decay=swa_decay, swa_n_averaged=swa_n_averaged)  # fmt: skip
+    if backend == "compile":
+        _adam_swa_compiled(param, grad, exp_avg, exp_avg_sq, swa, compute, **kwargs)
+        return
+    if backend not in _ADAM_BACKENDS:
+        raise ValueError(f"unknown Adam+SWA backend {backend!r}; expected one of {_ADAM_BACKENDS}")
     if resolve_backend(backend, param, grad, exp_avg, exp_avg_sq, swa, compute) == "triton":
         _triton_module().adam_swa_update_(param, grad, exp_avg, exp_avg_sq, swa, compute, **kwargs)
         return
-    reference.adam_swa_(param, grad, exp_avg, exp_avg_sq, swa, compute, **kwargs)
+    reference.adam_swa_(param, grad, exp_avg, exp_avg_sq, swa, compute, **kwargs, chunk_numel=chunk_numel,
+                        scratch=scratch)  # fmt: skip
+
+
+def _adam_swa_compiled(param, grad, exp_avg, exp_avg_sq, swa, compute, *, lr, step, swa_n_averaged, **hyper) -> None:
+    """The reference's per-element math under ``torch.compile``, over the whole buffers at once
+    (device-scalar step size, so the compiled graph does not depend on the learning rate)."""
+    global _compiled_adam_swa_chunk
+    if _compiled_adam_swa_chunk is None:
+        _compiled_adam_swa_chunk = torch.compile(reference.adam_swa_chunk_, dynamic=False)
+    neg_step_size, bias_correction2_sqrt = reference.adam_step_scalars(lr, step, hyper["beta1"], hyper["beta2"])
+    _compiled_adam_swa_chunk(
+        param, grad, exp_avg, exp_avg_sq, swa, compute, neg_step_size=neg_step_size,
+        bias_correction2_sqrt=bias_correction2_sqrt, swa_copy=swa_n_averaged == 0, **hyper,
+    )  # fmt: skip
 
 
 __all__ = ["adam_swa_", "attention", "layer_norm", "resolve_backend", "reference"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +65,58 @@ def adam_step_scalars(
     return -(lr.to(torch.float64) / bias_correction1), bias_correction2.sqrt()
 
 
+def adam_swa_chunk_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    swa: torch.Tensor,
+    compute: torch.Tensor | None,
+    *,
+    clip_scale: torch.Tensor | None,
+    neg_step_size: torch.Tensor | float,
+    bias_correction2_sqrt: torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    swa_decay: float,
+    swa_copy: bool,
+    scratch: Sequence[torch.Tensor] | None = None,
+) -> None:
+    """One chunk of :func:`adam_swa_`: clip scale -> ``torch.optim.Adam`` (single-tensor path)
+    operation by operation -> compute copy -> SWA.
+
+    ``neg_step_size`` is ``-lr / bias_correction1``: a host float (CPU: Adam's own ``addcdiv_``, bit
+    for bit) or a device scalar (no host sync; ``p + (value * exp_avg) / denom`` as ``addcdiv_``
+    evaluates it, within a few ulp). ``scratch``: three buffers of the chunk's length and master
+    dtype for the temporaries (``None`` allocates).
+    """
+    s_grad, s_denom, s_update = scratch if scratch is not None else (None, None, None)
+    if grad.dtype != param.dtype:  # low-precision compute grads: scale in the master dtype
+        g = grad.to(param.dtype) if s_grad is None else s_grad.copy_(grad)
+        if clip_scale is not None:
+            g.mul_(clip_scale)
+    elif clip_scale is not None:  # clip_grad_norm_ multiplies by the clamped coefficient
+        g = torch.mul(grad, clip_scale, out=s_grad) if s_grad is not None else torch.mul(grad, clip_scale)
+    else:
+        g = grad
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    denom = torch.sqrt(exp_avg_sq, out=s_denom) if s_denom is not None else exp_avg_sq.sqrt()
+    denom.div_(bias_correction2_sqrt).add_(eps)
+    if isinstance(neg_step_size, float):
+        param.addcdiv_(exp_avg, denom, value=neg_step_size)
+    else:
+        update = torch.mul(exp_avg, neg_step_size, out=s_update) if s_update is not None else exp_avg * neg_step_size
+        param.add_(update.div_(denom))
+    if compute is not None:
+        compute.copy_(param)
+    if swa_copy:  # AveragedModel's first update copies the weights
+        swa.copy_(param)
+    else:  # MLPerf's avg + (p - avg) * (1 - decay), as one lerp pass (see adam_swa_)
+        swa.lerp_(param, 1.0 - swa_decay)
+
+
 @torch.no_grad()
 def adam_swa_(
     param: torch.Tensor,
@@ -81,26 +134,37 @@ def adam_swa_(
     eps: float = 1e-6,
     swa_decay: float = 0.9,
     swa_n_averaged: int = 1,
+    chunk_numel: int | None = None,
+    scratch: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """Reference fused optimizer step over flat buffers, in place (see ``scalefold.kernels.adam_swa_``).
 
-    ``g = grad * clip_scale`` in the master dtype, then ``torch.optim.Adam``'s single-tensor
-    update operation by operation (``step`` already incremented), then the compute copy and the
-    SWA update (``swa = param`` when ``swa_n_averaged == 0``, else
-    ``swa += (param - swa) * (1 - swa_decay)``). Same math as
-    ``scalefold.train.flat_optimizer._reference_update_``.
+    ``g = grad * clip_scale`` in the master dtype, then ``torch.optim.Adam``'s single-tensor update
+    operation by operation (``step`` already incremented), then the compute copy and the SWA
+    update: ``swa = param`` when ``swa_n_averaged == 0``, else the MLPerf reference's
+    ``swa + (param - swa) * (1 - swa_decay)`` (``AveragedModel``'s ``avg_fn``) computed as
+    ``swa.lerp_(param, 1 - swa_decay)``: the same formula for a weight below 0.5, in one pass
+    instead of three, but lerp's vectorised CPU kernel may fuse the multiply-add, so the two differ
+    in the last bit (fp32: ~1 ulp per step). Training has always used the lerp form.
+
+    On CPU the step size is read to a host float (no device sync there), so the Adam update is
+    ``torch.optim.Adam``'s own ``addcdiv_``: fp32 results equal it bit for bit. ``chunk_numel``
+    processes the buffers in chunks (temporaries stay in the CPU caches; ``None``: one pass) with
+    ``scratch``: three master-dtype buffers of at least one chunk (``None`` allocates).
     """
     neg_step_size, bias_correction2_sqrt = adam_step_scalars(lr, step, beta1, beta2)
-    g = grad.to(param.dtype)
-    if clip_scale is not None:
-        g = g * clip_scale
-    exp_avg.lerp_(g, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    param.add_((exp_avg * neg_step_size).div_(denom))
-    if compute is not None:
-        compute.copy_(param)
-    if swa_n_averaged == 0:
-        swa.copy_(param)
-    else:
-        swa.add_((param - swa).mul_(1.0 - swa_decay))
+    if param.device.type == "cpu":
+        neg_step_size = float(neg_step_size)
+    scalars = dict(
+        clip_scale=clip_scale, neg_step_size=neg_step_size, bias_correction2_sqrt=bias_correction2_sqrt,
+        beta1=beta1, beta2=beta2, eps=eps, swa_decay=swa_decay, swa_copy=swa_n_averaged == 0,
+    )  # fmt: skip
+    numel = param.numel()
+    chunk = chunk_numel or max(numel, 1)
+    for start in range(0, numel, chunk):
+        sl = slice(start, min(start + chunk, numel))
+        n = sl.stop - sl.start
+        adam_swa_chunk_(
+            param[sl], grad[sl], exp_avg[sl], exp_avg_sq[sl], swa[sl], None if compute is None else compute[sl],
+            **scalars, scratch=None if scratch is None else [t[:n] for t in scratch],
+        )  # fmt: skip

@@ -37,6 +37,7 @@ from scalefold.model.embedders import (
 from scalefold.model.evoformer import EvoformerStack
 from scalefold.model.extra_msa import ExtraMSAStack
 from scalefold.model.heads import AuxiliaryHeads
+from scalefold.model.parallel import ParallelStack
 from scalefold.model.structure_module import StructureModule
 from scalefold.model.template import TemplatePairStack, TemplatePointwiseAttention
 
@@ -67,23 +68,22 @@ class AlphaFold(nn.Module):
             config = AlphaFoldConfig.from_dict(dict(config))
         self.config = config
         self.activation_checkpointing = activation_checkpointing
-        cfg = config.to_dict()
         self.templates_enabled = config.templates_enabled
         self.embed_template_torsion_angles = config.embed_template_torsion_angles
 
-        self.input_embedder = InputEmbedder(**cfg["input_embedder_config"])
-        self.recycling_embedder = RecyclingEmbedder(**cfg["recycling_embedder_config"])
+        self.input_embedder = InputEmbedder(config.input_embedder_config)
+        self.recycling_embedder = RecyclingEmbedder(config.recycling_embedder_config)
         if self.templates_enabled:
-            self.template_angle_embedder = TemplateAngleEmbedder(**cfg["template_angle_embedder_config"])
-            self.template_pair_embedder = TemplatePairEmbedder(**cfg["template_pair_embedder_config"])
-            self.template_pair_stack = TemplatePairStack(**cfg["template_pair_stack_config"])
-            self.template_pointwise_attention = TemplatePointwiseAttention(**cfg["template_pointwise_attention_config"])
-        self.extra_msa_embedder = ExtraMSAEmbedder(**cfg["extra_msa_embedder_config"])
-        self.extra_msa_stack = ExtraMSAStack(**cfg["extra_msa_stack_config"])
+            self.template_angle_embedder = TemplateAngleEmbedder(config.template_angle_embedder_config)
+            self.template_pair_embedder = TemplatePairEmbedder(config.template_pair_embedder_config)
+            self.template_pair_stack = TemplatePairStack(config.template_pair_stack_config)
+            self.template_pointwise_attention = TemplatePointwiseAttention(config.template_pointwise_attention_config)
+        self.extra_msa_embedder = ExtraMSAEmbedder(config.extra_msa_embedder_config)
+        self.extra_msa_stack = ExtraMSAStack(config.extra_msa_stack_config)
         self.parallel_evoformer = parallel_evoformer
-        self.evoformer_stack = EvoformerStack(**cfg["evoformer_stack_config"], parallel=parallel_evoformer)
-        self.structure_module = StructureModule(**cfg["structure_module_config"])
-        self.auxiliary_heads = AuxiliaryHeads(**cfg["auxiliary_heads_config"])
+        self.evoformer_stack = EvoformerStack(config.evoformer_stack_config, parallel=parallel_evoformer)
+        self.structure_module = StructureModule(config.structure_module_config)
+        self.auxiliary_heads = AuxiliaryHeads(config.auxiliary_heads_config)
 
         self._model_features = features.required_features("model", templates_enabled=self.templates_enabled)
         self._feature_symbols = {
@@ -92,6 +92,12 @@ class AlphaFold(nn.Module):
         }
 
     # ------------------------------------------------------------------------------------------
+
+    def parallel_stacks(self) -> list[ParallelStack]:
+        """The stacks DAP shards (and BP splits, for the Parallel Evoformer), in module order: the
+        model's whole interface to :func:`scalefold.distributed.parallelize.parallelize`."""
+        stacks: list[ParallelStack] = [self.template_pair_stack] if self.templates_enabled else []
+        return stacks + [self.extra_msa_stack, self.evoformer_stack]
 
     def validate_batch(self, batch: Mapping[str, torch.Tensor]) -> dict[str, int]:
         """Raise ``ValueError`` naming the feature if a model input is missing or malformed."""

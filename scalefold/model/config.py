@@ -7,8 +7,9 @@ OpenFold, ``openfold/config.py``), so that
   (unknown keys and wrongly typed values raise a ``ValueError`` naming the dotted key), and
 * ``AlphaFoldConfig.to_dict()`` gives back the same plain dict.
 
-Every module takes its sub-config as keyword arguments, e.g.
-``EvoformerStack(**cfg.to_dict()["evoformer_stack_config"])``.
+The stacks, the pointwise attention and the structure module are built from their sub-config
+object, e.g. ``EvoformerStack(cfg.evoformer_stack_config)`` (their blocks from the same object);
+the small embedders and heads take theirs as keyword arguments.
 
 Presets (:meth:`AlphaFoldConfig.from_preset`):
 

@@ -57,7 +57,7 @@ class SharedDropout(nn.Module):
         self.share_dim = share_dim
 
     def forward(self, x: torch.Tensor, plane=None, sharded: int = ROW_SHARED_DIM) -> torch.Tensor:
-        """Under DAP, ``plane`` (a :class:`scalefold.distributed.axial.Plane`) draws the mask at
+        """Under DAP, ``plane`` (a :class:`scalefold.model.parallel.Plane`) draws the mask at
         the single-rank size and keeps the part of ``x``'s sharded axis (``sharded``) held here."""
         if not self.training or self.p == 0.0:
             return x

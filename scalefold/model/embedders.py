@@ -11,6 +11,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from scalefold.model.config import (
+    ExtraMSAEmbedderConfig,
+    InputEmbedderConfig,
+    RecyclingEmbedderConfig,
+    TemplateAngleEmbedderConfig,
+    TemplatePairEmbedderConfig,
+)
 from scalefold.model.primitives import LayerNorm, Linear
 
 
@@ -25,15 +32,15 @@ class InputEmbedder(nn.Module):
         relpos_k: relative positions are clipped to ``[-relpos_k, relpos_k]``.
     """
 
-    def __init__(self, tf_dim: int, msa_dim: int, c_z: int, c_m: int, relpos_k: int) -> None:
+    def __init__(self, cfg: InputEmbedderConfig) -> None:
         super().__init__()
-        self.relpos_k = relpos_k
-        self.num_relpos_bins = 2 * relpos_k + 1
-        self.linear_tf_z_i = Linear(tf_dim, c_z)
-        self.linear_tf_z_j = Linear(tf_dim, c_z)
-        self.linear_tf_m = Linear(tf_dim, c_m)
-        self.linear_msa_m = Linear(msa_dim, c_m)
-        self.linear_relpos = Linear(self.num_relpos_bins, c_z)
+        self.relpos_k = cfg.relpos_k
+        self.num_relpos_bins = 2 * cfg.relpos_k + 1
+        self.linear_tf_z_i = Linear(cfg.tf_dim, cfg.c_z)
+        self.linear_tf_z_j = Linear(cfg.tf_dim, cfg.c_z)
+        self.linear_tf_m = Linear(cfg.tf_dim, cfg.c_m)
+        self.linear_msa_m = Linear(cfg.msa_dim, cfg.c_m)
+        self.linear_relpos = Linear(self.num_relpos_bins, cfg.c_z)
 
     def relpos(self, residue_index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Algorithm 4: one-hot of the clipped offset ``i - j`` -> ``[*, N_res, N_res, c_z]``.
@@ -79,15 +86,15 @@ class RecyclingEmbedder(nn.Module):
         inf: upper edge of the last bin (squared Angstrom).
     """
 
-    def __init__(self, c_m: int, c_z: int, min_bin: float, max_bin: float, num_bins: int, inf: float) -> None:
+    def __init__(self, cfg: RecyclingEmbedderConfig) -> None:
         super().__init__()
-        self.min_bin = min_bin
-        self.max_bin = max_bin
-        self.num_bins = num_bins
-        self.inf = inf
-        self.linear = Linear(num_bins, c_z)
-        self.layer_norm_m = LayerNorm(c_m)
-        self.layer_norm_z = LayerNorm(c_z)
+        self.min_bin = cfg.min_bin
+        self.max_bin = cfg.max_bin
+        self.num_bins = cfg.num_bins
+        self.inf = cfg.inf
+        self.linear = Linear(cfg.num_bins, cfg.c_z)
+        self.layer_norm_m = LayerNorm(cfg.c_m)
+        self.layer_norm_z = LayerNorm(cfg.c_z)
 
     def forward(
         self,
@@ -111,10 +118,10 @@ class RecyclingEmbedder(nn.Module):
 class TemplateAngleEmbedder(nn.Module):
     """Algorithm 2 line 7: ``template_angle_feat`` -> extra MSA rows (Linear, ReLU, Linear)."""
 
-    def __init__(self, ta_dim: int, c_m: int) -> None:
+    def __init__(self, cfg: TemplateAngleEmbedderConfig) -> None:
         super().__init__()
-        self.linear_1 = Linear(ta_dim, c_m, init="relu")
-        self.linear_2 = Linear(c_m, c_m, init="relu")
+        self.linear_1 = Linear(cfg.ta_dim, cfg.c_m, init="relu")
+        self.linear_2 = Linear(cfg.c_m, cfg.c_m, init="relu")
 
     def forward(self, template_angle_feat: torch.Tensor) -> torch.Tensor:
         """``[*, N_templ, N_res, ta_dim]`` -> ``[*, N_templ, N_res, c_m]``."""
@@ -124,9 +131,9 @@ class TemplateAngleEmbedder(nn.Module):
 class TemplatePairEmbedder(nn.Module):
     """Algorithm 2 line 9: ``template_pair_feat`` -> template pair representation."""
 
-    def __init__(self, tp_dim: int, c_t: int) -> None:
+    def __init__(self, cfg: TemplatePairEmbedderConfig) -> None:
         super().__init__()
-        self.linear = Linear(tp_dim, c_t, init="relu")
+        self.linear = Linear(cfg.tp_dim, cfg.c_t, init="relu")
 
     def forward(self, template_pair_feat: torch.Tensor) -> torch.Tensor:
         """``[*, N_res, N_res, tp_dim]`` -> ``[*, N_res, N_res, c_t]``."""
@@ -136,9 +143,9 @@ class TemplatePairEmbedder(nn.Module):
 class ExtraMSAEmbedder(nn.Module):
     """Algorithm 2 line 15: ``extra_msa_feat`` -> extra-MSA representation."""
 
-    def __init__(self, emsa_dim: int, c_e: int) -> None:
+    def __init__(self, cfg: ExtraMSAEmbedderConfig) -> None:
         super().__init__()
-        self.linear = Linear(emsa_dim, c_e)
+        self.linear = Linear(cfg.emsa_dim, cfg.c_e)
 
     def forward(self, extra_msa_feat: torch.Tensor) -> torch.Tensor:
         """``[*, N_extra_seq, N_res, emsa_dim]`` -> ``[*, N_extra_seq, N_res, c_e]``."""

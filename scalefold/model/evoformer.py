@@ -14,38 +14,47 @@ representation ``z`` ``[*, N_res, N_res, c_z]``:
 Every step is a residual update ``x = x + dropout(f(x))``. Steps 3-6 form
 :class:`EvoformerBlockCore`, shared with the extra-MSA block (Alg. 18).
 
-Dynamic Axial Parallelism (``scalefold.distributed``): a stack whose ``dap_group`` is set scatters
-``(m, z)`` by rows on entry and gathers them on exit; inside a block the named calls
-``row_to_col`` / ``col_to_row`` switch the sharded axis between the row-wise and column-wise steps
+Dynamic Axial Parallelism (applied from outside, see :mod:`scalefold.model.parallel`): a stack
+whose DAP group is set scatters ``(m, z)`` by rows on entry and gathers them on exit; inside a
+block the named calls ``row_to_col`` / ``col_to_row`` switch the sharded axis between the row-wise and column-wise steps
 (after 1, after the outer product mean, between the pair updates), and the modules all-gather
 their pair biases / projections. With ``dap=None`` every such call is the identity.
 
 Parallel Evoformer (HelixFold, ``parallel=True``): the outer product mean moves to the end of the
 block, so the MSA branch (1-3 without OPM) and the pair branch (4-6) are independent; Branch
-Parallelism (``branch`` set on the stack) runs them on two ranks.
+Parallelism (a BP pair set on the stack) runs them on two ranks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
-from scalefold.distributed.axial import (
+from scalefold.model.config import EvoformerStackConfig, ExtraMSAStackConfig
+from scalefold.model.dropout import DropoutColumnwise, DropoutRowwise
+from scalefold.model.memory import run_block
+from scalefold.model.msa_attention import MSAColumnAttention, MSARowAttentionWithPairBias
+from scalefold.model.outer_product_mean import OuterProductMean
+from scalefold.model.parallel import (
     COLS,
+    MSA_BRANCH,
+    PAIR_BRANCH,
     ROWS,
     Axial,
+    Branches,
+    ParallelStack,
+    Plane,
+    branch_rng,
+    branch_seeds,
     col_to_row,
     col_to_row_async,
     mask_cols,
     mask_rows,
-    planes,
     row_to_col,
+    split_planes,
 )
-from scalefold.distributed.branch_parallel import MSA_BRANCH, PAIR_BRANCH, branch_rng, branch_seeds
-from scalefold.model.dropout import DropoutColumnwise, DropoutRowwise
-from scalefold.model.msa_attention import MSAColumnAttention, MSARowAttentionWithPairBias
-from scalefold.model.outer_product_mean import OuterProductMean
 from scalefold.model.primitives import Linear
 from scalefold.model.transitions import MSATransition, PairTransition
 from scalefold.model.triangle import (
@@ -56,70 +65,29 @@ from scalefold.model.triangle import (
 )
 
 
-def use_checkpointing(module: nn.Module, requested: bool) -> bool:
-    """Activation checkpointing applies only when requested, in training, with grad enabled."""
-    return requested and module.training and torch.is_grad_enabled()
-
-
-def split_planes(dap: Axial | None):
-    """``(msa_plane, pair_plane)`` of a stack call, ``(None, None)`` without DAP."""
-    return (None, None) if dap is None else dap
-
-
-def enter_stack(dap_group, m: torch.Tensor | None, z: torch.Tensor, n_seq: int | None):
-    """Scatter a stack's inputs by rows under DAP; returns ``(dap, m, z)`` (``dap=None`` when off)."""
-    if dap_group is None:
-        return None, m, z
-    dap = planes(dap_group, n_seq, z.shape[-2])
-    if m is not None:
-        m = dap.msa.scatter_rows(m)
-    return dap, m, dap.pair.scatter_rows(z)
-
-
-def run_block(block: nn.Module, with_checkpoint: bool, *args: torch.Tensor, **kwargs: torch.Tensor):
-    """Run ``block(*args, **kwargs)``, recomputing its activations in backward if asked.
-
-    Non-reentrant ``torch.utils.checkpoint`` (RNG state preserved, so dropout masks are redrawn
-    identically in the recomputation).
-    """
-    if with_checkpoint:
-        return checkpoint(block, *args, use_reentrant=False, **kwargs)
-    return block(*args, **kwargs)
-
-
 class EvoformerBlockCore(nn.Module):
     """MSA transition, outer product mean and the pair stack of one Evoformer / extra-MSA block
     (Supplementary Alg. 6 lines 4-11, Alg. 18 lines 5-12)."""
 
-    def __init__(
-        self,
-        c_m: int,
-        c_z: int,
-        c_hidden_opm: int,
-        c_hidden_tri_mul: int,
-        c_hidden_tri_att: int,
-        num_heads_tri: int,
-        transition_n: int,
-        pair_dropout: float,
-        inf: float = 1e9,
-        eps_opm: float = 1e-3,
-        chunk_size_opm: int | None = None,
-        chunk_size_tri_att: int | None = None,
-    ) -> None:
+    def __init__(self, cfg: EvoformerStackConfig | ExtraMSAStackConfig, c_m: int) -> None:
+        """``cfg``: the stack's config; ``c_m``: the MSA channels (``c_e`` in the extra-MSA stack)."""
         super().__init__()
-        self.msa_transition = MSATransition(c_m, transition_n)
-        self.outer_product_mean = OuterProductMean(c_m, c_z, c_hidden_opm, eps=eps_opm, chunk_size=chunk_size_opm)
-        self.tri_mul_out = TriangleMultiplicationOutgoing(c_z, c_hidden_tri_mul)
-        self.tri_mul_in = TriangleMultiplicationIncoming(c_z, c_hidden_tri_mul)
+        c_z, inf, chunk_size_tri_att = cfg.c_z, cfg.inf, cfg.chunk_size_tri_att
+        self.msa_transition = MSATransition(c_m, cfg.transition_n)
+        self.outer_product_mean = OuterProductMean(
+            c_m, c_z, cfg.c_hidden_opm, eps=cfg.eps_opm, chunk_size=cfg.chunk_size_opm
+        )
+        self.tri_mul_out = TriangleMultiplicationOutgoing(c_z, cfg.c_hidden_tri_mul)
+        self.tri_mul_in = TriangleMultiplicationIncoming(c_z, cfg.c_hidden_tri_mul)
         self.tri_att_start = TriangleAttentionStartingNode(
-            c_z, c_hidden_tri_att, num_heads_tri, inf=inf, chunk_size=chunk_size_tri_att
+            c_z, cfg.c_hidden_tri_att, cfg.num_heads_tri, inf=inf, chunk_size=chunk_size_tri_att
         )
         self.tri_att_end = TriangleAttentionEndingNode(
-            c_z, c_hidden_tri_att, num_heads_tri, inf=inf, chunk_size=chunk_size_tri_att
+            c_z, cfg.c_hidden_tri_att, cfg.num_heads_tri, inf=inf, chunk_size=chunk_size_tri_att
         )
-        self.pair_transition = PairTransition(c_z, transition_n)
-        self.pair_dropout_rowwise = DropoutRowwise(pair_dropout)
-        self.pair_dropout_columnwise = DropoutColumnwise(pair_dropout)
+        self.pair_transition = PairTransition(c_z, cfg.transition_n)
+        self.pair_dropout_rowwise = DropoutRowwise(cfg.pair_dropout)
+        self.pair_dropout_columnwise = DropoutColumnwise(cfg.pair_dropout)
 
     def forward(
         self,
@@ -138,7 +106,7 @@ class EvoformerBlockCore(nn.Module):
         z = self.pair_stack(z, pair_mask, pair)
         return m.wait(), z
 
-    def pair_stack(self, z: torch.Tensor, pair_mask: torch.Tensor, pair=None) -> torch.Tensor:
+    def pair_stack(self, z: torch.Tensor, pair_mask: torch.Tensor, pair: Plane | None = None) -> torch.Tensor:
         """Triangle updates and pair transition (Alg. 6 lines 6-11); ``z`` row-sharded in and out."""
         rows, cols = mask_rows(pair_mask, pair), mask_cols(pair_mask, pair)
         z = z + self.pair_dropout_rowwise(self.tri_mul_out(z, mask=rows, plane=pair), pair, ROWS)
@@ -152,52 +120,34 @@ class EvoformerBlockCore(nn.Module):
         return col_to_row(z, pair)
 
 
-class EvoformerBlock(nn.Module):
-    """One Evoformer block (Supplementary Alg. 6)."""
+# The submodules of each branch of a Parallel Evoformer block (all but the outer product mean).
+MSA_BRANCH_MODULES = ("msa_att_row", "msa_att_col", "msa_dropout_rowwise", "core.msa_transition")
+PAIR_BRANCH_MODULES = (
+    "core.tri_mul_out",
+    "core.tri_mul_in",
+    "core.tri_att_start",
+    "core.tri_att_end",
+    "core.pair_transition",
+)
+
+
+class MSABlock(nn.Module):
+    """What an Evoformer and an extra-MSA block share: MSA row attention with pair bias (row-wise
+    dropout), a column attention (Alg. 8, or the global one of Alg. 19), then the core.
+
+    ``column_attention`` builds the column attention (called between the row attention and the
+    rest, so parameters are initialised in the reference's order)."""
 
     def __init__(
-        self,
-        c_m: int,
-        c_z: int,
-        c_hidden_msa_att: int,
-        c_hidden_opm: int,
-        c_hidden_tri_mul: int,
-        c_hidden_tri_att: int,
-        num_heads_msa: int,
-        num_heads_tri: int,
-        transition_n: int,
-        msa_dropout: float,
-        pair_dropout: float,
-        inf: float = 1e9,
-        eps_opm: float = 1e-3,
-        chunk_size_msa_att: int | None = None,
-        chunk_size_opm: int | None = None,
-        chunk_size_tri_att: int | None = None,
-        parallel: bool = False,
+        self, cfg: EvoformerStackConfig | ExtraMSAStackConfig, c_m: int, column_attention: Callable[[], nn.Module]
     ) -> None:
         super().__init__()
-        self.parallel = parallel
         self.msa_att_row = MSARowAttentionWithPairBias(
-            c_m, c_z, c_hidden_msa_att, num_heads_msa, inf=inf, chunk_size=chunk_size_msa_att
+            c_m, cfg.c_z, cfg.c_hidden_msa_att, cfg.num_heads_msa, inf=cfg.inf, chunk_size=cfg.chunk_size_msa_att
         )
-        self.msa_att_col = MSAColumnAttention(
-            c_m, c_hidden_msa_att, num_heads_msa, inf=inf, chunk_size=chunk_size_msa_att
-        )
-        self.msa_dropout_rowwise = DropoutRowwise(msa_dropout)
-        self.core = EvoformerBlockCore(
-            c_m=c_m,
-            c_z=c_z,
-            c_hidden_opm=c_hidden_opm,
-            c_hidden_tri_mul=c_hidden_tri_mul,
-            c_hidden_tri_att=c_hidden_tri_att,
-            num_heads_tri=num_heads_tri,
-            transition_n=transition_n,
-            pair_dropout=pair_dropout,
-            inf=inf,
-            eps_opm=eps_opm,
-            chunk_size_opm=chunk_size_opm,
-            chunk_size_tri_att=chunk_size_tri_att,
-        )
+        self.msa_att_col = column_attention()
+        self.msa_dropout_rowwise = DropoutRowwise(cfg.msa_dropout)
+        self.core = EvoformerBlockCore(cfg, c_m=c_m)
 
     def forward(
         self,
@@ -206,17 +156,11 @@ class EvoformerBlock(nn.Module):
         msa_mask: torch.Tensor,
         pair_mask: torch.Tensor,
         dap: Axial | None = None,
-        branch=None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``m`` ``[*, N_seq, N_res, c_m]``, ``z`` ``[*, N_res, N_res, c_z]``, ``msa_mask``
         ``[*, N_seq, N_res]``, ``pair_mask`` ``[*, N_res, N_res]`` -> updated ``(m, z)``.
-
-        Under DAP (``dap``) ``m`` and ``z`` are row-sharded in and out; ``branch`` (a
-        :class:`scalefold.distributed.branch_parallel.Branches`) needs ``parallel=True``."""
-        if self.parallel:
-            return self._forward_parallel(m, z, msa_mask, pair_mask, dap, branch)
-        if branch is not None:
-            raise ValueError("Branch Parallelism needs the Parallel Evoformer (parallel=True)")
+        Under DAP (``dap``) ``m`` and ``z`` are row-sharded in and out; the column attention runs
+        in the column-sharded layout."""
         m = self._msa_attention(m, z, msa_mask, dap)
         return self.core(m, z, msa_mask=msa_mask, pair_mask=pair_mask, dap=dap)
 
@@ -227,6 +171,48 @@ class EvoformerBlock(nn.Module):
         m = m + self.msa_dropout_rowwise(row_update, msa, ROWS)
         m = row_to_col(m, msa)
         return m + self.msa_att_col(m, mask=mask_cols(msa_mask, msa))
+
+
+class EvoformerBlock(MSABlock):
+    """One Evoformer block (Supplementary Alg. 6)."""
+
+    def __init__(self, cfg: EvoformerStackConfig, parallel: bool = False) -> None:
+        """``cfg``: the stack's config (its block sizes); ``parallel``: a Parallel Evoformer block."""
+
+        def column_attention() -> nn.Module:
+            return MSAColumnAttention(
+                cfg.c_m, cfg.c_hidden_msa_att, cfg.num_heads_msa, inf=cfg.inf, chunk_size=cfg.chunk_size_msa_att
+            )
+
+        super().__init__(cfg, cfg.c_m, column_attention)
+        self.parallel = parallel
+
+    def forward(
+        self,
+        m: torch.Tensor,
+        z: torch.Tensor,
+        msa_mask: torch.Tensor,
+        pair_mask: torch.Tensor,
+        dap: Axial | None = None,
+        branch: Branches | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``m`` ``[*, N_seq, N_res, c_m]``, ``z`` ``[*, N_res, N_res, c_z]``, ``msa_mask``
+        ``[*, N_seq, N_res]``, ``pair_mask`` ``[*, N_res, N_res]`` -> updated ``(m, z)``.
+
+        Under DAP (``dap``) ``m`` and ``z`` are row-sharded in and out; ``branch`` (this rank's side
+        of a BP pair) needs ``parallel=True``."""
+        if self.parallel:
+            return self._forward_parallel(m, z, msa_mask, pair_mask, dap, branch)
+        if branch is not None:
+            raise ValueError("Branch Parallelism needs the Parallel Evoformer (parallel=True)")
+        return super().forward(m, z, msa_mask, pair_mask, dap)
+
+    def branch_parameters(self) -> list[nn.Parameter]:
+        """Parameters of the MSA and the pair branch (one rank of a BP pair updates each)."""
+        if not self.parallel:
+            return []
+        names = MSA_BRANCH_MODULES + PAIR_BRANCH_MODULES
+        return [p for name in names for p in self.get_submodule(name).parameters()]
 
     def _forward_parallel(self, m, z, msa_mask, pair_mask, dap, branch):
         msa, pair = split_planes(dap)
@@ -249,64 +235,22 @@ class EvoformerBlock(nn.Module):
         return col_to_row(m_new, msa), z_new
 
 
-class EvoformerStack(nn.Module):
+class EvoformerStack(ParallelStack):
     """``num_blocks`` Evoformer blocks, then the single representation
     ``s = Linear(m[first row])`` (Supplementary Alg. 2 line 17 / Alg. 6).
 
-    Built from the reference config dict: ``EvoformerStack(**cfg["evoformer_stack_config"])``.
-    ``checkpointing`` recomputes each block's activations in backward (training with grad only).
+    Built from its config: ``EvoformerStack(config.evoformer_stack_config)``.
+    ``checkpointing`` recomputes each block's activations in backward (training with grad only);
+    ``parallel`` builds Parallel Evoformer blocks (the stack Branch Parallelism splits).
     """
 
-    def __init__(
-        self,
-        c_m: int,
-        c_z: int,
-        c_hidden_msa_att: int,
-        c_hidden_opm: int,
-        c_hidden_tri_mul: int,
-        c_hidden_tri_att: int,
-        c_s: int,
-        num_heads_msa: int,
-        num_heads_tri: int,
-        num_blocks: int,
-        transition_n: int,
-        msa_dropout: float,
-        pair_dropout: float,
-        inf: float = 1e9,
-        eps_opm: float = 1e-3,
-        chunk_size_msa_att: int | None = None,
-        chunk_size_opm: int | None = None,
-        chunk_size_tri_att: int | None = None,
-        checkpointing: bool = False,
-        parallel: bool = False,
-    ) -> None:
-        super().__init__()
-        self.checkpointing = checkpointing
-        self.dap_group = None  # set by scalefold.distributed (ParallelContext.wrap)
-        self.branch = None
-        self.blocks = nn.ModuleList(
-            EvoformerBlock(
-                c_m=c_m,
-                c_z=c_z,
-                c_hidden_msa_att=c_hidden_msa_att,
-                c_hidden_opm=c_hidden_opm,
-                c_hidden_tri_mul=c_hidden_tri_mul,
-                c_hidden_tri_att=c_hidden_tri_att,
-                num_heads_msa=num_heads_msa,
-                num_heads_tri=num_heads_tri,
-                transition_n=transition_n,
-                msa_dropout=msa_dropout,
-                pair_dropout=pair_dropout,
-                inf=inf,
-                eps_opm=eps_opm,
-                chunk_size_msa_att=chunk_size_msa_att,
-                chunk_size_opm=chunk_size_opm,
-                chunk_size_tri_att=chunk_size_tri_att,
-                parallel=parallel,
-            )
-            for _ in range(num_blocks)
-        )
-        self.linear = Linear(c_m, c_s, bias=True, init="default")
+    def __init__(self, cfg: EvoformerStackConfig, checkpointing: bool = False, parallel: bool = False) -> None:
+        super().__init__((EvoformerBlock(cfg, parallel) for _ in range(cfg.num_blocks)), checkpointing)
+        self.branch_parallel = parallel
+        self.linear = Linear(cfg.c_m, cfg.c_s, bias=True, init="default")
+
+    def branch_parameters(self) -> list[nn.Parameter]:
+        return [p for block in self.blocks for p in block.branch_parameters()]
 
     def forward(
         self,
@@ -321,9 +265,8 @@ class EvoformerStack(nn.Module):
         ``gradient_checkpointing`` (the reference's forward argument) overrides the constructor's
         ``checkpointing`` when given.
         """
-        requested = self.checkpointing if gradient_checkpointing is None else gradient_checkpointing
-        with_checkpoint = use_checkpointing(self, requested)
-        dap, m, z = enter_stack(self.dap_group, m, z, n_seq=m.shape[-3])
+        with_checkpoint = self.with_checkpoint(gradient_checkpointing)
+        dap, m, z = self.enter(m, z, n_seq=m.shape[-3])
         for block in self.blocks:
             m, z = run_block(
                 block, with_checkpoint, m, z, msa_mask=msa_mask, pair_mask=pair_mask, dap=dap, branch=self.branch
@@ -335,12 +278,4 @@ class EvoformerStack(nn.Module):
         return m, z, s
 
 
-__all__ = [
-    "EvoformerBlockCore",
-    "EvoformerBlock",
-    "EvoformerStack",
-    "enter_stack",
-    "run_block",
-    "split_planes",
-    "use_checkpointing",
-]
+__all__ = ["EvoformerBlockCore", "MSABlock", "EvoformerBlock", "EvoformerStack", "MSA_BRANCH_MODULES", "PAIR_BRANCH_MODULES"]

@@ -10,11 +10,18 @@ Output keys (as the reference): ``lddt_logits``, ``plddt``, ``distogram_logits``
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 import torch.nn as nn
 
+from scalefold.model.config import (
+    AuxiliaryHeadsConfig,
+    DistogramHeadConfig,
+    ExperimentallyResolvedHeadConfig,
+    MaskedMSAHeadConfig,
+    PerResidueLDDTCaPredictorConfig,
+    TMScoreHeadConfig,
+)
 from scalefold.model.primitives import LayerNorm, Linear
 
 PLDDT_SCALE = 100.0
@@ -24,12 +31,12 @@ TM_MIN_NUM_RES = 19  # d0 of the TM-score is clipped at N = 19 residues
 class PerResidueLDDTCaPredictor(nn.Module):
     """Algorithm 29: per-residue lDDT-Ca logits from the structure module's single repr."""
 
-    def __init__(self, c_s: int, c_hidden: int, num_bins: int) -> None:
+    def __init__(self, cfg: PerResidueLDDTCaPredictorConfig) -> None:
         super().__init__()
-        self.layer_norm = LayerNorm(c_s)
-        self.linear_1 = Linear(c_s, c_hidden, init="relu")
-        self.linear_2 = Linear(c_hidden, c_hidden, init="relu")
-        self.linear_3 = Linear(c_hidden, num_bins, init="final")
+        self.layer_norm = LayerNorm(cfg.c_s)
+        self.linear_1 = Linear(cfg.c_s, cfg.c_hidden, init="relu")
+        self.linear_2 = Linear(cfg.c_hidden, cfg.c_hidden, init="relu")
+        self.linear_3 = Linear(cfg.c_hidden, cfg.num_bins, init="final")
 
     def forward(self, s: torch.Tensor) -> torch.Tensor:
         """``[*, N_res, c_s]`` -> ``[*, N_res, num_bins]``."""
@@ -42,9 +49,9 @@ class PerResidueLDDTCaPredictor(nn.Module):
 class DistogramHead(nn.Module):
     """Section 1.9.8: symmetrised distogram logits from the pair representation."""
 
-    def __init__(self, c_z: int, num_bins: int) -> None:
+    def __init__(self, cfg: DistogramHeadConfig) -> None:
         super().__init__()
-        self.linear = Linear(c_z, num_bins, init="final")
+        self.linear = Linear(cfg.c_z, cfg.num_bins, init="final")
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         """``[*, N_res, N_res, c_z]`` -> ``[*, N_res, N_res, num_bins]``."""
@@ -61,9 +68,9 @@ class DistogramHead(nn.Module):
 class MaskedMSAHead(nn.Module):
     """Section 1.9.9: logits over the 23 MSA classes for every cluster row."""
 
-    def __init__(self, c_m: int, c_out: int) -> None:
+    def __init__(self, cfg: MaskedMSAHeadConfig) -> None:
         super().__init__()
-        self.linear = Linear(c_m, c_out, init="final")
+        self.linear = Linear(cfg.c_m, cfg.c_out, init="final")
 
     def forward(self, m: torch.Tensor) -> torch.Tensor:
         """``[*, N_clust, N_res, c_m]`` -> ``[*, N_clust, N_res, c_out]``."""
@@ -73,9 +80,9 @@ class MaskedMSAHead(nn.Module):
 class ExperimentallyResolvedHead(nn.Module):
     """Section 1.9.10: per-atom (atom37) logits of being experimentally resolved."""
 
-    def __init__(self, c_s: int, c_out: int) -> None:
+    def __init__(self, cfg: ExperimentallyResolvedHeadConfig) -> None:
         super().__init__()
-        self.linear = Linear(c_s, c_out, init="final")
+        self.linear = Linear(cfg.c_s, cfg.c_out, init="final")
 
     def forward(self, s: torch.Tensor) -> torch.Tensor:
         """``[*, N_res, c_s]`` -> ``[*, N_res, c_out]``."""
@@ -85,11 +92,11 @@ class ExperimentallyResolvedHead(nn.Module):
 class TMScoreHead(nn.Module):
     """Section 1.9.7: aligned-error logits for the predicted TM-score."""
 
-    def __init__(self, c_z: int, num_bins: int, max_bin: int) -> None:
+    def __init__(self, cfg: TMScoreHeadConfig) -> None:
         super().__init__()
-        self.num_bins = num_bins
-        self.max_bin = max_bin
-        self.linear = Linear(c_z, num_bins, init="final")
+        self.num_bins = cfg.num_bins
+        self.max_bin = cfg.max_bin
+        self.linear = Linear(cfg.c_z, cfg.num_bins, init="final")
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         """``[*, N_res, N_res, c_z]`` -> ``[*, N_res, N_res, num_bins]``."""
@@ -97,27 +104,17 @@ class TMScoreHead(nn.Module):
 
 
 class AuxiliaryHeads(nn.Module):
-    """All auxiliary heads. Constructed as ``AuxiliaryHeads(**cfg["auxiliary_heads_config"])``."""
+    """All auxiliary heads. Constructed as ``AuxiliaryHeads(config.auxiliary_heads_config)``."""
 
-    def __init__(
-        self,
-        per_residue_lddt_ca_predictor_config: Mapping[str, Any],
-        distogram_head_config: Mapping[str, Any],
-        masked_msa_head_config: Mapping[str, Any],
-        experimentally_resolved_head_config: Mapping[str, Any],
-        tm_score_head_config: Mapping[str, Any] | None = None,
-        tm_score_head_enabled: bool = False,
-    ) -> None:
+    def __init__(self, cfg: AuxiliaryHeadsConfig) -> None:
         super().__init__()
-        self.plddt = PerResidueLDDTCaPredictor(**per_residue_lddt_ca_predictor_config)
-        self.distogram = DistogramHead(**distogram_head_config)
-        self.masked_msa = MaskedMSAHead(**masked_msa_head_config)
-        self.experimentally_resolved = ExperimentallyResolvedHead(**experimentally_resolved_head_config)
-        self.tm_score_head_enabled = tm_score_head_enabled
-        if tm_score_head_enabled:
-            if tm_score_head_config is None:
-                raise ValueError("tm_score_head_enabled=True needs tm_score_head_config")
-            self.tm = TMScoreHead(**tm_score_head_config)
+        self.plddt = PerResidueLDDTCaPredictor(cfg.per_residue_lddt_ca_predictor_config)
+        self.distogram = DistogramHead(cfg.distogram_head_config)
+        self.masked_msa = MaskedMSAHead(cfg.masked_msa_head_config)
+        self.experimentally_resolved = ExperimentallyResolvedHead(cfg.experimentally_resolved_head_config)
+        self.tm_score_head_enabled = cfg.tm_score_head_enabled
+        if cfg.tm_score_head_enabled:
+            self.tm = TMScoreHead(cfg.tm_score_head_config)
 
     def forward(self, outputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Reads ``sm_single``, ``pair``, ``msa`` and ``single`` from the trunk outputs."""

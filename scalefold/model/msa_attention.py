@@ -16,38 +16,15 @@ other; results are identical to the unchunked computation.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
 
 from scalefold import kernels
-from scalefold.distributed.axial import gather_rows
+from scalefold.model.memory import chunked
+from scalefold.model.parallel import Plane, gather_rows
 from scalefold.model.primitives import Attention, LayerNorm, Linear
-
-
-def chunked(
-    fn: Callable[..., torch.Tensor],
-    chunk_size: int | None,
-    inputs: Sequence[torch.Tensor | None],
-    dims: Sequence[int],
-    out_dim: int,
-) -> torch.Tensor:
-    """Apply ``fn(*inputs)`` in slices of ``chunk_size`` along a batch-like axis.
-
-    ``dims[i]`` names that axis in ``inputs[i]``; an input of size 1 there (broadcast) or ``None``
-    is passed whole to every call. Outputs are concatenated along ``out_dim``. With
-    ``chunk_size=None`` this is just ``fn(*inputs)``.
-    """
-    if chunk_size is None:
-        return fn(*inputs)
-    n = max(t.shape[d] for t, d in zip(inputs, dims) if t is not None)
-    outputs = []
-    for start in range(0, n, chunk_size):
-        length = min(chunk_size, n - start)
-        sliced = [t if t is None or t.shape[d] == 1 else t.narrow(d, start, length) for t, d in zip(inputs, dims)]
-        outputs.append(fn(*sliced))
-    return torch.cat(outputs, dim=out_dim)
 
 
 def _valid(mask: torch.Tensor | None, x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
@@ -81,7 +58,7 @@ class MSARowAttentionWithPairBias(nn.Module):
         self.mha = Attention(c_m, c_m, c_m, c_hidden, num_heads, gating=True, inf=inf)
 
     def forward(
-        self, m: torch.Tensor, z: torch.Tensor, mask: torch.Tensor | None = None, pair_plane=None
+        self, m: torch.Tensor, z: torch.Tensor, mask: torch.Tensor | None = None, pair_plane: Plane | None = None
     ) -> torch.Tensor:
         """``m`` ``[*, N_seq, N_res, c_m]``, ``z`` ``[*, N_res, N_res, c_z]``, ``mask``
         ``[*, N_seq, N_res]``. Returns the MSA update ``[*, N_seq, N_res, c_m]``.
@@ -234,7 +211,6 @@ class MSAColumnGlobalAttention(nn.Module):
 
 
 __all__ = [
-    "chunked",
     "MSARowAttentionWithPairBias",
     "MSAColumnAttention",
     "GlobalAttention",

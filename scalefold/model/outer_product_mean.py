@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from scalefold.distributed.axial import gather_cols_async, mask_cols
-from scalefold.model.msa_attention import chunked
+from scalefold.model.memory import chunked
+from scalefold.model.parallel import Plane, gather_cols_async, mask_cols
 from scalefold.model.primitives import LayerNorm, Linear
 
 
@@ -39,7 +39,9 @@ class OuterProductMean(nn.Module):
         self.linear_2 = Linear(c_m, c_hidden, bias=True, init="default")
         self.linear_out = Linear(c_hidden * c_hidden, c_z, bias=True, init="final")
 
-    def forward(self, m: torch.Tensor, mask: torch.Tensor | None = None, msa_plane=None) -> torch.Tensor:
+    def forward(
+        self, m: torch.Tensor, mask: torch.Tensor | None = None, msa_plane: Plane | None = None
+    ) -> torch.Tensor:
         """``m`` ``[*, N_seq, N_res, c_m]``, ``mask`` ``[*, N_seq, N_res]``.
         Returns the pair update ``[*, N_res, N_res, c_z]``.
 

@@ -33,6 +33,7 @@ from scalefold.model.all_atom import (
     rigid_group_constants,
     torsion_angles_to_frames,
 )
+from scalefold.model.config import StructureModuleConfig
 from scalefold.model.primitives import LayerNorm, Linear
 from scalefold.model.rigid import Rigid, Rotation
 
@@ -234,8 +235,8 @@ def _geometry_dtype(dtype: torch.dtype) -> torch.dtype:
 class StructureModule(nn.Module):
     """Structure module (Alg. 20): single + pair representation -> frames, angles, atom14.
 
-    Constructor arguments are the reference's ``structure_module_config`` fields; parameter
-    names match the reference checkpoint (``structure_module.*``).
+    Built from its config (the reference's ``structure_module_config`` fields); parameter names
+    match the reference checkpoint (``structure_module.*``).
 
     Forward returns, stacked over the ``num_blocks`` iterations along dim 1:
     ``sm_frames`` ``[B, blocks, N, 7]`` (quaternion + translation in Angstrom),
@@ -244,49 +245,34 @@ class StructureModule(nn.Module):
     ``sm_states`` ``[B, blocks, N, c_s]``; plus ``sm_single`` ``[B, N, c_s]`` (the final ``s``).
     """
 
-    def __init__(
-        self,
-        c_s: int,
-        c_z: int,
-        c_hidden_ipa: int,
-        c_hidden_ang_res: int,
-        num_heads_ipa: int,
-        num_qk_points: int,
-        num_v_points: int,
-        dropout_rate: float,
-        num_blocks: int,
-        num_ang_res_blocks: int,
-        num_angles: int,
-        scale_factor: float,
-        inf: float,
-        eps: float,
-    ) -> None:
+    def __init__(self, cfg: StructureModuleConfig) -> None:
         super().__init__()
-        self.num_blocks = num_blocks
-        self.scale_factor = scale_factor
+        c_s = cfg.c_s
+        self.num_blocks = cfg.num_blocks
+        self.scale_factor = cfg.scale_factor
         self.layer_norm_s = LayerNorm(c_s)
-        self.layer_norm_z = LayerNorm(c_z)
+        self.layer_norm_z = LayerNorm(cfg.c_z)
         self.linear_in = Linear(c_s, c_s, bias=True, init="default")
         self.ipa = InvariantPointAttention(
             c_s=c_s,
-            c_z=c_z,
-            c_hidden=c_hidden_ipa,
-            num_heads=num_heads_ipa,
-            num_qk_points=num_qk_points,
-            num_v_points=num_v_points,
-            inf=inf,
-            eps=eps,
+            c_z=cfg.c_z,
+            c_hidden=cfg.c_hidden_ipa,
+            num_heads=cfg.num_heads_ipa,
+            num_qk_points=cfg.num_qk_points,
+            num_v_points=cfg.num_v_points,
+            inf=cfg.inf,
+            eps=cfg.eps,
         )
-        self.ipa_dropout = nn.Dropout(dropout_rate)
+        self.ipa_dropout = nn.Dropout(cfg.dropout_rate)
         self.layer_norm_ipa = LayerNorm(c_s)
-        self.transition = StructureModuleTransition(c_s=c_s, dropout_rate=dropout_rate)
+        self.transition = StructureModuleTransition(c_s=c_s, dropout_rate=cfg.dropout_rate)
         self.bb_update = BackboneUpdate(c_s=c_s)
         self.angle_resnet = AngleResnet(
             c_s=c_s,
-            c_hidden=c_hidden_ang_res,
-            num_blocks=num_ang_res_blocks,
-            num_angles=num_angles,
-            eps=eps,
+            c_hidden=cfg.c_hidden_ang_res,
+            num_blocks=cfg.num_ang_res_blocks,
+            num_angles=cfg.num_angles,
+            eps=cfg.eps,
         )
 
     def forward(

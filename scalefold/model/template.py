@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from scalefold.distributed.axial import COLS, ROWS, col_to_row, mask_cols, mask_rows, row_to_col
+from scalefold.model.config import TemplatePairStackConfig, TemplatePointwiseAttentionConfig
 from scalefold.model.dropout import DropoutColumnwise, DropoutRowwise
-from scalefold.model.evoformer import enter_stack, run_block, use_checkpointing
-from scalefold.model.msa_attention import chunked
+from scalefold.model.memory import chunked, run_block
+from scalefold.model.parallel import COLS, ROWS, ParallelStack, Plane, col_to_row, mask_cols, mask_rows, row_to_col
 from scalefold.model.primitives import Attention, LayerNorm
 from scalefold.model.transitions import PairTransition
 from scalefold.model.triangle import (
@@ -34,31 +34,22 @@ from scalefold.model.triangle import (
 class TemplatePairBlock(nn.Module):
     """One block of the template pair stack (Supplementary Alg. 16, one iteration)."""
 
-    def __init__(
-        self,
-        c_t: int,
-        c_hidden_tri_att: int,
-        c_hidden_tri_mul: int,
-        num_heads_tri: int,
-        pair_transition_n: int,
-        dropout_rate: float,
-        inf: float = 1e9,
-        chunk_size_tri_att: int | None = None,
-    ) -> None:
+    def __init__(self, cfg: TemplatePairStackConfig) -> None:
         super().__init__()
+        c_t, chunk_size = cfg.c_t, cfg.chunk_size_tri_att
         self.tri_att_start = TriangleAttentionStartingNode(
-            c_t, c_hidden_tri_att, num_heads_tri, inf=inf, chunk_size=chunk_size_tri_att
+            c_t, cfg.c_hidden_tri_att, cfg.num_heads_tri, inf=cfg.inf, chunk_size=chunk_size
         )
         self.tri_att_end = TriangleAttentionEndingNode(
-            c_t, c_hidden_tri_att, num_heads_tri, inf=inf, chunk_size=chunk_size_tri_att
+            c_t, cfg.c_hidden_tri_att, cfg.num_heads_tri, inf=cfg.inf, chunk_size=chunk_size
         )
-        self.tri_mul_out = TriangleMultiplicationOutgoing(c_t, c_hidden_tri_mul)
-        self.tri_mul_in = TriangleMultiplicationIncoming(c_t, c_hidden_tri_mul)
-        self.pair_transition = PairTransition(c_t, pair_transition_n)
-        self.dropout_rowwise = DropoutRowwise(dropout_rate)
-        self.dropout_columnwise = DropoutColumnwise(dropout_rate)
+        self.tri_mul_out = TriangleMultiplicationOutgoing(c_t, cfg.c_hidden_tri_mul)
+        self.tri_mul_in = TriangleMultiplicationIncoming(c_t, cfg.c_hidden_tri_mul)
+        self.pair_transition = PairTransition(c_t, cfg.pair_transition_n)
+        self.dropout_rowwise = DropoutRowwise(cfg.dropout_rate)
+        self.dropout_columnwise = DropoutColumnwise(cfg.dropout_rate)
 
-    def forward(self, t: torch.Tensor, mask: torch.Tensor, pair=None) -> torch.Tensor:
+    def forward(self, t: torch.Tensor, mask: torch.Tensor, pair: Plane | None = None) -> torch.Tensor:
         """``t`` ``[*, N_templ, N_res, N_res, c_t]``, ``mask`` ``[*, N_res, N_res]`` (pair mask)
         -> updated ``t``. Under DAP (``pair``, a pair plane) ``t`` is row-sharded in and out."""
         mask = mask.unsqueeze(-3)
@@ -75,51 +66,23 @@ class TemplatePairBlock(nn.Module):
         return col_to_row(t, pair)
 
 
-class TemplatePairStack(nn.Module):
+class TemplatePairStack(ParallelStack):
     """``num_blocks`` template pair blocks and a final LayerNorm (Supplementary Alg. 16).
 
-    Built from the reference config dict: ``TemplatePairStack(**cfg["template_pair_stack_config"])``.
+    Built from its config: ``TemplatePairStack(config.template_pair_stack_config)``.
     ``checkpointing`` recomputes each block's activations in backward (training with grad only).
     """
 
-    def __init__(
-        self,
-        c_t: int,
-        c_hidden_tri_att: int,
-        c_hidden_tri_mul: int,
-        num_blocks: int,
-        num_heads_tri: int,
-        pair_transition_n: int,
-        dropout_rate: float,
-        inf: float = 1e9,
-        chunk_size_tri_att: int | None = None,
-        checkpointing: bool = False,
-    ) -> None:
-        super().__init__()
-        self.checkpointing = checkpointing
-        self.dap_group = None  # set by scalefold.distributed (ParallelContext.wrap)
-        self.blocks = nn.ModuleList(
-            TemplatePairBlock(
-                c_t=c_t,
-                c_hidden_tri_att=c_hidden_tri_att,
-                c_hidden_tri_mul=c_hidden_tri_mul,
-                num_heads_tri=num_heads_tri,
-                pair_transition_n=pair_transition_n,
-                dropout_rate=dropout_rate,
-                inf=inf,
-                chunk_size_tri_att=chunk_size_tri_att,
-            )
-            for _ in range(num_blocks)
-        )
-        self.layer_norm = LayerNorm(c_t)
+    def __init__(self, cfg: TemplatePairStackConfig, checkpointing: bool = False) -> None:
+        super().__init__((TemplatePairBlock(cfg) for _ in range(cfg.num_blocks)), checkpointing)
+        self.layer_norm = LayerNorm(cfg.c_t)
 
     def forward(self, t: torch.Tensor, mask: torch.Tensor, gradient_checkpointing: bool | None = None) -> torch.Tensor:
         """``t`` ``[*, N_templ, N_res, N_res, c_t]``, ``mask`` ``[*, N_res, N_res]`` (pair mask)
         -> ``t`` of the same shape. ``gradient_checkpointing`` (the reference's forward argument)
         overrides the constructor's ``checkpointing`` when given."""
-        requested = self.checkpointing if gradient_checkpointing is None else gradient_checkpointing
-        with_checkpoint = use_checkpointing(self, requested)
-        dap, _, t = enter_stack(self.dap_group, None, t, n_seq=None)
+        with_checkpoint = self.with_checkpoint(gradient_checkpointing)
+        dap, _, t = self.enter(None, t, n_seq=None)
         pair = None if dap is None else dap.pair
         for block in self.blocks:
             t = run_block(block, with_checkpoint, t, mask=mask, pair=pair)
@@ -135,18 +98,10 @@ class TemplatePointwiseAttention(nn.Module):
     ``chunk_size`` splits the first residue axis.
     """
 
-    def __init__(
-        self,
-        c_t: int,
-        c_z: int,
-        c_hidden: int,
-        num_heads: int,
-        inf: float = 1e5,
-        chunk_size: int | None = None,
-    ) -> None:
+    def __init__(self, cfg: TemplatePointwiseAttentionConfig) -> None:
         super().__init__()
-        self.chunk_size = chunk_size
-        self.mha = Attention(c_z, c_t, c_t, c_hidden, num_heads, gating=False, inf=inf)
+        self.chunk_size = cfg.chunk_size
+        self.mha = Attention(cfg.c_z, cfg.c_t, cfg.c_t, cfg.c_hidden, cfg.num_heads, gating=False, inf=cfg.inf)
 
     def forward(self, t: torch.Tensor, z: torch.Tensor, template_mask: torch.Tensor) -> torch.Tensor:
         """``t`` ``[*, N_templ, N_res, N_res, c_t]``, ``z`` ``[*, N_res, N_res, c_z]``,

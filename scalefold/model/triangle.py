@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from scalefold.distributed.axial import gather_cols_async, gather_rows, gather_rows_async
-from scalefold.model.msa_attention import chunked
+from scalefold.model.memory import chunked
+from scalefold.model.parallel import Plane, gather_cols_async, gather_rows, gather_rows_async
 from scalefold.model.primitives import Attention, LayerNorm, Linear
 
 
@@ -42,7 +42,7 @@ class TriangleMultiplicativeUpdate(nn.Module):
         self.layer_norm_in = LayerNorm(c_z)
         self.layer_norm_out = LayerNorm(c_hidden)
 
-    def forward(self, z: torch.Tensor, mask: torch.Tensor | None = None, plane=None) -> torch.Tensor:
+    def forward(self, z: torch.Tensor, mask: torch.Tensor | None = None, plane: Plane | None = None) -> torch.Tensor:
         """``z`` ``[*, N_res, N_res, c_z]``, ``mask`` ``[*, N_res, N_res]`` -> update like ``z``.
 
         Under DAP (``plane`` given) ``z`` and ``mask`` are row-sharded for the outgoing update
@@ -124,7 +124,7 @@ class TriangleAttention(nn.Module):
         self.linear = Linear(c_z, num_heads, bias=False, init="normal")
         self.mha = Attention(c_z, c_z, c_z, c_hidden, num_heads, gating=True, inf=inf)
 
-    def forward(self, z: torch.Tensor, mask: torch.Tensor | None = None, plane=None) -> torch.Tensor:
+    def forward(self, z: torch.Tensor, mask: torch.Tensor | None = None, plane: Plane | None = None) -> torch.Tensor:
         """``z`` ``[*, N_res, N_res, c_z]``, ``mask`` ``[*, N_res, N_res]`` -> update like ``z``.
 
         Under DAP (``plane`` given) ``z`` and ``mask`` are row-sharded around the starting node and

@@ -15,11 +15,12 @@ contiguous buffers, one group per (master dtype, compute dtype, device):
 * ``compute``     -- optional low-precision copy the model computes with (bf16, ScaleFold).
 
 One optimizer step is then a constant number of vectorised operations per group (per chunk of
-``chunk_numel`` elements, see below), whatever the number of tensors. The per-element math is one
-function, :func:`adam_swa_update_`, the dispatch point the fused Triton kernel plugs into; the
-PyTorch reference reproduces ``torch.optim.Adam`` (single-tensor path) operation by operation, so
-fp64 results agree to rounding and, for the same gradients, fp32 results agree bit for bit on CPU
-(the clip scale itself may differ in the last bits: one flat norm vs torch's norm of norms).
+``chunk_numel`` elements, see below), whatever the number of tensors. The per-element math is
+:func:`scalefold.kernels.adam_swa_`, the one dispatch point for the fused Triton kernel, its
+``torch.compile`` variant and the PyTorch reference (:mod:`scalefold.kernels.reference`); the
+reference reproduces ``torch.optim.Adam`` (single-tensor path) operation by operation, so fp64
+results agree to rounding and, for the same gradients, fp32 results agree bit for bit on CPU (the
+clip scale itself may differ in the last bits: one flat norm vs torch's norm of norms).
 
 ``lr`` and ``step`` live in device tensors and nothing in :meth:`FlatAdamSWA.step` reads a value back
 to the host, so the step can be captured in a CUDA graph (the SWA "first update copies" branch is
@@ -45,6 +46,8 @@ from typing import Union
 import torch
 import torch.nn as nn
 
+from scalefold import kernels
+
 # Elements per chunk of the PyTorch reference update: small enough that the reference's
 # temporaries stay in the CPU's caches (several times faster than whole-buffer passes on CPU), large
 # enough that the launch count stays ~200 for the 93 M-parameter model. ``None``: one pass.
@@ -53,155 +56,7 @@ DEFAULT_CHUNK_NUMEL = 1 << 19
 # so vectorised kernels can use aligned loads. Padding elements stay zero.
 DEFAULT_ALIGN_NUMEL = 32
 
-_UPDATE_BACKENDS = ("auto", "torch", "compile", "triton")
-_compiled_update = None
-
 ParamsArg = Union[Iterable[nn.Parameter], Iterable[tuple[str, nn.Parameter]]]
-
-
-# ----------------------------------------------------------------------------------------------
-# The per-element update (dispatch point)
-# ----------------------------------------------------------------------------------------------
-
-
-def _reference_update_(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    swa: torch.Tensor,
-    compute: torch.Tensor | None,
-    clip_scale: torch.Tensor | None,
-    neg_step_size: torch.Tensor | float,
-    bias_correction2_sqrt: torch.Tensor,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    swa_decay: float,
-    swa_copy: bool,
-    scratch: Sequence[torch.Tensor] | None = None,
-) -> None:
-    """One chunk: clip-scale -> torch.optim.Adam math (single-tensor path) -> SWA -> compute copy.
-
-    ``scratch``: three buffers of the chunk's length and master dtype for the temporaries (avoids
-    re-allocating them for every chunk); ``None`` allocates.
-    """
-    s_grad, s_denom, s_update = scratch if scratch is not None else (None, None, None)
-    if grad.dtype != param.dtype:  # low-precision compute grads: scale in the master dtype
-        g = grad.to(param.dtype) if s_grad is None else s_grad.copy_(grad)
-        if clip_scale is not None:
-            g.mul_(clip_scale)
-    elif clip_scale is not None:  # clip_grad_norm_ multiplies by the clamped coefficient
-        g = torch.mul(grad, clip_scale, out=s_grad) if s_grad is not None else torch.mul(grad, clip_scale)
-    else:
-        g = grad
-    exp_avg.lerp_(g, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    denom = torch.sqrt(exp_avg_sq, out=s_denom) if s_denom is not None else exp_avg_sq.sqrt()
-    denom.div_(bias_correction2_sqrt).add_(eps)
-    if isinstance(neg_step_size, float):  # host scalar (CPU): torch.optim.Adam's own op, one pass
-        param.addcdiv_(exp_avg, denom, value=neg_step_size)
-    else:  # device scalar (no host sync): addcdiv_ evaluates p + (value * exp_avg) / denom
-        update = torch.mul(exp_avg, neg_step_size, out=s_update) if s_update is not None else exp_avg * neg_step_size
-        param.add_(update.div_(denom))
-    if compute is not None:
-        compute.copy_(param)
-    if swa_copy:  # AveragedModel's first update copies the weights
-        swa.copy_(param)
-    else:  # swa + (param - swa) * (1 - decay) in one pass (lerp may fuse the multiply-add: within 2 ulp)
-        swa.lerp_(param, 1.0 - swa_decay)
-
-
-def _step_scalars(lr: torch.Tensor, step: torch.Tensor, beta1: float, beta2: float):
-    """Adam's bias corrections as device scalars, in float64 like torch.optim.Adam's Python floats."""
-    step = step.to(torch.float64)
-    lr = lr.to(torch.float64)
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
-    neg_step_size = -(lr / bias_correction1)
-    return neg_step_size, bias_correction2.sqrt()
-
-
-def _resolve_update_backend(backend: str, param: torch.Tensor) -> str:
-    if backend not in _UPDATE_BACKENDS:
-        raise ValueError(f"unknown update backend {backend!r}; expected one of {_UPDATE_BACKENDS}")
-    if backend in ("torch", "compile"):
-        return backend
-    from scalefold import kernels
-
-    return kernels.resolve_backend(backend, param)
-
-
-def adam_swa_update_(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    swa: torch.Tensor,
-    compute: torch.Tensor | None = None,
-    *,
-    lr: torch.Tensor,
-    step: torch.Tensor,
-    clip_scale: torch.Tensor | None = None,
-    beta1: float = 0.9,
-    beta2: float = 0.999,
-    eps: float = 1e-6,
-    swa_decay: float = 0.9,
-    swa_n_averaged: int = 1,
-    chunk_numel: int | None = DEFAULT_CHUNK_NUMEL,
-    scratch: Sequence[torch.Tensor] | None = None,
-    backend: str = "auto",
-) -> None:
-    """Fused per-element step over flat 1-D tensors, in place.
-
-    For every element: ``g = grad * clip_scale`` (in the master dtype) -> Adam with bias correction
-    exactly as ``torch.optim.Adam`` (``step`` is the already-incremented step count) -> SWA
-    ``swa += (param - swa) * (1 - swa_decay)`` (or ``swa = param`` when ``swa_n_averaged == 0``)
-    -> ``compute = param`` cast to the compute dtype.
-
-    ``param``/``exp_avg``/``exp_avg_sq``/``swa`` share the master dtype; ``grad`` and ``compute``
-    have the compute dtype. ``lr``, ``step`` and ``clip_scale`` are 0-dim tensors on the device.
-    ``scratch``: optional three 1-D master-dtype buffers of at least one chunk for the reference's
-    temporaries. ``backend``: ``"torch"`` (reference), ``"compile"`` (``torch.compile`` of the
-    reference: one fused loop), ``"triton"`` (the fused kernel) or ``"auto"`` (Triton on CUDA when
-    the kernel exists, else the reference).
-    """
-    numel = param.numel()
-    for t in (grad, exp_avg, exp_avg_sq, swa) + ((compute,) if compute is not None else ()):
-        if t.dim() != 1 or t.numel() != numel:
-            raise ValueError("adam_swa_update_ expects flat 1-D tensors of equal length")
-    resolved = _resolve_update_backend(backend, param)
-    if resolved == "triton":  # the fused kernel, through the one kernel dispatch point
-        from scalefold import kernels
-
-        kernels.adam_swa_(
-            param, grad, exp_avg, exp_avg_sq, swa, compute, lr=lr, step=step, clip_scale=clip_scale,
-            beta1=beta1, beta2=beta2, eps=eps, swa_decay=swa_decay, swa_n_averaged=swa_n_averaged,
-            backend="triton",
-        )  # fmt: skip
-        return
-    neg_step_size, bias_correction2_sqrt = _step_scalars(lr, step, beta1, beta2)
-    scalars = dict(
-        clip_scale=clip_scale, neg_step_size=neg_step_size, bias_correction2_sqrt=bias_correction2_sqrt,
-        beta1=beta1, beta2=beta2, eps=eps, swa_decay=swa_decay, swa_copy=swa_n_averaged == 0,
-    )  # fmt: skip
-    if resolved == "compile":
-        global _compiled_update
-        if _compiled_update is None:
-            _compiled_update = torch.compile(_reference_update_, dynamic=False)
-        _compiled_update(param, grad, exp_avg, exp_avg_sq, swa, compute, **scalars)
-        return
-    if param.device.type == "cpu":  # reading the scalar costs no device sync here; saves two passes
-        scalars["neg_step_size"] = float(neg_step_size)
-    chunk = numel if not chunk_numel else chunk_numel
-    for start in range(0, numel, chunk):
-        sl = slice(start, min(start + chunk, numel))
-        n = sl.stop - sl.start
-        _reference_update_(
-            param[sl], grad[sl], exp_avg[sl], exp_avg_sq[sl], swa[sl],
-            None if compute is None else compute[sl], **scalars,
-            scratch=None if scratch is None else [t[:n] for t in scratch],
-        )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -242,7 +97,8 @@ class FlatAdamSWA:
         swa_decay: SWA/EMA decay (0.9 in the benchmark).
         chunk_numel: elements per chunk of the reference update (``None`` = one pass).
         align_numel: alignment of each parameter inside the flat buffers.
-        backend: see :func:`adam_swa_update_`.
+        backend: ``"auto"``, ``"torch"`` (the reference), ``"compile"`` or ``"triton"``: see
+            :func:`scalefold.kernels.adam_swa_`.
     """
 
     def __init__(
@@ -379,7 +235,7 @@ class FlatAdamSWA:
             self._grads_checked = True
         self.step_count.add_(1)
         for group in self.groups:
-            adam_swa_update_(
+            kernels.adam_swa_(
                 group.master, group.grad, group.exp_avg, group.exp_avg_sq, group.swa, group.compute,
                 lr=self.lr, step=self.step_count, clip_scale=clip_scale, beta1=self.beta1, beta2=self.beta2,
                 eps=self.eps, swa_decay=self.swa_decay, swa_n_averaged=self._n_averaged_host,

@@ -13,8 +13,11 @@ from scalefold.distributed import grad_sync
 from scalefold.distributed.group import DAPGroup
 from scalefold.distributed.launch import run_processes
 from scalefold.distributed.volume import evoformer_block_bytes
-from scalefold.model.evoformer import EvoformerStack, enter_stack
+from scalefold.distributed.parallelize import parallelize
+from scalefold.model.config import EvoformerStackConfig, ExtraMSAStackConfig, TemplatePairStackConfig
+from scalefold.model.evoformer import EvoformerStack
 from scalefold.model.extra_msa import ExtraMSAStack
+from scalefold.model.parallel import enter_stack
 from scalefold.model.template import TemplatePairStack
 
 pytestmark = pytest.mark.distributed
@@ -41,20 +44,19 @@ def _stack(kind: str, chunked: bool, checkpointing: bool, parallel: bool = False
     chunks = {"chunk_size_tri_att": 2} if chunked else {}
     tri = dict(c_hidden_tri_att=4, c_hidden_tri_mul=4, num_heads_tri=2)
     if kind == "template":
-        stack = TemplatePairStack(
-            c_t=4, num_blocks=2, pair_transition_n=2, dropout_rate=0.25, checkpointing=checkpointing, **tri, **chunks
-        )
+        cfg = TemplatePairStackConfig(c_t=4, num_blocks=2, pair_transition_n=2, dropout_rate=0.25, **tri, **chunks)
+        stack = TemplatePairStack(cfg, checkpointing=checkpointing)
     else:
         common = dict(
             c_z=4, c_hidden_msa_att=4, c_hidden_opm=3, num_heads_msa=2, num_blocks=2, transition_n=2,
-            msa_dropout=0.15, pair_dropout=0.25, checkpointing=checkpointing, **tri, **chunks,
+            msa_dropout=0.15, pair_dropout=0.25, **tri, **chunks,
         )
         if chunked:
             common.update(chunk_size_msa_att=2, chunk_size_opm=2)
         if kind == "evoformer":
-            stack = EvoformerStack(c_m=8, c_s=6, parallel=parallel, **common)
+            stack = EvoformerStack(EvoformerStackConfig(c_m=8, c_s=6, **common), checkpointing, parallel=parallel)
         else:
-            stack = ExtraMSAStack(c_e=8, **common)
+            stack = ExtraMSAStack(ExtraMSAStackConfig(c_e=8, **common), checkpointing)
     stack = stack.double().train()
     for p in stack.parameters():  # "final" inits are zero: make every path carry gradient
         with torch.no_grad():
@@ -83,8 +85,7 @@ def _run(stack, kind: str):
 def _dap_run(reference, kind: str, world: int, overlap: bool):
     stack = copy.deepcopy(reference)
     stack.zero_grad(set_to_none=True)
-    stack.dap_group = DAPGroup.world(overlap=overlap)
-    grad_sync.install_grad_scale_hooks(stack, dap_size=world, bp_size=1)
+    parallelize(stack, dap_group=DAPGroup.world(overlap=overlap), branch=None, dap=world, bp=1)
     outs, input_grads = _run(stack, kind)
     # every overlapped collective was waited for (checkpoint recomputation included)
     assert stack.dap_group.stats.in_flight == 0, f"{kind}: {stack.dap_group.stats.in_flight} collectives in flight"

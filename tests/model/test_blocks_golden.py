@@ -6,6 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from scalefold.model.config import (
+    AlphaFoldConfig,
+    EvoformerStackConfig,
+    ExtraMSAStackConfig,
+    TemplatePairStackConfig,
+    TemplatePointwiseAttentionConfig,
+)
 from scalefold.model.dropout import DropoutColumnwise, DropoutRowwise, shared_dropout_mask
 from scalefold.model.evoformer import EvoformerBlock, EvoformerStack
 from scalefold.model.extra_msa import ExtraMSABlock, ExtraMSAStack
@@ -71,14 +78,11 @@ TINY = {
 }
 
 
-def _block_kwargs(stack_cfg: dict) -> dict:
-    return {k: v for k, v in stack_cfg.items() if k not in ("num_blocks", "c_s")}
-
-
+# A block is built from its stack's config (the stack-only fields, num_blocks and c_s, unused).
 BLOCKS = {
-    "evoformer_block": (EvoformerBlock, "evoformer_stack_config"),
-    "extra_msa_block": (ExtraMSABlock, "extra_msa_stack_config"),
-    "template_pair_block": (TemplatePairBlock, "template_pair_stack_config"),
+    "evoformer_block": (EvoformerBlock, "evoformer_stack_config", EvoformerStackConfig),
+    "extra_msa_block": (ExtraMSABlock, "extra_msa_stack_config", ExtraMSAStackConfig),
+    "template_pair_block": (TemplatePairBlock, "template_pair_stack_config", TemplatePairStackConfig),
 }
 
 
@@ -134,8 +138,8 @@ def test_block_matches_reference_golden(golden_modules, name):
     reproduces the reference outputs at valid positions, the input gradients and every parameter
     gradient of ``sum_k <outputs[k], cotangents[k]>`` to <= 1e-6 relative (observed ~1e-15)."""
     golden = golden_modules[name]
-    cls, cfg_key = BLOCKS[name]
-    block = cls(**_block_kwargs(golden_modules["config"][cfg_key]))
+    cls, cfg_key, cfg_cls = BLOCKS[name]
+    block = cls(cfg_cls(**golden_modules["config"][cfg_key]))
     block.load_state_dict(golden["state_dict"], strict=True)
     block = block.double().train()
 
@@ -163,14 +167,14 @@ def test_block_matches_reference_golden(golden_modules, name):
 
 
 def test_stacks_load_golden_small_weights(golden_small):
-    """The stacks built with ``Stack(**config[...])`` from the reference config dict hold exactly
-    the reference parameter names and shapes (strict load of the golden model's weights)."""
-    cfg, state = golden_small["config"], golden_small["state_dict"]
+    """The stacks built from the reference config dict's sub-configs hold exactly the reference
+    parameter names and shapes (strict load of the golden model's weights)."""
+    cfg, state = AlphaFoldConfig.from_dict(golden_small["config"]), golden_small["state_dict"]
     stacks = {
-        "evoformer_stack": EvoformerStack(**cfg["evoformer_stack_config"]),
-        "extra_msa_stack": ExtraMSAStack(**cfg["extra_msa_stack_config"]),
-        "template_pair_stack": TemplatePairStack(**cfg["template_pair_stack_config"]),
-        "template_pointwise_attention": TemplatePointwiseAttention(**cfg["template_pointwise_attention_config"]),
+        "evoformer_stack": EvoformerStack(cfg.evoformer_stack_config),
+        "extra_msa_stack": ExtraMSAStack(cfg.extra_msa_stack_config),
+        "template_pair_stack": TemplatePairStack(cfg.template_pair_stack_config),
+        "template_pointwise_attention": TemplatePointwiseAttention(cfg.template_pointwise_attention_config),
     }
     for prefix, module in stacks.items():
         sub = {k[len(prefix) + 1 :]: v for k, v in state.items() if k.startswith(prefix + ".")}
@@ -181,49 +185,15 @@ def test_stacks_load_golden_small_weights(golden_small):
 def test_parameter_names_shapes_order_match_initial_training_tsv(reference_dir):
     """At MLPerf initial-training size the stacks' state-dict names, shapes and order equal the
     reference's (``state_dict_initial_training.tsv``), so reference checkpoints load strictly and
-    Adam state indices line up. Built on the meta device (no memory)."""
+    Adam state indices line up. Built on the meta device (no memory) from the config defaults,
+    which are the MLPerf sizes."""
     rows = [line.split("\t") for line in (reference_dir / "state_dict_initial_training.tsv").read_text().splitlines()]
     with torch.device("meta"):
         stacks = {
-            "template_pair_stack": TemplatePairStack(
-                c_t=64,
-                c_hidden_tri_att=16,
-                c_hidden_tri_mul=64,
-                num_blocks=2,
-                num_heads_tri=4,
-                pair_transition_n=2,
-                dropout_rate=0.25,
-            ),
-            "template_pointwise_attention": TemplatePointwiseAttention(c_t=64, c_z=128, c_hidden=16, num_heads=4),
-            "extra_msa_stack": ExtraMSAStack(
-                c_e=64,
-                c_z=128,
-                c_hidden_msa_att=8,
-                c_hidden_opm=32,
-                c_hidden_tri_mul=128,
-                c_hidden_tri_att=32,
-                num_heads_msa=8,
-                num_heads_tri=4,
-                num_blocks=4,
-                transition_n=4,
-                msa_dropout=0.15,
-                pair_dropout=0.25,
-            ),
-            "evoformer_stack": EvoformerStack(
-                c_m=256,
-                c_z=128,
-                c_hidden_msa_att=32,
-                c_hidden_opm=32,
-                c_hidden_tri_mul=128,
-                c_hidden_tri_att=32,
-                c_s=384,
-                num_heads_msa=8,
-                num_heads_tri=4,
-                num_blocks=48,
-                transition_n=4,
-                msa_dropout=0.15,
-                pair_dropout=0.25,
-            ),
+            "template_pair_stack": TemplatePairStack(TemplatePairStackConfig()),
+            "template_pointwise_attention": TemplatePointwiseAttention(TemplatePointwiseAttentionConfig()),
+            "extra_msa_stack": ExtraMSAStack(ExtraMSAStackConfig()),
+            "evoformer_stack": EvoformerStack(EvoformerStackConfig()),
         }
     for prefix, module in stacks.items():
         ours = [(f"{prefix}.{n}", str(tuple(t.shape))) for n, t in module.state_dict().items()]
@@ -278,14 +248,16 @@ def _run_all_stacks(stacks: dict, x: dict) -> dict:
     return dict(m=m, z=z, s=s, z_extra=z_extra, t=t, z_templ=z_templ)
 
 
-def _build_stacks(seed: int = 0, **overrides) -> dict:
+def _build_stacks(seed: int = 0, checkpointing: bool = False, **overrides) -> dict:
     torch.manual_seed(seed)
     cfg = {k: dict(v, **overrides.get(k, {})) for k, v in TINY.items()}
     stacks = dict(
-        evoformer=EvoformerStack(**cfg["evoformer_stack_config"]),
-        extra_msa=ExtraMSAStack(**cfg["extra_msa_stack_config"]),
-        template_pair=TemplatePairStack(**cfg["template_pair_stack_config"]),
-        template_pointwise=TemplatePointwiseAttention(**cfg["template_pointwise_attention_config"]),
+        evoformer=EvoformerStack(EvoformerStackConfig(**cfg["evoformer_stack_config"]), checkpointing),
+        extra_msa=ExtraMSAStack(ExtraMSAStackConfig(**cfg["extra_msa_stack_config"])),
+        template_pair=TemplatePairStack(TemplatePairStackConfig(**cfg["template_pair_stack_config"])),
+        template_pointwise=TemplatePointwiseAttention(
+            TemplatePointwiseAttentionConfig(**cfg["template_pointwise_attention_config"])
+        ),
     )
     # Zero-initialised ("final") layers would hide most of the computation: perturb every weight.
     with torch.no_grad():
@@ -373,17 +345,17 @@ def test_checkpointing_is_skipped_without_grad_or_in_eval(monkeypatch):
     """``checkpointing=True`` checkpoints every block in grad-enabled training, and is a no-op
     under ``torch.no_grad()`` and in eval mode (the reference only checkpoints the final,
     grad-enabled training iteration)."""
-    import scalefold.model.evoformer as evoformer_module
+    import scalefold.model.memory as memory_module
 
     calls = []
-    real_checkpoint = evoformer_module.checkpoint
+    real_checkpoint = memory_module.checkpoint
 
     def counting_checkpoint(*args, **kwargs):
         calls.append(1)
         return real_checkpoint(*args, **kwargs)
 
-    monkeypatch.setattr(evoformer_module, "checkpoint", counting_checkpoint)
-    evo = _build_stacks(evoformer_stack_config=dict(checkpointing=True))["evoformer"].double()
+    monkeypatch.setattr(memory_module, "checkpoint", counting_checkpoint)
+    evo = _build_stacks(checkpointing=True)["evoformer"].double()
     x = _random_inputs()
     args = (x["m"], x["z"], x["msa_mask"], x["pair_mask"])
 

@@ -13,6 +13,7 @@ from scalefold.model.all_atom import (
     torsion_angles_to_frames,
 )
 from scalefold.model.rigid import Rigid
+from scalefold.model.config import StructureModuleConfig
 from scalefold.model.structure_module import InvariantPointAttention, StructureModule
 
 F64 = torch.float64
@@ -56,7 +57,7 @@ def _small_inputs(dtype=F64, n_res=6, seed=1):
 
 def _small_module(dtype=F64) -> StructureModule:
     torch.manual_seed(0)
-    module = StructureModule(**SMALL_CFG).to(F64)
+    module = StructureModule(StructureModuleConfig(**SMALL_CFG)).to(F64)
     _perturb_(module)
     return module.to(dtype)
 
@@ -80,8 +81,8 @@ def test_matches_reference_golden(golden_small, golden_modules):
     gradient is compared relative to at least 1e-6 of the largest parameter gradient.
     """
     golden = golden_modules["structure_module"]
-    cfg = golden_small["config"]["structure_module_config"]
-    module = StructureModule(**cfg).to(F64)
+    cfg = StructureModuleConfig(**golden_small["config"]["structure_module_config"])
+    module = StructureModule(cfg).to(F64)
     module.load_state_dict(golden["state_dict"], strict=True)
     module.train()
 
@@ -116,8 +117,8 @@ def test_matches_full_model_golden(golden_small):
     """Run on the full-model golden's Evoformer outputs (``single``, ``pair``) with its
     ``structure_module.*`` weights: the ``sm_*`` outputs equal the reference's at valid residues.
     Together with the module golden this covers 15 of the 20 residue types' rigid-group tables."""
-    cfg = golden_small["config"]["structure_module_config"]
-    module = StructureModule(**cfg).to(F64)
+    cfg = StructureModuleConfig(**golden_small["config"]["structure_module_config"])
+    module = StructureModule(cfg).to(F64)
     prefix = "structure_module."
     module.load_state_dict(
         {k[len(prefix) :]: v for k, v in golden_small["state_dict"].items() if k.startswith(prefix)}, strict=True
@@ -144,7 +145,7 @@ def test_parameter_names_match_reference_checkpoint(reference_dir, golden_small)
     cfg = dict(golden_small["config"]["structure_module_config"])
     cfg.update(c_s=384, c_z=128, c_hidden_ipa=16, c_hidden_ang_res=128, num_heads_ipa=12)
     with torch.device("meta"):  # shapes only: skip the (slow) initialisation of real weights
-        module = StructureModule(**cfg)
+        module = StructureModule(StructureModuleConfig(**cfg))
     actual = [(name, str(tuple(p.shape))) for name, p in module.named_parameters()]
     assert actual == expected
     assert len(module.state_dict()) == len(expected)  # no persistent buffers

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from scalefold.train.flat_optimizer import FlatAdamSWA, adam_swa_update_
+from scalefold.kernels import adam_swa_, reference
+from scalefold.train.flat_optimizer import FlatAdamSWA
 
 SWA_DECAY = 0.9
 MAX_NORM = 0.1
@@ -189,10 +190,10 @@ def test_lr_is_a_device_tensor_read_at_step_time():
 
 
 def test_update_function_rejects_ragged_buffers():
-    """adam_swa_update_ works on flat, equally long 1-D buffers only."""
+    """The update (``scalefold.kernels.adam_swa_``) works on flat, equally long 1-D buffers only."""
     t = torch.zeros(8)
     with pytest.raises(ValueError, match="flat 1-D"):
-        adam_swa_update_(t, torch.zeros(7), t.clone(), t.clone(), t.clone(), lr=torch.tensor(1e-3), step=torch.tensor(1.0))
+        adam_swa_(t, torch.zeros(7), t.clone(), t.clone(), t.clone(), lr=torch.tensor(1e-3), step=torch.tensor(1.0))
 
 
 @pytest.mark.slow
@@ -205,19 +206,18 @@ def test_compiled_update_matches_reference():
     b = [b.clone() for b in bufs]
     kw = dict(lr=torch.tensor(1e-3, dtype=torch.float64), step=torch.tensor(7.0, dtype=torch.float64),
               clip_scale=torch.tensor(0.3), swa_n_averaged=3)  # fmt: skip
-    adam_swa_update_(*a, backend="torch", **kw)
-    adam_swa_update_(*b, backend="compile", **kw)
+    adam_swa_(*a, backend="torch", **kw)
+    adam_swa_(*b, backend="compile", **kw)
     for x, y in zip(a, b):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("clip", [False, True])
 def test_reference_update_host_and_device_step_size_agree(clip):
-    """_reference_update_'s two Adam branches: a host-float step size (CPU: torch.optim.Adam's own
-    ``addcdiv_``) and a device-tensor step size (CUDA: no host sync) give the same parameters, moments
-    and SWA weights to within a few ulp, with and without the clip scale."""
-    from scalefold.train.flat_optimizer import _reference_update_
-
+    """The reference's two Adam branches (``reference.adam_swa_chunk_``): a host-float step size
+    (CPU: torch.optim.Adam's own ``addcdiv_``) and a device-tensor step size (CUDA: no host sync)
+    give the same parameters, moments and SWA weights to within a few ulp, with and without the
+    clip scale."""
     gen = torch.Generator().manual_seed(0)
     param, grad, m, swa = (torch.randn(1000, generator=gen) for _ in range(4))
     v = torch.rand(1000, generator=gen)
@@ -225,9 +225,28 @@ def test_reference_update_host_and_device_step_size_agree(clip):
     for neg_step_size in (-1e-3, torch.tensor(-1e-3, dtype=torch.float64)):
         state = [t.clone() for t in (param, grad, m, v, swa)]
         p, g, ea, eas, sw = state
-        _reference_update_(p, g, ea, eas, sw, None, torch.tensor(0.25) if clip else None, neg_step_size,
-                           torch.tensor(0.9, dtype=torch.float64), 0.9, 0.999, 1e-6, 0.9, swa_copy=False)  # fmt: skip
+        reference.adam_swa_chunk_(
+            p, g, ea, eas, sw, None, clip_scale=torch.tensor(0.25) if clip else None, neg_step_size=neg_step_size,
+            bias_correction2_sqrt=torch.tensor(0.9, dtype=torch.float64), beta1=0.9, beta2=0.999, eps=1e-6,
+            swa_decay=0.9, swa_copy=False,
+        )  # fmt: skip
         results.append((p, ea, eas, sw))
     assert not torch.equal(results[0][0], param)  # the update did move the parameters
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=4 * torch.finfo(torch.float32).eps, atol=1e-12)
+
+
+def test_swa_update_is_the_lerp_form_training_has_always_used():
+    """The one reference's SWA step is ``swa.lerp_(param, 1 - decay)`` bit for bit: MLPerf's
+    ``avg + (p - avg) * (1 - decay)`` in one pass. It is not bitwise the three-op expression (lerp's
+    CPU kernel may fuse the multiply-add: here 0.6 % of the entries differ by an ulp), so this pins
+    which of the two training runs."""
+    gen = torch.Generator().manual_seed(3)
+    param, exp_avg, swa = (torch.randn(4096, generator=gen) for _ in range(3))
+    exp_avg_sq, grad = torch.rand(4096, generator=gen), torch.randn(4096, generator=gen)
+    swa_before = swa.clone()
+    adam_swa_(param, grad, exp_avg, exp_avg_sq, swa, lr=torch.tensor(1e-3), step=torch.tensor(2.0), backend="torch")
+    assert torch.equal(swa, swa_before.lerp(param, 1.0 - 0.9))
+    three_op = swa_before + (param - swa_before) * (1.0 - 0.9)
+    ulp = torch.finfo(torch.float32).eps * torch.maximum(swa_before.abs(), param.abs())  # of the operands
+    assert ((swa - three_op).abs() <= 2 * ulp).all()
