@@ -2,14 +2,15 @@
 :mod:`scalefold.inference.predict` and :mod:`scalefold.inference.evaluate`.
 
 Bad input (missing/corrupt FASTA, alignment of another sequence, unreadable or mismatched
-checkpoint, unknown chains) ends with ``error: <message>`` on stderr and exit status 2.
+checkpoint, unknown chains, an output that cannot be written) raises an error the top-level handler
+(:mod:`scalefold.cli`) reports in one line with exit status 3; the paths are checked before the model
+is built, so a mistake is reported in well under a second.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
-import sys
 
 MODEL_PRESETS = ("mlperf", "initial_training", "demo", "tiny")  # = weights.MODEL_PRESETS (no heavy import here)
 WEIGHT_CHOICES = ("auto", "swa", "model")
@@ -76,32 +77,37 @@ def default_output(target_name: str) -> str:
     return f"{safe}.cif"
 
 
-def _input_errors() -> tuple[type[Exception], ...]:
-    from scalefold.checkpoint.adapters import CheckpointError
-    from scalefold.data.parsers import ParseError
-    from scalefold.inference.weights import InferenceError
-    from scalefold.train.checkpoint_io import CheckpointError as CheckpointFileError
+def _check_inputs(args: argparse.Namespace) -> None:
+    """Every input path exists and has the expected kind, every output can be written: before any work."""
+    from scalefold.checkpoint.adapters import check_checkpoint_file
+    from scalefold.errors import require_file, require_range
 
-    return (InferenceError, ParseError, CheckpointError, CheckpointFileError)
+    check_checkpoint_file(args.checkpoint)
+    require_range(args.num_recycling, "--num-recycling", 0)
+    if args.command == "predict":
+        require_file(args.fasta, "--fasta", "a FASTA file with one record")
+        for a3m in args.a3m:
+            require_file(a3m, "--a3m", "an a3m or Stockholm alignment file")
+        if getattr(args, "reference", None):
+            require_file(args.reference, "--reference", "the true structure as a .pdb or .cif file")
+    else:
+        from scalefold.data.store import check_store_file
 
-
-def _fail(exc: Exception) -> int:
-    print(f"error: {exc}", file=sys.stderr)
-    return 2
+        check_store_file(args.store)
+        require_range(args.max_chains, "--max-chains", 0)
 
 
 def _run_predict(args: argparse.Namespace) -> int:
+    from scalefold.errors import require_writable_output
     from scalefold.inference.predict import predict, read_fasta
 
-    errors = _input_errors()
-    try:
-        out = args.out or default_output(read_fasta(args.fasta).name)
-        result = predict(
-            args.fasta, args.checkpoint, a3m=args.a3m, out=out, preset=args.preset, weights=args.weights,
-            num_recycling=args.num_recycling, seed=args.seed, device=args.device,
-        )  # fmt: skip
-    except errors as exc:
-        return _fail(exc)
+    _check_inputs(args)
+    out = args.out or default_output(read_fasta(args.fasta).name)
+    require_writable_output(out, "--out", suffixes=(".cif", ".mmcif", ".pdb", ".ent"))
+    result = predict(
+        args.fasta, args.checkpoint, a3m=args.a3m, out=out, preset=args.preset, weights=args.weights,
+        num_recycling=args.num_recycling, seed=args.seed, device=args.device,
+    )  # fmt: skip
     record = result.record
     unknown = f", {record.num_unknown} unknown residues read as X" if record.num_unknown else ""
     print(f"model: {result.loaded.describe()}")
@@ -112,22 +118,20 @@ def _run_predict(args: argparse.Namespace) -> int:
 
 
 def _run_evaluate(args: argparse.Namespace) -> int:
+    from scalefold.errors import require_writable_output
     from scalefold.inference.evaluate import evaluate
-    from scalefold.inference.weights import InferenceError
 
-    errors = _input_errors()
-    try:
-        if args.out and not args.out.lower().endswith((".json", ".csv")):
-            raise InferenceError(f"report {args.out}: use a .json or .csv suffix")
-        report = evaluate(
-            args.store, args.checkpoint, chains=args.chains, preset=args.preset, weights=args.weights,
-            num_recycling=args.num_recycling, max_chains=args.max_chains, progress=args.progress, device=args.device,
-        )  # fmt: skip
-    except errors as exc:
-        return _fail(exc)
+    _check_inputs(args)
+    if args.out:
+        require_writable_output(args.out, "--out", suffixes=(".json", ".csv"))
+    report = evaluate(
+        args.store, args.checkpoint, chains=args.chains, preset=args.preset, weights=args.weights,
+        num_recycling=args.num_recycling, max_chains=args.max_chains, progress=args.progress, device=args.device,
+    )  # fmt: skip
     step = f" (iteration {report.iteration})" if report.iteration is not None else ""
+    iterations = "iteration" if report.num_recycling_iters == 1 else "iterations"
     print(f"{report.checkpoint}{step}: preset {report.preset}, {report.weights} weights, "
-          f"{report.num_recycling_iters} recycling iterations")  # fmt: skip
+          f"{report.num_recycling_iters} recycling {iterations}")  # fmt: skip
     print(report.table())
     if args.out:
         print(f"wrote {report.write(args.out)}")

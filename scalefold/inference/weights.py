@@ -150,6 +150,7 @@ def load_model(
     device: Union[str, torch.device] = "cpu",
 ) -> LoadedModel:
     """Read ``path``, pick the weights, check them against the preset (given or detected), build the model."""
+    adapters.check_checkpoint_file(path)  # a clear error for a missing file, a directory, another format
     checkpoint = checkpoint_io.load_checkpoint(path, map_location="cpu")
     state, used, n_averaged = select_weights(checkpoint, weights)
     if preset is None:
