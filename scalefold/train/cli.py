@@ -84,7 +84,8 @@ def _run_train(args: argparse.Namespace) -> int:
     try:
         cfg = TrainConfig.from_preset(preset, overrides=overrides, config_file=args.config)
     except (KeyError, ValueError, FileNotFoundError) as exc:  # bad config file / environment / flag value
-        print(f"scalefold train: configuration error: {exc}", file=sys.stderr, flush=True)
+        text = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc  # KeyError's str() adds quotes
+        print(f"scalefold train: configuration error: {text}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     try:
         result = train(cfg)

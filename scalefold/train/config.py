@@ -201,6 +201,8 @@ def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     unknown keys raise ``KeyError`` naming them, a ``preset`` key is refused (choose it with ``--preset``).
     """
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"config file {path} is a directory (expected a .toml or .yaml file of training options)")
     if not path.is_file():
         raise FileNotFoundError(f"config file not found: {path}")
     suffix = path.suffix.lower()
@@ -210,11 +212,17 @@ def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         except ModuleNotFoundError:  # Python 3.10
             import tomli as tomllib
         with path.open("rb") as f:
-            data = tomllib.load(f)
+            try:
+                data = tomllib.load(f)
+            except tomllib.TOMLDecodeError as exc:
+                raise ValueError(f"config file {path}: not valid TOML ({exc})") from None
     elif suffix in (".yaml", ".yml"):
         import yaml
 
-        data = yaml.safe_load(path.read_text()) or {}
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as exc:
+            raise ValueError(f"config file {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
     else:
         raise ValueError(f"config file {path}: expected a .toml, .yaml or .yml file")
     if not isinstance(data, dict):
