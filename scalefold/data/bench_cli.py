@@ -377,7 +377,21 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _check_bench_loader_args(args: argparse.Namespace) -> None:
+    from scalefold.errors import require_range, require_writable_output
+
+    for option in ("steps", "workers", "prefetch", "repeats"):
+        require_range(getattr(args, option), f"--{option}", 1)
+    for option in ("step_ms", "prep_ms", "slow_factor", "jitter", "payload_kb"):
+        require_range(getattr(args, option), f"--{option.replace('_', '-')}", 0)
+    require_range(args.slow_fraction, "--slow-fraction", 0, 1)
+    require_range(args.warmup, "--warmup", 0)
+    if args.plot:
+        require_writable_output(args.plot, "--plot", suffixes=(".png",))
+
+
 def _cmd_bench_loader(args: argparse.Namespace) -> int:
+    _check_bench_loader_args(args)
     cfg = LoaderBenchConfig(
         steps=args.steps,
         step_seconds=args.step_ms / 1e3,

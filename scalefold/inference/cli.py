@@ -82,8 +82,6 @@ def _check_inputs(args: argparse.Namespace) -> None:
     from scalefold.checkpoint.adapters import check_checkpoint_file
     from scalefold.errors import require_file, require_range
 
-    check_checkpoint_file(args.checkpoint)
-    require_range(args.num_recycling, "--num-recycling", 0)
     if args.command == "predict":
         require_file(args.fasta, "--fasta", "a FASTA file with one record")
         for a3m in args.a3m:
@@ -95,6 +93,8 @@ def _check_inputs(args: argparse.Namespace) -> None:
 
         check_store_file(args.store)
         require_range(args.max_chains, "--max-chains", 0)
+    check_checkpoint_file(args.checkpoint)
+    require_range(args.num_recycling, "--num-recycling", 0)
 
 
 def _run_predict(args: argparse.Namespace) -> int:
