@@ -28,7 +28,7 @@ DEBUG_ENV = "SCALEFOLD_DEBUG"
 _SUBCOMMAND_PROVIDERS: tuple[tuple[str, str], ...] = (
     ("scalefold.train.cli", "add_parsers"),
     ("scalefold.data.cli", "add_parsers"),
-    ("scalefold.model.cli", "add_parsers"),
+    ("scalefold.model_info", "add_parsers"),  # model-info (scalefold/model/cli.py is its slower predecessor)
     ("scalefold.inference.cli", "add_parsers"),
 )
 
@@ -78,6 +78,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if args.command is None else 2
     try:
         result = handler(args)
+    except BrokenPipeError:  # the reader of our output went away (`scalefold model-info --names | head`)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
+        return 0
     except Exception as exc:
         message = user_error_message(exc)
         if message is None:
