@@ -65,12 +65,14 @@ def add_preprocess_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
-    """Entry point used by ``scalefold.cli``: preprocess, data-stats, synth and bench."""
+    """Entry point used by ``scalefold.cli``: preprocess, data-stats, synth, export-chain and bench."""
     from scalefold.data.bench_cli import add_bench_parser
+    from scalefold.data.export import add_export_parser
     from scalefold.data.synth_cli import add_synth_parser
 
     add_preprocess_parser(subparsers)
     add_synth_parser(subparsers)
+    add_export_parser(subparsers)
     add_bench_parser(subparsers)
 
 

@@ -47,6 +47,10 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     _add_model_options(p)
     p.add_argument("--out", help="output structure, .cif (mmCIF) or .pdb (default: <target name>.cif)")
     p.add_argument("--seed", type=int, default=0, help="seed of the MSA sampling/masking of the data pipeline")
+    p.add_argument(
+        "--reference", metavar="TRUE.pdb|cif",
+        help="the true structure: also print the prediction's lDDT-Cα against it (the Cα geometry is always printed)",
+    )  # fmt: skip
     p.set_defaults(handler=_run_predict)
 
     e = subparsers.add_parser(
@@ -114,7 +118,23 @@ def _run_predict(args: argparse.Namespace) -> int:
     print(f"target {record.name}: {len(record.sequence)} residues{unknown}, {result.num_alignment_rows} alignment rows")
     print(f"wrote {result.out}")
     print(f"mean pLDDT: {result.mean_plddt:.2f}")
+    _print_quality(result, args.reference)
     return 0
+
+
+def _print_quality(result, reference: str | None) -> None:
+    """Cα geometry of the prediction and, with a reference, its lDDT-Cα (:mod:`scalefold.inference.compare`)."""
+    from scalefold.inference.compare import ca_geometry, lddt_ca_against, read_reference_ca
+    from scalefold.metrics import CA_ATOM37_INDEX
+
+    structure = result.structure
+    ca = structure.atom_positions[:, CA_ATOM37_INDEX]  # [N_res, 3]
+    for line in ca_geometry(ca, structure.atom_mask[:, CA_ATOM37_INDEX]).describe():
+        print(line)
+    if reference:
+        true_ca, true_mask = read_reference_ca(reference, structure.sequence)
+        print(f"lDDT-Cα against {reference}: {lddt_ca_against(ca, true_ca, true_mask):.4f} "
+              f"({int(true_mask.sum())} of {len(true_mask)} residues have a true Cα)")  # fmt: skip
 
 
 def _run_evaluate(args: argparse.Namespace) -> int:
@@ -129,9 +149,10 @@ def _run_evaluate(args: argparse.Namespace) -> int:
         num_recycling=args.num_recycling, max_chains=args.max_chains, progress=args.progress, device=args.device,
     )  # fmt: skip
     step = f" (iteration {report.iteration})" if report.iteration is not None else ""
-    iterations = "iteration" if report.num_recycling_iters == 1 else "iterations"
+    from scalefold.inference.weights import plural
+
     print(f"{report.checkpoint}{step}: preset {report.preset}, {report.weights} weights, "
-          f"{report.num_recycling_iters} recycling {iterations}")  # fmt: skip
+          f"{plural(report.num_recycling_iters, 'recycling iteration')}")  # fmt: skip
     print(report.table())
     if args.out:
         print(f"wrote {report.write(args.out)}")
