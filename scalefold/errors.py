@@ -79,7 +79,7 @@ def shorten(text: str, max_lines: int = MAX_MESSAGE_LINES) -> str:
     an untrusted file unsafely) is dropped, it is never the right advice for a wrong input file."""
     marker = "Weights only load failed"
     if marker in text:
-        text = text[: text.index(marker)] + "not a checkpoint ScaleFold can read safely (weights_only load failed)"
+        text = text[: text.index(marker)] + "not a checkpoint of tensors and plain containers (torch.load refused it)"
     lines = [line.rstrip() for line in text.splitlines() if line.strip()]
     if len(lines) > max_lines:
         lines = lines[:max_lines]

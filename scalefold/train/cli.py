@@ -99,7 +99,9 @@ def _run_train(args: argparse.Namespace) -> int:
         print(f"scalefold train: configuration error: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     except (CheckpointError, ReferenceCheckpointError) as exc:  # corrupt / mismatching --init-from or --resume
-        print(f"scalefold train: checkpoint error: {exc}", file=sys.stderr, flush=True)
+        from scalefold.errors import shorten  # two lines at most, without PyTorch's weights_only advice
+
+        print(f"scalefold train: checkpoint error: {shorten(str(exc))}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     except StoreNotFoundError as exc:  # --store absent and not to be synthesised
         print(f"scalefold train: {exc}", file=sys.stderr, flush=True)
