@@ -60,8 +60,7 @@ def export_chain(store_path: str | os.PathLike[str], out_dir: str | os.PathLike[
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {kind: out / name for kind, name in FILE_NAMES.items()}
-    source = f"{chain_id} from {Path(store_path).name}"
-    paths["fasta"].write_text(f">{chain_id} {source}\n{sequence}\n")
+    paths["fasta"].write_text(f">{chain_id} from {Path(store_path).name}\n{sequence}\n")
     names = [chain_id] + [f"{chain_id}_msa{k}" for k in range(1, len(chain["msa"]))]
     paths["a3m"].write_text(msa_to_a3m(chain["msa"], chain["deletion_matrix"], names))
     structure = PredictedStructure(
