@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -74,14 +75,18 @@ def _message_text(exc: BaseException) -> str:
     return str(text).strip()
 
 
-def shorten(text: str, max_lines: int = MAX_MESSAGE_LINES) -> str:
-    """At most ``max_lines`` non-empty lines of ``text``; PyTorch's ``weights_only`` advice (how to load
-    an untrusted file unsafely) is dropped, it is never the right advice for a wrong input file."""
-    marker = "Weights only load failed"
-    if marker in text:
-        text = text[: text.index(marker)] + "not a checkpoint of tensors and plain containers (torch.load refused it)"
+# PyTorch's text for a file torch.load(weights_only=True) refuses: advice to load it unsafely, an issue
+# link, the unpickler's opcode; several lines, ending with the documentation link.
+_TORCH_WEIGHTS_ONLY_ADVICE = re.compile(r"Weights only load failed\..*?torch\.load\.html\.?", re.DOTALL)
+_TORCH_ADVICE_REPLACEMENT = "not a checkpoint of tensors and plain containers (torch.load refused it)"
+
+
+def shorten(text: str, max_lines: int | None = MAX_MESSAGE_LINES) -> str:
+    """``text`` without PyTorch's ``weights_only`` advice (how to load an untrusted file unsafely: never
+    the remedy for a wrong input file), and at most ``max_lines`` non-empty lines (None: all)."""
+    text = _TORCH_WEIGHTS_ONLY_ADVICE.sub(_TORCH_ADVICE_REPLACEMENT, text)
     lines = [line.rstrip() for line in text.splitlines() if line.strip()]
-    if len(lines) > max_lines:
+    if max_lines is not None and len(lines) > max_lines:
         lines = lines[:max_lines]
         lines[-1] += " ..."
     return "\n".join(lines)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -152,7 +153,7 @@ def check_checkpoint_file(path: Union[str, os.PathLike]) -> str:
     wrong file."""
     path = os.fspath(path)
     if not os.path.exists(path):
-        raise CheckpointError(f"checkpoint {path} does not exist (expected {CHECKPOINT_EXPECTED})")
+        raise CheckpointError(f"checkpoint {path} not found (expected {CHECKPOINT_EXPECTED})")
     if os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path} is a directory (expected {CHECKPOINT_EXPECTED})")
     try:
@@ -178,7 +179,9 @@ def read_checkpoint(path_or_obj: PathOrObj, map_location: Union[str, torch.devic
         return path_or_obj
     path = check_checkpoint_file(path_or_obj)
     try:
-        obj = torch.load(path, map_location=map_location, weights_only=True)
+        with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4": the error below says it all
+            warnings.simplefilter("ignore")
+            obj = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # torch raises RuntimeError / UnpicklingError / EOFError / ...
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         if "Weights only load failed" in reason:  # a pickle of arbitrary objects: not a checkpoint of ours

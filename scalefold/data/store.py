@@ -76,7 +76,8 @@ class StoreSchemaError(UserError, ValueError):
 
 
 class StoreFileError(UserError, FileNotFoundError):
-    """The store path is missing, a directory, empty or not an HDF5 file (a user error: exit 3)."""
+    """The store path is missing, a directory or unreadable (a user error: exit 3; a file of another
+    format is a :class:`StoreSchemaError`)."""
 
 
 def _preview(head: bytes) -> str:
@@ -85,8 +86,9 @@ def _preview(head: bytes) -> str:
 
 
 def check_store_file(path: PathLike) -> Path:
-    """``path`` if it is a readable HDF5 file, else :class:`StoreFileError` saying what it is instead
-    (missing, a directory, empty, another format): checked before h5py, whose errors name neither."""
+    """``path`` if it is a readable HDF5 file, else :class:`StoreFileError` (missing, a directory) or
+    :class:`StoreSchemaError` (empty, another format) saying what it is instead: checked before h5py,
+    whose errors name neither."""
     p = Path(path)
     if not p.exists():
         raise StoreFileError(f"store {p} does not exist (expected {STORE_EXPECTED})")
@@ -98,9 +100,9 @@ def check_store_file(path: PathLike) -> Path:
     except OSError as exc:
         raise StoreFileError(f"store {p} cannot be read ({exc.strerror})") from exc
     if not head:
-        raise StoreFileError(f"store {p} is empty (0 bytes; expected {STORE_EXPECTED})")
+        raise StoreSchemaError(f"store {p} is empty (0 bytes; expected {STORE_EXPECTED})")
     if not any(head[o : o + len(_HDF5_SIGNATURE)] == _HDF5_SIGNATURE for o in _HDF5_SIGNATURE_OFFSETS):
-        raise StoreFileError(f"store {p} is not an HDF5 file (it starts with {_preview(head)}; expected {STORE_EXPECTED})")
+        raise StoreSchemaError(f"store {p} is not an HDF5 file (it starts with {_preview(head)}; expected {STORE_EXPECTED})")
     return p
 
 

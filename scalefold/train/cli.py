@@ -99,9 +99,9 @@ def _run_train(args: argparse.Namespace) -> int:
         print(f"scalefold train: configuration error: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     except (CheckpointError, ReferenceCheckpointError) as exc:  # corrupt / mismatching --init-from or --resume
-        from scalefold.errors import shorten  # two lines at most, without PyTorch's weights_only advice
+        from scalefold.errors import shorten  # without PyTorch's weights_only advice; --resume lists every file
 
-        print(f"scalefold train: checkpoint error: {shorten(str(exc))}", file=sys.stderr, flush=True)
+        print(f"scalefold train: checkpoint error: {shorten(str(exc), None)}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     except StoreNotFoundError as exc:  # --store absent and not to be synthesised
         print(f"scalefold train: {exc}", file=sys.stderr, flush=True)

@@ -145,7 +145,7 @@ def test_corrupt_and_foreign_files_are_refused(tmp_path):
         load_reference_checkpoint({"weights": model.state_dict()}, model)
     with pytest.raises(CheckpointError, match="not a reference SWA checkpoint"):
         load_swa_checkpoint(good, model)
-    with pytest.raises(CheckpointError, match="absent.pt does not exist"):
+    with pytest.raises(CheckpointError, match="absent.pt not found"):
         load_reference_checkpoint(tmp_path / "absent.pt", model)
     with pytest.raises(CheckpointError, match="is a directory"):
         load_reference_checkpoint(tmp_path, model)
