@@ -16,7 +16,7 @@ FAST = 0.01  # seconds per ordinary sample
 
 
 def _slow_start(worker_id: int) -> None:
-    time.sleep(2.0)  # a worker start-up (imports, a loaded machine) longer than the sample timeout
+    time.sleep(4.0)  # a worker start-up (imports, a loaded machine) longer than the sample timeout
 
 
 def _pairs(n: int) -> list[tuple[int, int]]:
@@ -115,10 +115,11 @@ def test_sample_timeout_kills_and_retries(tmp_path):
 
 def test_sample_timeout_counts_from_the_start_of_the_sample_not_from_worker_start_up():
     """Worker start-up slower than sample_timeout (a loaded machine, heavy imports) does not time out
-    the samples sent to it before it was ready: the clock starts with the worker's "start" message."""
+    the samples sent to it before it was ready: the clock starts with the worker's "start" message.
+    (4 s start-up against a 3 s timeout; the 10 ms samples have 3 s from their start: load-proof.)"""
     work = SimulatedSample(FAST, slow_fraction=0.0)
     loader = PriorityQueueLoader(
-        work, _pairs(4), num_workers=2, max_attempts=1, sample_timeout=1.0, worker_init=_slow_start
+        work, _pairs(4), num_workers=2, max_attempts=1, sample_timeout=3.0, worker_init=_slow_start
     )
     assert sorted(p for p, _ in loader) == [0, 1, 2, 3]
     assert not loader.skipped and loader.restarts == 0
