@@ -9,6 +9,7 @@ import argparse
 import json
 import logging
 import math
+from pathlib import Path
 from typing import Any
 
 # Length-histogram bin edges used by data-stats (residues).
@@ -166,6 +167,7 @@ def _run_preprocess(args: argparse.Namespace) -> int:
         return 2  # a usage error: an option is missing
     _check_preprocess_inputs(args)
     log_path = f"{args.out}.log"
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     counter, handlers = _preprocess_logging(log_path)
     try:
         if args.mlperf_dir:
