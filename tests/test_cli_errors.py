@@ -147,6 +147,8 @@ CASES = [
      ["--out", "target.fasta", "not a directory"]),
     ("predict/out-directory", ["predict", "--fasta", "{fasta}", "--checkpoint", "{ckpt}", "--out", "{dir}"], ["--out", "adir"]),
     ("predict/num-recycling", [*PREDICT, "--num-recycling", "-1"], ["--num-recycling -1", ">= 0"]),
+    ("predict/device-unknown", [*PREDICT, "--device", "gpu7"], ["--device gpu7", "not a torch device"]),
+    ("evaluate/device-unknown", [*EVALUATE, "--device", "tpu"], ["--device tpu", "not a torch device"]),
     ("predict/reference-missing", [*PREDICT, "--reference", "{missing}"], ["--reference", "missing", "does not exist"]),
     ("predict/reference-fasta", [*PREDICT, "--reference", "{fasta}"], ["--reference", "target.fasta"]),
     # evaluate
@@ -173,6 +175,8 @@ CASES = [
     ("train/config-broken-yaml", [*TRAIN, "--store", "{store}", "--config", "{broken_yaml}"], ["broken.yaml", "not valid YAML"]),
     ("train/config-suffix", [*TRAIN, "--store", "{store}", "--config", "{config_txt}"], ["config.txt", ".toml"]),
     ("train/max-steps", [*TRAIN[:-4], "--max-steps", "-1", "--store", "{store}"], ["max_steps", ">= 0"]),
+    ("train/out-under-a-file", ["train", "--preset", "tiny", "--no-progress", "--max-steps", "1", "--store", "{store}",
+                                "--out", "{under_file}/run"], ["target.fasta", "not a directory"]),
     ("train/init-from-fasta", [*TRAIN, "--store", "{store}", "--init-from", "{fasta}"], ["target.fasta", "not a PyTorch checkpoint"]),
     ("train/init-from-directory", [*TRAIN, "--store", "{store}", "--init-from", "{dir}"], ["adir", "is a directory"]),
     ("train/init-from-missing", [*TRAIN, "--store", "{store}", "--init-from", "{missing}"], ["missing", "not found"]),

@@ -99,6 +99,23 @@ def _check_inputs(args: argparse.Namespace) -> None:
         require_range(args.max_chains, "--max-chains", 0)
     check_checkpoint_file(args.checkpoint)
     require_range(args.num_recycling, "--num-recycling", 0)
+    if args.device:
+        _check_device(args.device)
+
+
+def _check_device(name: str) -> None:
+    import torch
+
+    from scalefold.errors import UserError
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"--device {name}: not a torch device (expected cpu, cuda or cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise UserError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
 def _run_predict(args: argparse.Namespace) -> int:
