@@ -58,6 +58,7 @@ def files(tmp_path_factory) -> dict[str, str]:
     (root / "broken.toml").write_text("max_steps = = 2\n")
     (root / "broken.yaml").write_text("max_steps: [1, 2\n")
     (root / "config.txt").write_text("max_steps = 2\n")
+    (root / "wrong_type.toml").write_text('max_steps = "two"\n')
     (root / "binary.fasta").write_bytes(bytes(range(256)))
     resume = root / "resume_run" / "checkpoints"
     resume.mkdir(parents=True)
@@ -173,6 +174,8 @@ CASES = [
     ("train/config-directory", [*TRAIN, "--store", "{store}", "--config", "{dir}"], ["adir", "is a directory"]),
     ("train/config-broken-toml", [*TRAIN, "--store", "{store}", "--config", "{broken_toml}"], ["broken.toml", "not valid TOML"]),
     ("train/config-broken-yaml", [*TRAIN, "--store", "{store}", "--config", "{broken_yaml}"], ["broken.yaml", "not valid YAML"]),
+    ("train/config-wrong-type", [*TRAIN, "--store", "{store}", "--config", "{wrong_type_toml}"],
+     ["wrong_type.toml", "max_steps", "expected an integer"]),
     ("train/config-suffix", [*TRAIN, "--store", "{store}", "--config", "{config_txt}"], ["config.txt", ".toml"]),
     ("train/max-steps", [*TRAIN[:-4], "--max-steps", "-1", "--store", "{store}"], ["max_steps", ">= 0"]),
     ("train/out-under-a-file", ["train", "--preset", "tiny", "--no-progress", "--max-steps", "1", "--store", "{store}",
