@@ -1,5 +1,5 @@
 # Two commands on a fresh machine:
-#   make demo   -- create .venv, install ScaleFold, run the built-in default job (`scalefold train`)
+#   make demo   -- create .venv, install ScaleFold (no test extras), run the built-in default job (`scalefold train`)
 #   make test   -- create .venv, install ScaleFold + test extras, run the test suite
 # On a CPU-only machine torch==2.13.0 is pinned (a local CPU wheel); set TORCH_SPEC="torch" on GPU hosts
 # (or use the NGC container, see Dockerfile).
@@ -12,10 +12,16 @@ PIP := $(PY) -m pip
 
 .PHONY: venv demo test lint clean
 
+# The demo needs ScaleFold and its own dependencies only; the test extras (pytest, triton for the
+# kernels' interpreter tests, mpi4py + mpich for the mpirun launch tests) come with `make test`.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install -q -e ".[test]"
 	touch $@
 
@@ -25,10 +31,10 @@ demo: venv
 	$(VENV)/bin/scalefold train
 
 # pytest's exit code 5 means "no tests collected": not a failure for a fresh checkout.
-test: venv
+test: $(VENV)/.installed-test
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; fi; exit $$rc
 
-lint: venv
+lint: $(VENV)/.installed-test
 	$(PIP) install -q ruff
 	$(VENV)/bin/ruff check scalefold tests
 

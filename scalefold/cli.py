@@ -1,24 +1,34 @@
 """The ``scalefold`` command: one entry point, one subcommand per job.
 
 Each subcommand lives with the code it drives; this module only assembles the parser, so
-``scalefold --help`` stays cheap (heavy imports happen inside the handlers).
+``scalefold --help`` stays cheap (heavy imports happen inside the handlers), and runs the one
+top-level error handler: a mistake in the user's input or environment (see :mod:`scalefold.errors`)
+ends with ``scalefold COMMAND: error: <message>`` on stderr and exit status 3, without a traceback
+unless ``--debug`` (anywhere on the command line) or ``SCALEFOLD_DEBUG=1``; argparse's usage errors
+keep status 2; anything else is a bug and shows its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 
 from scalefold import __version__
+from scalefold.errors import EXIT_USER_ERROR, user_error_message
+
+DEBUG_FLAG = "--debug"
+DEBUG_ENV = "SCALEFOLD_DEBUG"
 
 # (module, function) pairs that add subcommands to the parser. A module that fails to import
 # (e.g. an optional dependency missing) is reported when its subcommand would be registered.
 _SUBCOMMAND_PROVIDERS: tuple[tuple[str, str], ...] = (
     ("scalefold.train.cli", "add_parsers"),
     ("scalefold.data.cli", "add_parsers"),
-    ("scalefold.model.cli", "add_parsers"),
+    ("scalefold.model_info", "add_parsers"),  # model-info (scalefold/model/cli.py is its slower predecessor)
     ("scalefold.inference.cli", "add_parsers"),
 )
 
@@ -29,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="ScaleFold: AlphaFold2 training for HPC clusters (MLPerf HPC OpenFold).",
     )
     parser.add_argument("--version", action="version", version=f"scalefold {__version__}")
+    parser.add_argument(
+        DEBUG_FLAG, action="store_true",
+        help=f"show the Python traceback of an input error (also {DEBUG_ENV}=1; accepted after the subcommand too)",
+    )  # fmt: skip
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name, func_name in _SUBCOMMAND_PROVIDERS:
         try:
@@ -42,14 +56,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _split_debug(argv: Sequence[str]) -> tuple[list[str], bool]:
+    """``argv`` without ``--debug`` (before a ``--``), and whether it was there."""
+    args, debug = list(argv), False
+    end = args.index("--") if "--" in args else len(args)
+    while DEBUG_FLAG in args[:end]:
+        args.remove(DEBUG_FLAG)
+        end -= 1
+        debug = True
+    return args, debug
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv, debug = _split_debug(sys.argv[1:] if argv is None else argv)
+    debug = debug or os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on")
     parser = build_parser()
     args = parser.parse_args(argv)
     handler = getattr(args, "handler", None)
     if handler is None:
         parser.print_help()
         return 0 if args.command is None else 2
-    result = handler(args)
+    try:
+        result = handler(args)
+    except BrokenPipeError:  # the reader of our output went away (`scalefold model-info --names | head`)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
+        return 0
+    except Exception as exc:
+        message = user_error_message(exc)
+        if message is None:
+            raise  # a bug: the traceback is the report
+        if debug:
+            traceback.print_exc()
+        print(f"scalefold {args.command}: error: {message}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
     return int(result or 0)
 
 

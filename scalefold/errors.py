@@ -1,6 +1,57 @@
-"""Small helpers for error messages shared across the package."""
+"""Errors a user can cause, and small helpers for error messages shared across the package.
+
+Every ``scalefold`` subcommand ends a mistake in its input or environment (a missing or unreadable
+file, a directory where a file was expected, a file of the wrong format, an output location that
+cannot be written, a value out of range) the same way: exit status :data:`EXIT_USER_ERROR` (3) and a
+one- or two-line message naming the offending path or option and what was expected -- no traceback
+(``--debug`` or ``SCALEFOLD_DEBUG=1`` shows it). Usage errors argparse catches keep its status 2.
+
+Code raises :class:`UserError` (or a subclass) for such mistakes; :func:`user_error_message` also
+recognises the error types of the package's parts that predate it (parse errors, checkpoint errors,
+...) and ``OSError`` with a file name, so the one top-level handler in :mod:`scalefold.cli` can treat
+them alike. Anything else is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
+
+import errno
+import os
+import re
+import sys
+from pathlib import Path
+
+EXIT_USER_ERROR = 3
+MAX_MESSAGE_LINES = 2
+
+
+class UserError(Exception):
+    """A mistake in the user's input or environment; the message names the input and what was expected."""
+
+
+# Error types of other parts of the package that mean "bad input", as (module, class name). They are
+# looked up only in modules already imported: an exception of such a class implies its module is loaded.
+_KNOWN_INPUT_ERRORS: tuple[tuple[str, str], ...] = (
+    ("scalefold.data.parsers", "ParseError"),
+    ("scalefold.data.store", "StoreSchemaError"),
+    ("scalefold.checkpoint.adapters", "CheckpointError"),
+    ("scalefold.train.checkpoint_io", "CheckpointError"),
+    ("scalefold.train.loop", "StoreNotFoundError"),
+    ("scalefold.train.runtime", "LaunchError"),
+    ("scalefold.distributed.layout", "LayoutError"),
+    ("scalefold.inference.weights", "InferenceError"),
+)
+
+_OS_ERROR_EXPECTATIONS = {
+    errno.ENOENT: "does not exist",
+    errno.EISDIR: "is a directory, expected a file",
+    errno.ENOTDIR: "is not a directory (a path component is a file)",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EROFS: "is on a read-only file system",
+    errno.ENOSPC: "no space left on the device",
+    errno.EEXIST: "already exists",
+    errno.ENAMETOOLONG: "the file name is too long",
+}
 
 
 def exception_summary(exc: BaseException) -> str:
@@ -10,4 +61,115 @@ def exception_summary(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
-__all__ = ["exception_summary"]
+def _known_input_error(exc: BaseException) -> bool:
+    for module_name, class_name in _KNOWN_INPUT_ERRORS:
+        cls = getattr(sys.modules.get(module_name), class_name, None)
+        if isinstance(cls, type) and isinstance(exc, cls):
+            return True
+    return False
+
+
+def _message_text(exc: BaseException) -> str:
+    # KeyError's str() is the repr of its argument (stray quotes): use the argument itself.
+    text = exc.args[0] if isinstance(exc, KeyError) and len(exc.args) == 1 else exc
+    return str(text).strip()
+
+
+# PyTorch's text for a file torch.load(weights_only=True) refuses: advice to load it unsafely, an issue
+# link, the unpickler's opcode; several lines, ending with the documentation link.
+_TORCH_WEIGHTS_ONLY_ADVICE = re.compile(r"Weights only load failed\..*?torch\.load\.html\.?", re.DOTALL)
+_TORCH_ADVICE_REPLACEMENT = "not a checkpoint of tensors and plain containers (torch.load refused it)"
+
+
+def shorten(text: str, max_lines: int | None = MAX_MESSAGE_LINES) -> str:
+    """``text`` without PyTorch's ``weights_only`` advice (how to load an untrusted file unsafely: never
+    the remedy for a wrong input file), and at most ``max_lines`` non-empty lines (None: all)."""
+    text = _TORCH_WEIGHTS_ONLY_ADVICE.sub(_TORCH_ADVICE_REPLACEMENT, text)
+    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
+    if max_lines is not None and len(lines) > max_lines:
+        lines = lines[:max_lines]
+        lines[-1] += " ..."
+    return "\n".join(lines)
+
+
+def user_error_message(exc: BaseException) -> str | None:
+    """The short message for an error caused by the user's input or environment, None for anything else."""
+    if isinstance(exc, UserError) or _known_input_error(exc):
+        return shorten(_message_text(exc))
+    if isinstance(exc, OSError) and exc.filename is not None:
+        expected = _OS_ERROR_EXPECTATIONS.get(exc.errno or -1, exc.strerror or type(exc).__name__)
+        return shorten(f"{os.fsdecode(exc.filename)}: {expected}")
+    return None
+
+
+# -- checks of input and output paths: one phrasing for every subcommand -----------------------------
+
+
+def require_file(path: str | os.PathLike[str], what: str, expected: str = "a file") -> Path:
+    """``path`` as a :class:`Path` if it is a readable, non-empty file, else :class:`UserError`."""
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"{what} {p} does not exist (expected {expected})")
+    if p.is_dir():
+        raise UserError(f"{what} {p} is a directory (expected {expected})")
+    if not p.is_file():
+        raise UserError(f"{what} {p} is not a regular file (expected {expected})")
+    if not os.access(p, os.R_OK):
+        raise UserError(f"{what} {p} is not readable (permission denied)")
+    if p.stat().st_size == 0:
+        raise UserError(f"{what} {p} is empty (expected {expected})")
+    return p
+
+
+def require_dir(path: str | os.PathLike[str], what: str, expected: str = "a directory") -> Path:
+    """``path`` as a :class:`Path` if it is a readable directory, else :class:`UserError`."""
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"{what} {p} does not exist (expected {expected})")
+    if not p.is_dir():
+        raise UserError(f"{what} {p} is a file, not a directory (expected {expected})")
+    if not os.access(p, os.R_OK | os.X_OK):
+        raise UserError(f"{what} {p} is not readable (permission denied)")
+    return p
+
+
+def require_writable_output(path: str | os.PathLike[str], what: str, suffixes: tuple[str, ...] = ()) -> Path:
+    """``path`` as a :class:`Path` if a file can be written there (its directory exists or can be created
+    and is writable; the path itself is not a directory; its suffix is one of ``suffixes`` if given),
+    else :class:`UserError`. Checked before the work, so a long job does not fail at its end."""
+    p = Path(path)
+    if suffixes and p.suffix.lower() not in suffixes:
+        raise UserError(f"{what} {p}: expected a file name ending in {' or '.join(suffixes)}")
+    if p.is_dir():
+        raise UserError(f"{what} {p} is a directory (expected a file name to write)")
+    parent = p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent  # the nearest existing ancestor: the one that must be writable
+    if not parent.is_dir():
+        raise UserError(f"{what} {p}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise UserError(f"{what} {p} cannot be written (permission denied in {parent})")
+    return p
+
+
+def require_range(value: float | int | None, option: str, low: float | None = None, high: float | None = None):
+    """``value`` unless it is outside ``[low, high]`` (None: unbounded), then :class:`UserError` naming ``option``."""
+    if value is None:
+        return value
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else (f"<= {high}" if low is None else f"in [{low}, {high}]")
+        raise UserError(f"{option} {value}: expected a value {bounds}")
+    return value
+
+
+__all__ = [
+    "EXIT_USER_ERROR",
+    "UserError",
+    "exception_summary",
+    "shorten",
+    "user_error_message",
+    "require_file",
+    "require_dir",
+    "require_writable_output",
+    "require_range",
+]

@@ -48,8 +48,9 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 
 def _bash(script: str, **env: str) -> subprocess.CompletedProcess:
+    # timeout: a hang guard, generous for a loaded box (the scripts take seconds)
     return subprocess.run(["bash", "-c", script], cwd=REPO, env=_clean_env(**env), capture_output=True, text=True,
-                          timeout=60, check=False)  # fmt: skip
+                          timeout=240, check=False)  # fmt: skip
 
 
 def _layout(config: str, **env: str) -> dict[str, str]:

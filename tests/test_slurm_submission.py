@@ -112,11 +112,11 @@ class LocalSlurm:
             f"--log-file={self.root / 'log' / 'munged.log'}", f"--pid-file={self.root / 'munge' / 'munged.pid'}",
             f"--seed-file={self.root / 'munge' / 'munged.seed'}",
         ])  # fmt: skip
-        self._wait(lambda: self.munge_socket.exists(), "munged socket", 15)
+        self._wait(lambda: self.munge_socket.exists(), "munged socket", 60)  # generous: a loaded box
         self.conf.write_text(self._slurm_conf())
         self._spawn("slurmctld", [_which("slurmctld"), "-D", "-f", str(self.conf)])
         self._spawn("slurmd", [_which("slurmd"), "-D", "-N", self.node, "-f", str(self.conf)])
-        self._wait(self._node_idle, "the node to become idle (sinfo)", 60)
+        self._wait(self._node_idle, "the node to become idle (sinfo)", 180)
 
     def stop(self) -> None:
         """Cancel what is still queued or running (a timed-out test's job), then stop the daemons by

@@ -68,8 +68,13 @@ class SimulatedSample:
         slow_indices: indices that are always slow.
         crash_once: indices whose first attempt kills the worker process (``os._exit``).
         fail_always: indices that always raise.
-        marker_dir: directory for the crash-once markers (required with ``crash_once``).
+        marker_dir: directory for the crash-once markers (required with ``crash_once``) and the
+            release markers of ``hold``.
         jitter: sigma of a log-normal factor (median 1) on every sample's time; 0 = none.
+        hold: indices that, after their preparation time, also wait until ``marker_dir/release-<index>``
+            exists (at most ``hold_limit_s``): a logical clock for tests that need a sample to
+            finish only after something else happened, whatever the machine's load.
+        hold_limit_s: the longest a held sample waits for its release marker.
     """
 
     base_seconds: float = 0.05
@@ -82,6 +87,8 @@ class SimulatedSample:
     fail_always: tuple[int, ...] = ()
     marker_dir: str | None = None
     jitter: float = 0.0
+    hold: tuple[int, ...] = ()
+    hold_limit_s: float = 300.0
 
     def _rng(self, index: int) -> random.Random:
         return random.Random(f"{self.workload_seed}:{index}")
@@ -106,6 +113,10 @@ class SimulatedSample:
         if index in self.fail_always:
             raise ValueError(f"sample {index} is broken (injected failure)")
         time.sleep(self.prep_seconds(index))
+        if index in self.hold:
+            release, deadline = Path(self.marker_dir or ".") / f"release-{index}", time.monotonic() + self.hold_limit_s
+            while not release.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
         return {"index": index, "seed": seed, "payload": np.zeros(self.payload_bytes, np.uint8)}
 
 
@@ -366,7 +377,21 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _check_bench_loader_args(args: argparse.Namespace) -> None:
+    from scalefold.errors import require_range, require_writable_output
+
+    for option in ("steps", "workers", "prefetch", "repeats"):
+        require_range(getattr(args, option), f"--{option}", 1)
+    for option in ("step_ms", "prep_ms", "slow_factor", "jitter", "payload_kb"):
+        require_range(getattr(args, option), f"--{option.replace('_', '-')}", 0)
+    require_range(args.slow_fraction, "--slow-fraction", 0, 1)
+    require_range(args.warmup, "--warmup", 0)
+    if args.plot:
+        require_writable_output(args.plot, "--plot", suffixes=(".png",))
+
+
 def _cmd_bench_loader(args: argparse.Namespace) -> int:
+    _check_bench_loader_args(args)
     cfg = LoaderBenchConfig(
         steps=args.steps,
         step_seconds=args.step_ms / 1e3,

@@ -9,6 +9,7 @@ import argparse
 import json
 import logging
 import math
+from pathlib import Path
 from typing import Any
 
 # Length-histogram bin edges used by data-stats (residues).
@@ -35,7 +36,10 @@ def add_preprocess_parser(subparsers: argparse._SubParsersAction) -> None:
         help="root of the MLPerf processed layout (pdb_mmcif/processed, open_protein_set/processed); needs --allow-pickle",
     )
     p.add_argument("--alignments-dir", help="per-chain alignment directories (<pdb_id>_<chain>/)")
-    p.add_argument("--out", required=True, help="output store (HDF5); the report goes to OUT.report.json")
+    p.add_argument(
+        "--out", required=True,
+        help="output store (.h5); the report goes to OUT.report.json, the per-file warnings to OUT.log",
+    )  # fmt: skip
     p.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
     p.add_argument("--cluster-file", help="RCSB clusters-by-entity file for cluster ids (optional)")
     p.add_argument(
@@ -62,41 +66,135 @@ def add_preprocess_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
-    """Entry point used by ``scalefold.cli``: preprocess, data-stats, synth and bench."""
+    """Entry point used by ``scalefold.cli``: preprocess, data-stats, synth, export-chain and bench."""
     from scalefold.data.bench_cli import add_bench_parser
+    from scalefold.data.export import add_export_parser
     from scalefold.data.synth_cli import add_synth_parser
 
     add_preprocess_parser(subparsers)
     add_synth_parser(subparsers)
+    add_export_parser(subparsers)
     add_bench_parser(subparsers)
 
 
-def _run_preprocess(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+def _check_preprocess_inputs(args: argparse.Namespace) -> None:
+    """Every input directory/file exists with the right kind, the store can be written: before any work."""
+    import os
+    import shutil
+
+    from scalefold.errors import UserError, require_dir, require_file, require_range, require_writable_output
+
     if args.mlperf_dir:
-        from scalefold.data.mlperf_layout import PICKLE_RISK, convert_to_store
-
-        if not args.allow_pickle:
-            print(f"error: --mlperf-dir needs --allow-pickle: {PICKLE_RISK}")
-            return 2
-        report = convert_to_store(args.mlperf_dir, args.out, allow_pickle=True, progress=not args.no_progress)
+        require_dir(args.mlperf_dir, "--mlperf-dir", "the MLPerf processed layout's root directory")
     else:
-        from scalefold.data.preprocess import preprocess
+        require_dir(args.mmcif_dir, "--mmcif-dir", "a directory of *.cif / *.cif.gz files")
+        if not _has_mmcif_file(args.mmcif_dir):
+            raise UserError(f"--mmcif-dir {args.mmcif_dir}: no *.cif / *.cif.gz / *.mmcif file in it or below")
+        if args.alignments_dir:
+            require_dir(args.alignments_dir, "--alignments-dir", "a directory of <pdb_id>_<chain>/ alignment directories")
+        if args.template_mmcif_dir:
+            require_dir(args.template_mmcif_dir, "--template-mmcif-dir", "a directory of template mmCIF files")
+        if args.cluster_file:
+            require_file(args.cluster_file, "--cluster-file", "an RCSB clusters-by-entity text file")
+        if args.kalign and not (shutil.which(args.kalign) or (os.path.isfile(args.kalign) and os.access(args.kalign, os.X_OK))):
+            raise UserError(f"--kalign {args.kalign}: not an executable file (expected the kalign binary)")
+    require_range(args.workers, "--workers", 0)
+    require_writable_output(args.out, "--out")
 
-        report = preprocess(
-            args.mmcif_dir,
-            args.alignments_dir,
-            args.out,
-            workers=args.workers,
-            require_alignments=not args.allow_missing_alignments,
-            cluster_file=args.cluster_file,
-            progress=not args.no_progress,
-            templates=not args.no_templates,
-            template_mmcif_dir=args.template_mmcif_dir,
-            kalign_binary_path=args.kalign,
-        )
-    skipped = ", ".join(f"{reason}: {g['count']}" for reason, g in report["skipped"].items()) or "none"
-    print(f"wrote {report['chains_written']} chains to {report['store']} (skipped: {skipped})")
+
+def _has_mmcif_file(root: str) -> bool:
+    """Whether ``root`` holds at least one mmCIF file (stops at the first: cheap on a full PDB mirror)."""
+    import os
+
+    from scalefold.data.preprocess import MMCIF_SUFFIXES
+
+    return any(name.lower().endswith(MMCIF_SUFFIXES) for _, _, names in os.walk(root) for name in names)
+
+
+class _CountingHandler(logging.Handler):
+    """Counts the records it sees (the warnings that went to the log file instead of the screen)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += 1
+
+
+def _preprocess_logging(log_path: str) -> tuple[_CountingHandler, list[logging.Handler]]:
+    """Per-file and per-chain warnings go to ``log_path`` (they would scroll through the progress bar,
+    one line per skipped chain); the screen gets errors only, plus the count in the summary."""
+    file_handler = logging.FileHandler(log_path, mode="w")
+    file_handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    file_handler.setLevel(logging.INFO)
+    screen = logging.StreamHandler()
+    screen.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    screen.setLevel(logging.ERROR)
+    counter = _CountingHandler()
+    handlers: list[logging.Handler] = [file_handler, screen, counter]
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    for handler in handlers:
+        root.addHandler(handler)
+    return counter, handlers
+
+
+def _preprocess_summary(report: dict[str, Any], log_path: str, warnings: int, allow_missing: bool) -> list[str]:
+    from scalefold.data.preprocess import report_path
+
+    skipped = report["skipped"]
+    lines = [f"wrote {report['chains_written']} chains to {report['store']}"]
+    if skipped:
+        reasons = ", ".join(f"{reason}: {g['count']}" for reason, g in skipped.items())
+        lines.append(f"skipped ({reasons}): every file and chain with its reason in {report_path(report['store'])}")
+    if warnings:
+        lines.append(f"{warnings} warning{'s' if warnings != 1 else ''} logged to {log_path}")
+    missing = skipped.get("missing_alignment", {}).get("count", 0)
+    if missing and not allow_missing:
+        lines.append(f"{missing} chain{'s' if missing != 1 else ''} had no alignment directory: "
+                     "--allow-missing-alignments keeps such chains (without MSA)")  # fmt: skip
+    return lines
+
+
+def _run_preprocess(args: argparse.Namespace) -> int:
+    import sys
+
+    if args.mlperf_dir and not args.allow_pickle:
+        from scalefold.data.mlperf_layout import PICKLE_RISK
+
+        print(f"scalefold preprocess: error: --mlperf-dir needs --allow-pickle: {PICKLE_RISK}", file=sys.stderr)
+        return 2  # a usage error: an option is missing
+    _check_preprocess_inputs(args)
+    log_path = f"{args.out}.log"
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    counter, handlers = _preprocess_logging(log_path)
+    try:
+        if args.mlperf_dir:
+            from scalefold.data.mlperf_layout import convert_to_store
+
+            report = convert_to_store(args.mlperf_dir, args.out, allow_pickle=True, progress=not args.no_progress)
+        else:
+            from scalefold.data.preprocess import preprocess
+
+            report = preprocess(
+                args.mmcif_dir,
+                args.alignments_dir,
+                args.out,
+                workers=args.workers,
+                require_alignments=not args.allow_missing_alignments,
+                cluster_file=args.cluster_file,
+                progress=not args.no_progress,
+                templates=not args.no_templates,
+                template_mmcif_dir=args.template_mmcif_dir,
+                kalign_binary_path=args.kalign,
+            )
+    finally:
+        for handler in handlers:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+    for line in _preprocess_summary(report, log_path, counter.count, args.allow_missing_alignments):
+        print(line)
     return 0
 
 

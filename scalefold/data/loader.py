@@ -119,8 +119,11 @@ class Sampler:
 # Worker process
 # ---------------------------------------------------------------------------------------------
 
-# Messages worker -> parent: ("ready", None, pid) | ("ok", position, batch) | ("error", position, reason)
+# Messages worker -> parent: ("ready", None, pid) | ("start", position, None) | ("ok", position, batch)
+#                            | ("error", position, reason)
 # Messages parent -> worker: (position, index, seed) | None (stop)
+# "start" is sent when the worker begins a sample: ``sample_timeout`` counts from it, so neither the
+# worker's start-up (imports, forkserver under load) nor time queued behind another sample counts.
 
 
 def _worker_main(worker_id: int, conn, sample_fn: SampleFn, worker_init: Callable[[int], None] | None) -> None:
@@ -137,6 +140,7 @@ def _worker_main(worker_id: int, conn, sample_fn: SampleFn, worker_init: Callabl
         if task is None:
             return
         position, index, seed = task
+        conn.send(("start", position, None))
         try:
             batch = sample_fn(index, seed)
         except Exception as exc:  # noqa: BLE001 - report any failure of one sample
@@ -203,7 +207,7 @@ class _Worker:
         self.process.start()
         child_conn.close()
         self.inflight: collections.deque[_Task] = collections.deque()
-        self.started_at = time.monotonic()  # when the front task started
+        self.started_at: float | None = None  # when the worker reported starting its front task
         self.ready = False
 
     def stop(self) -> None:
@@ -349,8 +353,6 @@ class _Engine:
                 task = self._next_task(w)
                 if task is None:
                     continue
-                if not w.inflight:
-                    w.started_at = time.monotonic()
                 w.inflight.append(task)
                 try:
                     w.conn.send((task.position, task.index, task.seed))
@@ -399,8 +401,11 @@ class _Engine:
             return
         if not w.inflight or w.inflight[0].position != position:
             return  # stale (already re-dispatched after a timeout): ignore
+        if kind == "start":
+            w.started_at = time.monotonic()
+            return
         task = w.inflight.popleft()
-        w.started_at = time.monotonic()
+        w.started_at = None  # the next task's clock starts with its own "start" message
         if position in self.finished:
             return
         if kind == "ok":
@@ -408,6 +413,23 @@ class _Engine:
             heapq.heappush(self.ready, (position, payload))
         else:
             self._fail(task, payload)
+
+    def _drain(self, w: _Worker) -> None:
+        """Handle every message the worker has sent so far."""
+        try:
+            while w.conn.poll():
+                self._handle_message(w, w.conn.recv())
+        except (EOFError, OSError):
+            pass  # died mid-message: handled through its sentinel
+
+    def _timed_out(self, w: _Worker) -> bool:
+        """Whether the worker's current sample has run longer than ``sample_timeout`` since the worker
+        reported starting it. Messages that arrived meanwhile are read first, so a result already in
+        the pipe (a bookkeeping thread starved by a loaded machine) is never mistaken for a hang."""
+        if w.started_at is None or time.monotonic() - w.started_at <= self.sample_timeout:
+            return False
+        self._drain(w)
+        return w.started_at is not None and time.monotonic() - w.started_at > self.sample_timeout
 
     def _replace(self, w: _Worker, reason: str) -> None:
         """Replace a dead (or hung) worker; its current sample counts as failed, queued ones are re-sent."""
@@ -439,21 +461,15 @@ class _Engine:
                 with self.cond:
                     for obj in ready:
                         w = conns.get(obj)
-                        if w is None or self.workers[w.id] is not w:
-                            continue
-                        try:
-                            while w.conn.poll():
-                                self._handle_message(w, w.conn.recv())
-                        except (EOFError, OSError):
-                            pass  # died mid-message: handled below through its sentinel
+                        if w is not None and self.workers[w.id] is w:
+                            self._drain(w)
                     for obj in ready:
                         w = sentinels.get(obj)
                         if w is not None and self.workers[w.id] is w and not w.process.is_alive():
                             self._replace(w, _exit_reason(w.process.exitcode))
                     if self.sample_timeout is not None:
-                        now = time.monotonic()
                         for w in list(self.workers):
-                            if w.ready and w.inflight and now - w.started_at > self.sample_timeout:
+                            if self._timed_out(w):
                                 self._replace(w, f"sample timed out after {self.sample_timeout:g} s")
                     self.cond.notify_all()
         except BaseException as exc:  # noqa: BLE001 - surface any bookkeeping error to the consumer

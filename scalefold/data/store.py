@@ -25,7 +25,9 @@ residues aligned to the query, so training builds template features from the sto
 (:func:`~scalefold.data.templates.select_templates` does the seed-dependent top-20 shuffle).
 
 Per-chain variable-size data lives in flat datasets addressed by offsets: one read per array
-per sample, which is the fast random-access layout for h5py (see docs/environment.md).
+per sample, which is the fast random-access layout for h5py (one flat dataset per feature plus an
+offsets index read 1000 random samples in 0.75 s against 1.1-1.4 s for one dataset per sample, h5py
+3.16; compression buys little for float coordinates, so none is used).
 
 The reader opens the file lazily and re-opens it after a ``fork`` (an HDF5 handle must not be
 shared between processes), so a :class:`Store` can be handed to data-loader workers.
@@ -45,6 +47,7 @@ import numpy as np
 from scalefold import residue_constants as rc
 from scalefold.data.parsers.hhr import TemplateHit
 from scalefold.data.templates import HIT_STAGES, STAGE_OK, STAGE_UNPROCESSED, AlignedTemplate, HitOutcome
+from scalefold.errors import UserError
 
 PathLike = Union[str, os.PathLike]
 
@@ -65,8 +68,44 @@ _CHAIN_STRING_COLUMNS = ("chain_id", "pdb_id", "release_date", "method", "sequen
 _TEMPLATE_STRING_COLUMNS = ("name", "query", "hit_sequence", "reason", "domain_name")
 
 
-class StoreSchemaError(ValueError):
+STORE_EXPECTED = "an HDF5 store written by `scalefold synth` or `scalefold preprocess`"
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+_HDF5_SIGNATURE_OFFSETS = (0, 512, 1024, 2048)  # HDF5 looks for its superblock after a user block of 2**k bytes
+
+
+class StoreSchemaError(UserError, ValueError):
     """The file is not a store, or was written with another schema version."""
+
+
+class StoreFileError(UserError, FileNotFoundError):
+    """The store path is missing, a directory or unreadable (a user error: exit 3; a file of another
+    format is a :class:`StoreSchemaError`)."""
+
+
+def _preview(head: bytes) -> str:
+    text = head[:24].decode("latin-1").splitlines()[0] if head else ""
+    return repr(text) if text.isprintable() else "binary data"
+
+
+def check_store_file(path: PathLike) -> Path:
+    """``path`` if it is a readable HDF5 file, else :class:`StoreFileError` (missing, a directory) or
+    :class:`StoreSchemaError` (empty, another format) saying what it is instead: checked before h5py,
+    whose errors name neither."""
+    p = Path(path)
+    if not p.exists():
+        raise StoreFileError(f"store {p} does not exist (expected {STORE_EXPECTED})")
+    if p.is_dir():
+        raise StoreFileError(f"store {p} is a directory (expected {STORE_EXPECTED})")
+    try:
+        with open(p, "rb") as f:
+            head = f.read(_HDF5_SIGNATURE_OFFSETS[-1] + len(_HDF5_SIGNATURE))
+    except OSError as exc:
+        raise StoreFileError(f"store {p} cannot be read ({exc.strerror})") from exc
+    if not head:
+        raise StoreSchemaError(f"store {p} is empty (0 bytes; expected {STORE_EXPECTED})")
+    if not any(head[o : o + len(_HDF5_SIGNATURE)] == _HDF5_SIGNATURE for o in _HDF5_SIGNATURE_OFFSETS):
+        raise StoreSchemaError(f"store {p} is not an HDF5 file (it starts with {_preview(head)}; expected {STORE_EXPECTED})")
+    return p
 
 
 def _aatype(sequence: str) -> np.ndarray:
@@ -355,8 +394,7 @@ class Store:
         self._index: dict[str, int] | None = None
         self._chain_ids: list[str] | None = None
         self._offsets: dict[str, np.ndarray] | None = None
-        if not self.path.is_file():
-            raise FileNotFoundError(f"store not found: {self.path}")
+        check_store_file(self.path)
         self._check_schema()
 
     # -- construction
@@ -383,8 +421,9 @@ class Store:
             with h5py.File(self.path, "r") as f:
                 version = f.attrs.get("schema_version")
                 fmt = f.attrs.get("format")
-        except OSError as exc:
-            raise StoreSchemaError(f"{self.path}: not an HDF5 store ({exc})") from exc
+        except OSError as exc:  # the signature was right: a truncated or damaged file
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise StoreSchemaError(f"store {self.path} is truncated or corrupt (HDF5: {reason})") from exc
         if fmt is not None and str(fmt) != FORMAT_NAME:
             raise StoreSchemaError(f"{self.path}: not a {FORMAT_NAME} file (format={fmt!r})")
         if version is None:
@@ -564,4 +603,4 @@ def is_missing_resolution(resolution: float) -> bool:
     return resolution is None or math.isnan(resolution)
 
 
-__all__ = ["Store", "StoreWriter", "StoreSchemaError", "SCHEMA_VERSION", "is_missing_resolution"]
+__all__ = ["Store", "StoreWriter", "StoreSchemaError", "StoreFileError", "check_store_file", "SCHEMA_VERSION", "is_missing_resolution"]

@@ -7,9 +7,22 @@ import json
 import time
 
 
+def _check_synth_args(args: argparse.Namespace) -> None:
+    from scalefold.errors import require_range, require_writable_output
+
+    require_range(args.num_chains, "--num-chains", 1)
+    require_range(args.num_families, "--num-families", 1, args.num_chains)
+    require_range(args.min_length, "--min-length", 16)
+    require_range(args.max_length, "--max-length", args.min_length)
+    require_range(args.max_template_hits, "--max-template-hits", 0)
+    require_range(args.workers, "--workers", 1)
+    require_writable_output(args.out, "--out")
+
+
 def _cmd_synth(args: argparse.Namespace) -> int:
     from scalefold.data.synthetic import SynthConfig, synthesize
 
+    _check_synth_args(args)
     start = time.perf_counter()
     summary = synthesize(
         args.out,

@@ -2,14 +2,15 @@
 :mod:`scalefold.inference.predict` and :mod:`scalefold.inference.evaluate`.
 
 Bad input (missing/corrupt FASTA, alignment of another sequence, unreadable or mismatched
-checkpoint, unknown chains) ends with ``error: <message>`` on stderr and exit status 2.
+checkpoint, unknown chains, an output that cannot be written) raises an error the top-level handler
+(:mod:`scalefold.cli`) reports in one line with exit status 3; the paths are checked before the model
+is built, so a mistake is reported in well under a second.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
-import sys
 
 MODEL_PRESETS = ("mlperf", "initial_training", "demo", "tiny")  # = weights.MODEL_PRESETS (no heavy import here)
 WEIGHT_CHOICES = ("auto", "swa", "model")
@@ -46,6 +47,10 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     _add_model_options(p)
     p.add_argument("--out", help="output structure, .cif (mmCIF) or .pdb (default: <target name>.cif)")
     p.add_argument("--seed", type=int, default=0, help="seed of the MSA sampling/masking of the data pipeline")
+    p.add_argument(
+        "--reference", metavar="TRUE.pdb|cif",
+        help="the true structure: also print the prediction's lDDT-Cα against it (the Cα geometry is always printed)",
+    )  # fmt: skip
     p.set_defaults(handler=_run_predict)
 
     e = subparsers.add_parser(
@@ -76,58 +81,95 @@ def default_output(target_name: str) -> str:
     return f"{safe}.cif"
 
 
-def _input_errors() -> tuple[type[Exception], ...]:
-    from scalefold.checkpoint.adapters import CheckpointError
-    from scalefold.data.parsers import ParseError
-    from scalefold.inference.weights import InferenceError
-    from scalefold.train.checkpoint_io import CheckpointError as CheckpointFileError
+def _check_inputs(args: argparse.Namespace) -> None:
+    """Every input path exists and has the expected kind, every output can be written: before any work."""
+    from scalefold.checkpoint.adapters import check_checkpoint_file
+    from scalefold.errors import require_file, require_range
 
-    return (InferenceError, ParseError, CheckpointError, CheckpointFileError)
+    if args.command == "predict":
+        require_file(args.fasta, "--fasta", "a FASTA file with one record")
+        for a3m in args.a3m:
+            require_file(a3m, "--a3m", "an a3m or Stockholm alignment file")
+        if getattr(args, "reference", None):
+            require_file(args.reference, "--reference", "the true structure as a .pdb or .cif file")
+    else:
+        from scalefold.data.store import check_store_file
+
+        check_store_file(args.store)
+        require_range(args.max_chains, "--max-chains", 0)
+    check_checkpoint_file(args.checkpoint)
+    require_range(args.num_recycling, "--num-recycling", 0)
+    if args.device:
+        _check_device(args.device)
 
 
-def _fail(exc: Exception) -> int:
-    print(f"error: {exc}", file=sys.stderr)
-    return 2
+def _check_device(name: str) -> None:
+    import torch
+
+    from scalefold.errors import UserError
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"--device {name}: not a torch device (expected cpu, cuda or cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise UserError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
 def _run_predict(args: argparse.Namespace) -> int:
+    from scalefold.errors import require_writable_output
     from scalefold.inference.predict import predict, read_fasta
 
-    errors = _input_errors()
-    try:
-        out = args.out or default_output(read_fasta(args.fasta).name)
-        result = predict(
-            args.fasta, args.checkpoint, a3m=args.a3m, out=out, preset=args.preset, weights=args.weights,
-            num_recycling=args.num_recycling, seed=args.seed, device=args.device,
-        )  # fmt: skip
-    except errors as exc:
-        return _fail(exc)
+    _check_inputs(args)
+    out = args.out or default_output(read_fasta(args.fasta).name)
+    require_writable_output(out, "--out", suffixes=(".cif", ".mmcif", ".pdb", ".ent"))
+    result = predict(
+        args.fasta, args.checkpoint, a3m=args.a3m, out=out, preset=args.preset, weights=args.weights,
+        num_recycling=args.num_recycling, seed=args.seed, device=args.device,
+    )  # fmt: skip
     record = result.record
     unknown = f", {record.num_unknown} unknown residues read as X" if record.num_unknown else ""
     print(f"model: {result.loaded.describe()}")
     print(f"target {record.name}: {len(record.sequence)} residues{unknown}, {result.num_alignment_rows} alignment rows")
     print(f"wrote {result.out}")
     print(f"mean pLDDT: {result.mean_plddt:.2f}")
+    _print_quality(result, args.reference)
     return 0
 
 
-def _run_evaluate(args: argparse.Namespace) -> int:
-    from scalefold.inference.evaluate import evaluate
-    from scalefold.inference.weights import InferenceError
+def _print_quality(result, reference: str | None) -> None:
+    """Cα geometry of the prediction and, with a reference, its lDDT-Cα (:mod:`scalefold.inference.compare`)."""
+    from scalefold.inference.compare import ca_geometry, lddt_ca_against, read_reference_ca
+    from scalefold.metrics import CA_ATOM37_INDEX
 
-    errors = _input_errors()
-    try:
-        if args.out and not args.out.lower().endswith((".json", ".csv")):
-            raise InferenceError(f"report {args.out}: use a .json or .csv suffix")
-        report = evaluate(
-            args.store, args.checkpoint, chains=args.chains, preset=args.preset, weights=args.weights,
-            num_recycling=args.num_recycling, max_chains=args.max_chains, progress=args.progress, device=args.device,
-        )  # fmt: skip
-    except errors as exc:
-        return _fail(exc)
+    structure = result.structure
+    ca = structure.atom_positions[:, CA_ATOM37_INDEX]  # [N_res, 3]
+    for line in ca_geometry(ca, structure.atom_mask[:, CA_ATOM37_INDEX]).describe():
+        print(line)
+    if reference:
+        true_ca, true_mask = read_reference_ca(reference, structure.sequence)
+        print(f"lDDT-Cα against {reference}: {lddt_ca_against(ca, true_ca, true_mask):.4f} "
+              f"({int(true_mask.sum())} of {len(true_mask)} residues have a true Cα)")  # fmt: skip
+
+
+def _run_evaluate(args: argparse.Namespace) -> int:
+    from scalefold.errors import require_writable_output
+    from scalefold.inference.evaluate import evaluate
+
+    _check_inputs(args)
+    if args.out:
+        require_writable_output(args.out, "--out", suffixes=(".json", ".csv"))
+    report = evaluate(
+        args.store, args.checkpoint, chains=args.chains, preset=args.preset, weights=args.weights,
+        num_recycling=args.num_recycling, max_chains=args.max_chains, progress=args.progress, device=args.device,
+    )  # fmt: skip
     step = f" (iteration {report.iteration})" if report.iteration is not None else ""
+    from scalefold.inference.weights import plural
+
     print(f"{report.checkpoint}{step}: preset {report.preset}, {report.weights} weights, "
-          f"{report.num_recycling_iters} recycling iterations")  # fmt: skip
+          f"{plural(report.num_recycling_iters, 'recycling iteration')}")  # fmt: skip
     print(report.table())
     if args.out:
         print(f"wrote {report.write(args.out)}")

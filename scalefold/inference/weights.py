@@ -44,6 +44,11 @@ TRAINING_PRESET_OF = {"tiny": "tiny", "demo": "demo", "mlperf": "mlperf", "initi
 MODEL_PRESETS = tuple(TRAINING_PRESET_OF)
 
 
+def plural(count: int, noun: str) -> str:
+    """``"1 recycling iteration"``, ``"3 recycling iterations"``."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 class InferenceError(ValueError):
     """Bad input to ``predict`` / ``evaluate``: the message says what and where."""
 
@@ -62,10 +67,10 @@ class LoadedModel:
 
     def describe(self) -> str:
         step = f", iteration {self.iteration}" if self.iteration is not None else ""
-        averaged = f", {self.n_averaged} SWA updates" if self.weights == "swa" and self.n_averaged is not None else ""
+        averaged = f", {plural(self.n_averaged, 'SWA update')}" if self.weights == "swa" and self.n_averaged is not None else ""
         return (
             f"{self.path}: preset {self.preset}, {self.weights} weights{step}{averaged}, "
-            f"{self.config.num_recycling_iters} recycling iterations"
+            f"{plural(self.config.num_recycling_iters, 'recycling iteration')}"
         )
 
 
@@ -150,6 +155,7 @@ def load_model(
     device: Union[str, torch.device] = "cpu",
 ) -> LoadedModel:
     """Read ``path``, pick the weights, check them against the preset (given or detected), build the model."""
+    adapters.check_checkpoint_file(path)  # a clear error for a missing file, a directory, another format
     checkpoint = checkpoint_io.load_checkpoint(path, map_location="cpu")
     state, used, n_averaged = select_weights(checkpoint, weights)
     if preset is None:

@@ -84,7 +84,8 @@ def _run_train(args: argparse.Namespace) -> int:
     try:
         cfg = TrainConfig.from_preset(preset, overrides=overrides, config_file=args.config)
     except (KeyError, ValueError, FileNotFoundError) as exc:  # bad config file / environment / flag value
-        print(f"scalefold train: configuration error: {exc}", file=sys.stderr, flush=True)
+        text = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc  # KeyError's str() adds quotes
+        print(f"scalefold train: configuration error: {text}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     try:
         result = train(cfg)
@@ -98,7 +99,9 @@ def _run_train(args: argparse.Namespace) -> int:
         print(f"scalefold train: configuration error: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     except (CheckpointError, ReferenceCheckpointError) as exc:  # corrupt / mismatching --init-from or --resume
-        print(f"scalefold train: checkpoint error: {exc}", file=sys.stderr, flush=True)
+        from scalefold.errors import shorten  # without PyTorch's weights_only advice; --resume lists every file
+
+        print(f"scalefold train: checkpoint error: {shorten(str(exc), None)}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     except StoreNotFoundError as exc:  # --store absent and not to be synthesised
         print(f"scalefold train: {exc}", file=sys.stderr, flush=True)

@@ -194,6 +194,12 @@ def preset_from_env(env: Mapping[str, str] | None = None, default: str = "demo")
     return default
 
 
+_CONFIG_VALUE_KINDS = {  # type of an option's default -> (accepted config-file value types, their name)
+    bool: ((bool,), "true or false"), int: ((int,), "an integer"), float: ((int, float), "a number"),
+    str: ((str,), "a string"), tuple: ((list, tuple), "a list"),
+}  # fmt: skip
+
+
 def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Field values from a TOML (``.toml``) or YAML (``.yaml``/``.yml``) file.
 
@@ -201,6 +207,8 @@ def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     unknown keys raise ``KeyError`` naming them, a ``preset`` key is refused (choose it with ``--preset``).
     """
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"config file {path} is a directory (expected a .toml or .yaml file of training options)")
     if not path.is_file():
         raise FileNotFoundError(f"config file not found: {path}")
     suffix = path.suffix.lower()
@@ -210,11 +218,17 @@ def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         except ModuleNotFoundError:  # Python 3.10
             import tomli as tomllib
         with path.open("rb") as f:
-            data = tomllib.load(f)
+            try:
+                data = tomllib.load(f)
+            except tomllib.TOMLDecodeError as exc:
+                raise ValueError(f"config file {path}: not valid TOML ({exc})") from None
     elif suffix in (".yaml", ".yml"):
         import yaml
 
-        data = yaml.safe_load(path.read_text()) or {}
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as exc:
+            raise ValueError(f"config file {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
     else:
         raise ValueError(f"config file {path}: expected a .toml, .yaml or .yml file")
     if not isinstance(data, dict):
@@ -225,6 +239,11 @@ def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     unknown = sorted(set(data) - names)
     if unknown:
         raise KeyError(f"config file {path}: unknown training options {unknown}")
+    for name, value in data.items():  # a value of the wrong type would fail deep inside the run
+        default = next(f.default for f in dataclasses.fields(TrainConfig) if f.name == name)
+        kinds, what = _CONFIG_VALUE_KINDS.get(type(default), ((object,), ""))
+        if value is not None and (not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)):
+            raise ValueError(f"config file {path}: {name} = {value!r}: expected {what}")
     return dict(data)
 
 

@@ -131,11 +131,11 @@ def test_corrupt_and_foreign_files_are_refused(tmp_path):
     save_reference_checkpoint(good, model, torch.optim.Adam(model.parameters()), iteration=0)
     corrupt = tmp_path / "corrupt.pt"
     corrupt.write_bytes(good.read_bytes()[:100])
-    with pytest.raises(CheckpointError, match="corrupt.pt is not a readable PyTorch checkpoint"):
+    with pytest.raises(CheckpointError, match="checkpoint .*corrupt.pt cannot be loaded: truncated"):
         load_reference_checkpoint(corrupt, model)
     garbage = tmp_path / "garbage.pt"
     garbage.write_text("hello")
-    with pytest.raises(CheckpointError, match="not a readable PyTorch checkpoint"):
+    with pytest.raises(CheckpointError, match="garbage.pt is not a PyTorch checkpoint .it starts with 'hello'"):
         load_reference_checkpoint(garbage, model)
     tensor_file = tmp_path / "tensor.pt"
     torch.save(torch.zeros(3), tensor_file)
@@ -145,8 +145,10 @@ def test_corrupt_and_foreign_files_are_refused(tmp_path):
         load_reference_checkpoint({"weights": model.state_dict()}, model)
     with pytest.raises(CheckpointError, match="not a reference SWA checkpoint"):
         load_swa_checkpoint(good, model)
-    with pytest.raises(CheckpointError, match="not found"):
+    with pytest.raises(CheckpointError, match="absent.pt not found"):
         load_reference_checkpoint(tmp_path / "absent.pt", model)
+    with pytest.raises(CheckpointError, match="is a directory"):
+        load_reference_checkpoint(tmp_path, model)
 
 
 def test_upstream_mapping_covers_every_name(reference_dir):

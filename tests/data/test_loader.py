@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import pytest
 import torch
@@ -12,6 +13,10 @@ from scalefold.data.bench_cli import SimulatedSample
 from scalefold.data.loader import InOrderLoader, PriorityQueueLoader, Sampler
 
 FAST = 0.01  # seconds per ordinary sample
+
+
+def _slow_start(worker_id: int) -> None:
+    time.sleep(4.0)  # a worker start-up (imports, a loaded machine) longer than the sample timeout
 
 
 def _pairs(n: int) -> list[tuple[int, int]]:
@@ -35,10 +40,17 @@ def test_start_methods(context):
         assert sorted(p for p, _ in loader) == [0, 1, 2, 3]
 
 
-def test_slow_sample_does_not_block():
-    """A slow sample at position 0 is overtaken by later ready samples (best-effort order)."""
-    work = SimulatedSample(FAST, slow_fraction=0.0, slow_factor=60, slow_indices=(0,))
-    positions = [p for p, _ in PriorityQueueLoader(work, _pairs(10), num_workers=2, prefetch_factor=4)]
+def test_slow_sample_does_not_block(tmp_path):
+    """A slow sample at position 0 is overtaken by later ready samples (best-effort order).
+
+    Logical clock, not a wall-clock race: sample 0 finishes only once the loop has consumed three
+    other batches (its release marker), so the outcome does not depend on the machine's load."""
+    work = SimulatedSample(FAST, slow_fraction=0.0, hold=(0,), marker_dir=str(tmp_path))
+    positions = []
+    for position, _ in PriorityQueueLoader(work, _pairs(10), num_workers=2, prefetch_factor=4):
+        positions.append(position)
+        if len(positions) == 3:
+            (tmp_path / "release-0").touch()
     assert sorted(positions) == list(range(10))
     assert positions[0] != 0 and positions.index(0) >= 3
 
@@ -87,12 +99,30 @@ def test_deterministic_mode_skips_failed_position():
     assert [p for p, _ in loader] == [0, 2, 3]
 
 
-def test_sample_timeout_kills_and_retries():
-    """A sample exceeding sample_timeout has its worker killed; after max_attempts it is skipped."""
-    work = SimulatedSample(FAST, slow_fraction=0.0, slow_factor=300, slow_indices=(1,))
-    loader = PriorityQueueLoader(work, _pairs(4), num_workers=2, max_attempts=1, sample_timeout=0.5)
+def test_sample_timeout_kills_and_retries(tmp_path):
+    """A sample exceeding sample_timeout has its worker killed; after max_attempts it is skipped.
+
+    The timeout counts from the moment the worker starts the sample (its "start" message), not from
+    dispatch: worker start-up under load (forkserver, imports) does not eat into it. Sample 1 never
+    finishes on its own (held, no release marker); the others take 10 ms against a 5 s timeout, a
+    margin no loaded machine eats."""
+    work = SimulatedSample(FAST, slow_fraction=0.0, hold=(1,), marker_dir=str(tmp_path))
+    loader = PriorityQueueLoader(work, _pairs(4), num_workers=2, max_attempts=1, sample_timeout=5.0)
     assert sorted(p for p, _ in loader) == [0, 2, 3]
-    assert "timed out" in loader.skipped[0].reason and loader.restarts == 1
+    [skip] = loader.skipped
+    assert skip.position == 1 and "timed out after 5 s" in skip.reason and loader.restarts == 1
+
+
+def test_sample_timeout_counts_from_the_start_of_the_sample_not_from_worker_start_up():
+    """Worker start-up slower than sample_timeout (a loaded machine, heavy imports) does not time out
+    the samples sent to it before it was ready: the clock starts with the worker's "start" message.
+    (4 s start-up against a 3 s timeout; the 10 ms samples have 3 s from their start: load-proof.)"""
+    work = SimulatedSample(FAST, slow_fraction=0.0)
+    loader = PriorityQueueLoader(
+        work, _pairs(4), num_workers=2, max_attempts=1, sample_timeout=3.0, worker_init=_slow_start
+    )
+    assert sorted(p for p, _ in loader) == [0, 1, 2, 3]
+    assert not loader.skipped and loader.restarts == 0
 
 
 def test_clean_shutdown_when_leaving_early():

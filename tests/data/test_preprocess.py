@@ -357,11 +357,15 @@ def test_cli_preprocess_end_to_end_records_every_skipped_chain(e2e_inputs, data_
     assert "129" in by_chain["1aki_A"] and "70" in by_chain["1aki_A"]  # query 129 residues, MSA 70 columns
     assert by_chain["1aki_A"].startswith("chain 1aki_A: ") and "_hits." in by_chain["1aki_A"]  # chain + MSA file
     assert "truncated" in by_chain[""] and "4zey.cif" in by_chain[""]
-    # the log names every skip: file, chain and reason
+    # the log file (not the screen) names every skip: file, chain and reason; the screen has the summary
+    log = Path(f"{out}.log").read_text()
     for file, chain, reason in expected_skips:
-        assert any(file in line and chain in line and reason in line for line in proc.stderr.splitlines()), (
+        assert any(file in line and chain in line and reason in line for line in log.splitlines()), (
             file, chain, reason,
         )  # fmt: skip
+    assert "WARNING" not in proc.stderr and "skipped" not in proc.stderr
+    assert f"every file and chain with its reason in {out}.report.json" in proc.stdout
+    assert f"warnings logged to {out}.log" in proc.stdout
     assert report["files_total"] == 5 and report["files_failed"] == 1
     assert report["chains_written"] == 3 and report["chains_skipped"] == 3
 

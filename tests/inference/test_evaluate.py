@@ -81,10 +81,10 @@ def test_bad_input_is_refused(tiny_run, tmp_path, capsys):
         evaluate(cfg.store, checkpoint, chains=["nope_A"], progress=False)
     base = ["evaluate", "--checkpoint", str(checkpoint), "--no-progress"]
     cases = [
-        (["--store", str(tmp_path / "missing.h5")], "store not found"),
-        (["--store", cfg.store, "--out", str(tmp_path / "r.txt")], "use a .json or .csv suffix"),
+        (["--store", str(tmp_path / "missing.h5")], "missing.h5 does not exist"),
+        (["--store", cfg.store, "--out", str(tmp_path / "r.txt")], "expected a file name ending in .json or .csv"),
         (["--store", cfg.store, "--preset", "demo"], "does not fit the 'demo' preset"),
     ]
     for extra, message in cases:
-        assert main([*base, *extra]) == 2
+        assert main([*base, *extra]) == 3
         assert message in capsys.readouterr().err

@@ -181,9 +181,9 @@ def test_cli_predict_prints_mean_plddt_and_rejects_bad_input(checkpoints, tmp_pa
     other = write_a3m(tmp_path / "o.a3m", query="W" + SEQUENCE[1:])
     rc = main(["predict", "--fasta", str(fasta), "--a3m", str(other), "--checkpoint", str(checkpoints["own"])])
     err = capsys.readouterr().err
-    assert rc == 2 and err.startswith("error: ") and "differs from the FASTA sequence" in err
+    assert rc == 3 and err.startswith("scalefold predict: error: ") and "differs from the FASTA sequence" in err
     rc = main(["predict", "--fasta", str(fasta), "--checkpoint", str(checkpoints["own"]), "--preset", "mlperf"])
-    assert rc == 2 and "does not fit the 'mlperf' preset" in capsys.readouterr().err
+    assert rc == 3 and "does not fit the 'mlperf' preset" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["predict", "evaluate"])
