@@ -28,7 +28,7 @@ DEBUG_ENV = "SCALEFOLD_DEBUG"
 _SUBCOMMAND_PROVIDERS: tuple[tuple[str, str], ...] = (
     ("scalefold.train.cli", "add_parsers"),
     ("scalefold.data.cli", "add_parsers"),
-    ("scalefold.model_info", "add_parsers"),  # model-info (scalefold/model/cli.py is its slower predecessor)
+    ("scalefold.model.cli", "add_parsers"),
     ("scalefold.inference.cli", "add_parsers"),
 )
 
