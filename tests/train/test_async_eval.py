@@ -29,6 +29,8 @@ from scalefold.train.async_eval import (
     swa_flat_buffer,
 )
 from scalefold.train.mlperf_logging import check_log
+from scalefold.distributed.context import ParallelContext
+from scalefold.distributed.layout import ParallelLayout
 from scalefold.distributed.runtime import Runtime
 
 LENGTHS = [10, 14, 8, 12, 9]  # residues of the validation targets
@@ -88,7 +90,7 @@ def _score_hanging(model, batch) -> float:
 
 @torch.no_grad()
 def _synchronous_score(eval_model) -> float:
-    """What synchronous evaluation computes (``loop.evaluate``): the mean over targets in order."""
+    """What synchronous evaluation computes (``evaluation.evaluate``): the mean over targets in order."""
     eval_model.eval()
     return float(np.mean([_score(eval_model, b) for b in _targets(list(range(len(LENGTHS))))]))
 
@@ -580,6 +582,6 @@ def test_client_and_eval_rank_refuse_wrong_runtimes():
         AsyncEvalClient(Runtime(), num_params=10)
     with pytest.raises(ValueError, match="not an evaluation rank"):
         run_eval_rank(_Cfg(0.8), Runtime(), _build_model, _targets, _score, None, target_lengths=LENGTHS)
-    rt = Runtime(rank=0, world_size=2, train_ranks=[0], eval_ranks=[1])
+    rt = Runtime(rank=0, world_size=2, parallel=ParallelContext(ParallelLayout(2, num_eval_ranks=1), rank=0))
     with pytest.raises(ValueError, match="torch.distributed"):
         AsyncEvalClient(rt, num_params=10)
