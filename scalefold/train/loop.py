@@ -21,7 +21,7 @@ Components the loop calls: evaluation at the end of each train-eval cycle (:mod:
 synchronous on the main training rank, or on the last ``num_async_eval_ranks`` ranks, which
 :func:`train` sends to :func:`~.evaluation.serve_evaluations` before any training setup), the checkpoint
 policy and the starting point (:mod:`.checkpointing`), the MLPerf cycles (:mod:`.mlperf_run`), the
-CUDA-graphed forward (:mod:`.graphed_step`), stop handling (:mod:`.stopping`; SIGTERM / SIGUSR1:
+CUDA-graphed forward (:mod:`.graphed_step`), stop handling (:mod:`.stopping`: SIGTERM / SIGUSR1:
 checkpoint at the end of the step and exit 0) and the run's records (:mod:`.run_log`). Outputs (main
 training rank only) in ``out``: ``metrics.jsonl`` (strict JSON: a non-finite value is ``null``),
 ``mlperf.log`` (a resumed run: ``mlperf_resumed_<step>.log``), ``checkpoints/``, ``curves.png``.
@@ -66,7 +66,6 @@ from scalefold.train.mlperf_run import MLPerfCycles, mlperf_log_path, run_info
 from scalefold.train.run_data import TrainingData, check_store, day_before, ensure_store, split_chains
 from scalefold.train.run_log import MetricsLog, TrainResult, announce, final_report, progress_bar, truncate_metrics
 from scalefold.train.steps import (
-    StopRequest,
     allreduce_step_stats,
     compile_blocks,
     deterministic_environment,
@@ -76,11 +75,15 @@ from scalefold.train.steps import (
     nonfinite_terms_to_nan,
     recycling_count,
     setup_precision,
-    start_multiprocessing_helpers_ignoring_stop_signals,
     step_batch,
     warm_up,
 )
-from scalefold.train.stopping import NonFiniteGuard, TrainingAborted
+from scalefold.train.stopping import (
+    NonFiniteGuard,
+    StopRequest,
+    TrainingAborted,
+    start_multiprocessing_helpers_ignoring_stop_signals,
+)
 
 
 def train(cfg: TrainConfig) -> TrainResult:

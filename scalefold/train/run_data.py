@@ -24,7 +24,8 @@ from scalefold.data.store import Store
 from scalefold.distributed.context import ParallelContext
 from scalefold.train.config import TrainConfig
 from scalefold.train.run_log import announce
-from scalefold.train.steps import ignore_stop_signals, sample_pairs
+from scalefold.train.steps import sample_pairs
+from scalefold.train.stopping import ignore_stop_signals
 
 
 class StoreNotFoundError(FileNotFoundError):

@@ -349,7 +349,7 @@ def test_stop_request_is_reentrant_and_restores_the_handlers():
     """train() installs one StopRequest for the whole run (a signal during the setup counts); the loop's
     nested `with` of the same object keeps its handlers and the caught signal; the outermost exit
     restores the previous handlers."""
-    from scalefold.train.steps import StopRequest
+    from scalefold.train.stopping import StopRequest
 
     before = signal.getsignal(signal.SIGUSR1)
     request = StopRequest()
