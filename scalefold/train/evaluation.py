@@ -92,7 +92,7 @@ class SyncEvaluation:
     def _score(self) -> float:
         return evaluate(self.eval_model, self.cache.batches(self.ctx.device, self.ctx.dtype), self.ctx.autocast)
 
-    def after_cycle(self, step: int, epoch: int, stop: bool) -> bool:
+    def after_cycle(self, step: int, epoch: int) -> bool:
         """Score the SWA weights of ``step``; ``True`` when the target is reached (every rank)."""
         ctx, score = self.ctx, float("nan")
         if self.main:
@@ -135,7 +135,7 @@ class AsyncEvaluation:
     def prepare(self, baseline: bool) -> None:
         """Nothing to build here: the evaluation ranks cache their share of the validation set."""
 
-    def after_cycle(self, step: int, epoch: int, stop: bool) -> bool:
+    def after_cycle(self, step: int, epoch: int) -> bool:
         """Submit ``step``'s weights; ``True`` when an earlier evaluation reached the target. Raises
         :class:`EvaluationRanksFailed` when the evaluation ranks failed or are stuck."""
         self.client.submit(step, epoch, self.swa_flat)

@@ -408,7 +408,7 @@ class Trainer:
         t_eval = time.perf_counter()
         epoch = self.cycles.end(step)
         try:
-            done = self.evaluation.after_cycle(step, epoch, stop)
+            done = self.evaluation.after_cycle(step, epoch)
         except EvaluationRanksFailed as exc:
             if self.main and (stop or self.stop_request.requested):  # pre-empted: keep the step first
                 ckpt_path = save_checkpoint(self.checkpoints.manager, self.model, self.opt, step,
