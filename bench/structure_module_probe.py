@@ -37,8 +37,9 @@ from scalefold.metrics import validation_lddt_ca
 from scalefold.model.config import StructureModuleConfig
 from scalefold.model.structure_module import StructureModule
 from scalefold.train.config import TrainConfig
-from scalefold.train.loop import build_model_config, ensure_store, split_chains
-from scalefold.train.sample import StoreSample
+from scalefold.train.build import build_model_config
+from scalefold.train.run_data import ensure_store, split_chains
+from scalefold.data.dataset import StoreSample
 
 DISTANCE_BINS = (3.25, 50.75, 40)  # 39 evenly spaced edges (the template distogram's), 40 bins
 MAX_RELPOS = 32

@@ -1,6 +1,6 @@
 #!/bin/bash
 # One rank of a timed ScaleFold run; `run.sub` starts one copy per rank with `srun` (no torchrun:
-# `scalefold train` reads its rank from the SLURM_* environment, see scalefold/train/runtime.py).
+# `scalefold train` reads its rank from the SLURM_* environment, see scalefold/distributed/runtime.py).
 #
 # Maps the config_*.sh environment to `scalefold train` flags, gives every rank its own
 # TRITON_CACHE_DIR, optionally binds the rank to the CPUs/memory of its NUMA node and to one NIC, and
@@ -29,20 +29,20 @@ local_size=${local_size%%(*}  # "8(x2)" -> 8
 : "${SCALEFOLD_BIN:=scalefold}"
 
 # --- environment -> flags ---------------------------------------------------------------------------
+# The config_*.sh variables (PRECISION, MAX_STEPS, VAL_EVERY, DAP_SIZE, ...) become flags through the
+# options' one declaration (scalefold/train/config.py): `python -m scalefold.train.options slurm-flags`
+# prints them, one a line (standard library only, run from this checkout).
 args=(train --preset "${PRESET:-mlperf}" --out "${RUN_OUT}" --store "${DATA_ROOT}/${STORE_NAME}" --no-progress)
 [[ -n "${TRAIN_CONFIG:-}" ]] && args+=(--config "${TRAIN_CONFIG}")
-[[ -n "${PRECISION:-}" ]] && args+=(--precision "${PRECISION}")
-[[ -n "${MAX_STEPS:-}" ]] && args+=(--max-steps "${MAX_STEPS}")
-[[ -n "${VAL_EVERY:-}" ]] && args+=(--eval-every "${VAL_EVERY}")
-[[ -n "${CHECKPOINT_EVERY:-}" ]] && args+=(--checkpoint-every "${CHECKPOINT_EVERY}")
-[[ -n "${TARGET_LDDT:-}" ]] && args+=(--target-lddt "${TARGET_LDDT}")
-[[ -n "${SEED:-}" ]] && args+=(--seed "${SEED}")
-[[ -n "${INIT_CHECKPOINT:-}" ]] && args+=(--init-from "${INIT_CHECKPOINT}")
-# Parallel layout: only flags that differ from the default, so a plain data-parallel run needs none.
-((${NUM_ASYNC_VAL_RANKS:-0} > 0)) && args+=(--num-async-eval-ranks "${NUM_ASYNC_VAL_RANKS}")
-((${DAP_SIZE:-1} > 1)) && args+=(--dap "${DAP_SIZE}")
-((${BP_SIZE:-1} > 1)) && args+=(--bp "${BP_SIZE}")
-[[ "${PARALLEL_EVOFORMER:-0}" == 1 ]] && args+=(--parallel-evoformer)
+checkout=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+if ! derived=$(PYTHONPATH="${checkout}${PYTHONPATH:+:${PYTHONPATH}}" "${PYTHON:-python3}" -m scalefold.train.options slurm-flags); then
+  echo "run_and_time.sh: could not map the config variables to scalefold train flags" >&2
+  exit 3
+fi
+if [[ -n "${derived}" ]]; then
+  mapfile -t mapped <<<"${derived}"
+  args+=("${mapped[@]}")
+fi
 if [[ -n "${EXTRA_ARGS:-}" ]]; then
   read -r -a extra <<<"${EXTRA_ARGS}"
   args+=("${extra[@]}")

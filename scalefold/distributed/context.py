@@ -1,4 +1,11 @@
-"""One object the training loop holds for model parallelism: :func:`setup_model_parallel`.
+"""The one object that owns the run's process groups: :class:`ParallelContext`.
+
+Built once per process at start-up (:func:`scalefold.distributed.runtime.init_distributed`, or
+:func:`setup_model_parallel` where ``torch.distributed`` is already initialised) from a validated
+:class:`~scalefold.distributed.layout.ParallelLayout`: the training ranks, the evaluation ranks (the
+last ``num_eval_ranks``) and the gloo bridge between their first ranks, the DAP groups, the BP pairs
+and the model groups (the DAP x BP ranks sharing one sample). Every size is the layout's; no other
+module creates a group or recomputes one.
 
 Usage (every rank, after ``torch.distributed`` is initialised)::
 
@@ -34,7 +41,9 @@ class ParallelContext:
     rank: int
     dap_group: DAPGroup | None = None  # None when dap == 1 or on eval ranks
     branch: Branches | None = None  # None when bp == 1 or on eval ranks
-    train_group: dist.ProcessGroup | None = None  # None: the default group (no eval ranks)
+    train_group: dist.ProcessGroup | None = None  # the world without eval ranks; None: single process
+    eval_group: dist.ProcessGroup | None = None  # the last num_eval_ranks ranks (None: synchronous evaluation)
+    bridge_group: dist.ProcessGroup | None = None  # gloo, [main train rank, main eval rank]: the SWA weights
     dap_process_group: dist.ProcessGroup | None = None
     model_group: dist.ProcessGroup | None = None  # the DAP x BP ranks of one DP replica
     hooks: list = field(default_factory=list)
@@ -47,6 +56,42 @@ class ParallelContext:
     @property
     def is_train_rank(self) -> bool:
         return self.rank < self.layout.num_train_ranks
+
+    @property
+    def is_eval_rank(self) -> bool:
+        return not self.is_train_rank
+
+    @property
+    def async_eval(self) -> bool:
+        return self.layout.num_eval_ranks > 0
+
+    @property
+    def num_train_ranks(self) -> int:
+        return self.layout.num_train_ranks
+
+    @property
+    def eval_ranks(self) -> list[int]:
+        return self.layout.eval_ranks()
+
+    @property
+    def main_train_rank(self) -> int:
+        return self.layout.main_train_rank
+
+    @property
+    def main_eval_rank(self) -> int:
+        return self.layout.main_eval_rank
+
+    @property
+    def is_main_train_rank(self) -> bool:
+        return self.rank == self.layout.main_train_rank
+
+    @property
+    def is_main_eval_rank(self) -> bool:
+        return self.rank == self.layout.main_eval_rank
+
+    @property
+    def log_ranks(self) -> tuple[int, ...]:
+        return self.layout.log_ranks
 
     @property
     def coords(self) -> tuple[int, int, int]:
@@ -98,7 +143,7 @@ class ParallelContext:
     ) -> dict[str, torch.Tensor]:
         """The loader rank's batch on every rank of its DAP group / BP pair (received tensors
         are allocated on ``device``, default the sender's device type)."""
-        if self.layout.dap * self.layout.bp == 1:
+        if self.layout.model_parallel == 1:
             return dict(batch)
         return broadcast_batch(batch, src=self.loader_rank, group=self.model_group, device=device)
 
@@ -109,31 +154,40 @@ def setup_model_parallel(
     num_eval_ranks: int = 0,
     parallel_evoformer: bool = False,
     crop_size: int | None = None,
-    train_group: dist.ProcessGroup | None = None,
     ranks_per_node: int | None = None,
 ) -> ParallelContext:
-    """Validate the layout and create the DAP, BP and model (DAP x BP) groups on every rank.
+    """Validate the layout of the initialised world and build every group (:func:`build_parallel_context`)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    layout = ParallelLayout(world, dap=dap, bp=bp, num_eval_ranks=num_eval_ranks).validate(
+        parallel_evoformer=parallel_evoformer, crop_size=crop_size
+    )
+    return build_parallel_context(layout, ranks_per_node)
+
+
+def build_parallel_context(layout: ParallelLayout, ranks_per_node: int | None = None) -> ParallelContext:
+    """The groups of a validated ``layout``: training, evaluation and bridge, then DAP, BP and model groups.
 
     ``ranks_per_node`` (the launcher's local world size; default ``$LOCAL_WORLD_SIZE`` when set)
     only serves the start-up warning about DAP groups spanning nodes (rank 0 prints it to stderr).
     Collective: every rank of the world (eval ranks included) must call it, in the same order.
     """
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    layout = ParallelLayout(world, dap=dap, bp=bp, num_eval_ranks=num_eval_ranks).validate(
-        parallel_evoformer=parallel_evoformer, crop_size=crop_size
-    )
+    distributed = dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
     if ranks_per_node is None and os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():
         ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
     ctx = ParallelContext(layout=layout, rank=rank, ranks_per_node=ranks_per_node)
     if rank == 0:
         for warning in layout.warnings(ranks_per_node):
             print(f"scalefold: WARNING: {warning}", file=sys.stderr, flush=True)
-    if world == 1:
+    if not distributed or layout.world_size == 1:
         return ctx
-    if num_eval_ranks and train_group is None:
-        train_group = dist.new_group(list(range(layout.num_train_ranks)))
-    ctx.train_group = train_group
+    # new_group is collective over the default group: the same calls in the same order on every rank
+    eval_ranks = layout.eval_ranks()
+    ctx.train_group = dist.new_group(layout.train_ranks()) if eval_ranks else dist.group.WORLD
+    if eval_ranks:
+        ctx.eval_group = dist.new_group(eval_ranks)
+        ctx.bridge_group = dist.new_group([layout.main_train_rank, layout.main_eval_rank], backend="gloo")
+    dap, bp = layout.dap, layout.bp
     for ranks in layout.dap_groups():
         group = dist.new_group(ranks) if dap > 1 else None
         if rank in ranks and dap > 1:
@@ -143,14 +197,11 @@ def setup_model_parallel(
         group = dist.new_group(ranks) if bp > 1 else None
         if rank in ranks and bp > 1:
             ctx.branch = Branches(group=group, branch=ranks.index(rank), owners=(ranks[0], ranks[1]))
-    model_groups = [
-        [layout.rank_of(d, b, a) for b in range(bp) for a in range(dap)] for d in range(layout.dp)
-    ]
-    for ranks in model_groups:
-        group = dist.new_group(ranks) if dap * bp > 1 else None
+    for ranks in layout.model_groups():
+        group = dist.new_group(ranks) if layout.model_parallel > 1 else None
         if rank in ranks:
             ctx.model_group = group
     return ctx
 
 
-__all__ = ["ParallelContext", "setup_model_parallel"]
+__all__ = ["ParallelContext", "build_parallel_context", "setup_model_parallel"]

@@ -8,6 +8,10 @@ so the ranks of a DAP group are consecutive (one node, the most communication), 
 a BP pair are ``dap`` apart, and the last ``num_eval_ranks`` ranks of the world evaluate.
 Invalid layouts are rejected by :meth:`ParallelLayout.validate` with a message naming the fix;
 valid but slow ones (a DAP group spanning nodes) are named by :meth:`ParallelLayout.warnings`.
+
+This is the one place the layout's rules and derived sizes live (the training and evaluation ranks,
+``dp``, ``dap * bp``); :class:`~scalefold.distributed.context.ParallelContext` adds the process
+groups, built from it once at start-up (:func:`~scalefold.distributed.runtime.init_distributed`).
 """
 
 from __future__ import annotations
@@ -33,8 +37,30 @@ class ParallelLayout:
         return self.world_size - self.num_eval_ranks
 
     @property
+    def model_parallel(self) -> int:
+        """Ranks sharing one sample (a DAP group times a BP pair): ``dap * bp``."""
+        return self.dap * self.bp
+
+    @property
     def dp(self) -> int:
-        return self.num_train_ranks // (self.dap * self.bp)
+        return self.num_train_ranks // self.model_parallel
+
+    @property
+    def main_train_rank(self) -> int:
+        return 0
+
+    @property
+    def main_eval_rank(self) -> int:
+        """The rank that logs evaluation results (first evaluation rank, or training rank 0 if synchronous)."""
+        return self.num_train_ranks if self.num_eval_ranks else 0
+
+    @property
+    def log_ranks(self) -> tuple[int, ...]:
+        """Ranks that write the MLPerf log."""
+        return tuple(sorted({self.main_train_rank, self.main_eval_rank}))
+
+    def train_ranks(self) -> list[int]:
+        return list(range(self.num_train_ranks))
 
     def validate(self, parallel_evoformer: bool = False, crop_size: int | None = None) -> ParallelLayout:
         """Raise ``ValueError`` on an invalid layout; returns ``self``."""
@@ -46,7 +72,7 @@ class ParallelLayout:
             raise LayoutError("--bp 2 needs --parallel-evoformer (only its two branches are independent)")
         if not 0 <= self.num_eval_ranks < self.world_size:
             raise LayoutError(f"{self.num_eval_ranks} evaluation ranks leave no training rank in a world of {self.world_size}")
-        group = self.dap * self.bp
+        group = self.model_parallel
         if self.num_train_ranks % group:
             raise LayoutError(
                 f"{self.num_train_ranks} training ranks (world {self.world_size} - {self.num_eval_ranks} eval) "
@@ -62,7 +88,7 @@ class ParallelLayout:
         """``(dp_rank, bp_rank, dap_rank)`` of training rank ``rank``."""
         if not 0 <= rank < self.num_train_ranks:
             raise ValueError(f"rank {rank} is not a training rank (0..{self.num_train_ranks - 1})")
-        return rank // (self.dap * self.bp), (rank // self.dap) % self.bp, rank % self.dap
+        return rank // self.model_parallel, (rank // self.dap) % self.bp, rank % self.dap
 
     def rank_of(self, dp_rank: int, bp_rank: int, dap_rank: int) -> int:
         return (dp_rank * self.bp + bp_rank) * self.dap + dap_rank
@@ -74,6 +100,10 @@ class ParallelLayout:
 
     def bp_groups(self) -> list[list[int]]:
         return [[self.rank_of(d, b, a) for b in range(self.bp)] for d in range(self.dp) for a in range(self.dap)]
+
+    def model_groups(self) -> list[list[int]]:
+        """The DAP x BP ranks of each data-parallel replica (one sample, one loader)."""
+        return [[self.rank_of(d, b, a) for b in range(self.bp) for a in range(self.dap)] for d in range(self.dp)]
 
     def dp_groups(self) -> list[list[int]]:
         return [[self.rank_of(d, b, a) for d in range(self.dp)] for b in range(self.bp) for a in range(self.dap)]

@@ -1,10 +1,10 @@
 """``scalefold evaluate``: per-target and mean lDDT-Cα of a checkpoint on a store's validation chains.
 
-The targets are the validation split training uses (:func:`scalefold.train.loop.validation_chain_ids`:
+The targets are the validation split training uses (:func:`scalefold.train.run_data.validation_chain_ids`:
 chains released in the CAMEO window, at most ``val_max_sequence_length`` residues, the training
 preset's ``eval_max_chains``) or an explicit list of chain ids. Each target goes through the
 validation data pipeline with the reference's per-target seed
-(:class:`scalefold.train.sample.StoreSample` in ``eval`` mode), the model runs all recycling
+(:class:`scalefold.data.dataset.StoreSample` in ``eval`` mode), the model runs all recycling
 passes without autograd and the score is the MLPerf metric
 (:func:`scalefold.metrics.validation_lddt_ca`). With the training preset's settings and the SWA
 weights of a checkpoint this reproduces the training run's ``eval_lddt_ca`` at that step.
@@ -99,7 +99,7 @@ def validation_chains(store_path: PathLike, preset: str, max_chains: int | None 
     from scalefold.data.store import Store
     from scalefold.inference.weights import TRAINING_PRESET_OF
     from scalefold.train.config import TrainConfig
-    from scalefold.train.loop import validation_chain_ids
+    from scalefold.train.run_data import validation_chain_ids
 
     cfg = TrainConfig.from_preset(TRAINING_PRESET_OF[preset], overrides={"eval_max_chains": max_chains})
     with Store.open(store_path) as store:
@@ -149,7 +149,7 @@ def evaluate(
 ) -> EvaluationReport:
     """Score ``checkpoint`` on ``chains`` of ``store`` (default: the training validation split)."""
     from scalefold.data.pipeline import FeatureConfig
-    from scalefold.train.sample import StoreSample
+    from scalefold.data.dataset import StoreSample
 
     if not Path(store).is_file():
         raise InferenceError(f"store not found: {store}")

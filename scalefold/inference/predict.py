@@ -123,7 +123,7 @@ def build_features(
     """The model batch ``[1, ..., R]`` of one target (validation pipeline, no templates)."""
     from scalefold.data.pipeline import FeatureConfig, process_validation_features
     from scalefold.data.raw_features import build_raw_features
-    from scalefold.train.sample import add_batch_dim
+    from scalefold.data.dataset import add_batch_dim
 
     # Alignment query rows may spell unknown residues differently: the FASTA sequence is row 0.
     rows = [Msa([record.sequence] + m.sequences[1:], m.deletion_matrix, m.descriptions) for m in msas]

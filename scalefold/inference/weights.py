@@ -17,7 +17,7 @@ checkpoint's parameter names and shapes with each preset built on the meta devic
 time). A checkpoint that matches no preset is refused with the list of mismatched names.
 
 The data-pipeline sizes and the recycling count are those the training preset uses
-(:func:`scalefold.train.loop.build_model_config`), so that ``scalefold evaluate`` reproduces the
+(:func:`scalefold.train.build.build_model_config`), so that ``scalefold evaluate`` reproduces the
 training run's evaluation; ``num_recycling`` overrides the recycling count.
 """
 
@@ -77,7 +77,7 @@ class LoadedModel:
 def inference_config(preset: str, num_recycling: int | None = None, precision: str = "fp32") -> AlphaFoldConfig:
     """The model config the training preset of ``preset`` builds (data sizes, recycling), fp32."""
     from scalefold.train.config import TrainConfig
-    from scalefold.train.loop import build_model_config
+    from scalefold.train.build import build_model_config
 
     if preset not in TRAINING_PRESET_OF:
         raise InferenceError(f"unknown model preset {preset!r}; expected one of {sorted(TRAINING_PRESET_OF)}")

@@ -1,6 +1,6 @@
 """Asynchronous evaluation ranks (ScaleFold): training never waits for evaluation.
 
-The last ``num_async_eval_ranks`` ranks form the evaluation group (``runtime.build_process_groups``).
+The last ``num_async_eval_ranks`` ranks form the evaluation group (``runtime.parallel``, built by :func:`~scalefold.distributed.runtime.init_distributed`).
 Every ``eval_every`` iterations the main training rank copies the SWA weights (one flat buffer of
 ``FlatAdamSWA``) to host memory and hands them to a sender thread, which pushes them through the
 gloo *bridge* ``[main training rank, first evaluation rank]``; training continues at once.
@@ -67,7 +67,7 @@ import torch.nn as nn
 from scalefold.data.eval_cache import EvalCache, assign_lpt
 from scalefold.train import mlperf_logging as mll
 from scalefold.train.flat_optimizer import DEFAULT_ALIGN_NUMEL, FlatAdamSWA, _align
-from scalefold.train.runtime import DEFAULT_TIMEOUT_S, Runtime
+from scalefold.distributed.runtime import DEFAULT_TIMEOUT_S, Runtime
 
 # header kinds (training -> evaluation)
 SUBMIT, SENTINEL = 1, 2
@@ -194,13 +194,13 @@ class AsyncEvalClient:
         max_pending: int = 2,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
-        if not runtime.async_eval:
+        if not runtime.parallel.async_eval:
             raise ValueError(
                 "AsyncEvalClient needs evaluation ranks (num_async_eval_ranks >= 1); with 0, evaluate synchronously"
             )
-        if not runtime.is_train_rank:
+        if not runtime.parallel.is_train_rank:
             raise ValueError(f"rank {runtime.rank} is an evaluation rank: run run_eval_rank() there")
-        if not runtime.distributed or runtime.bridge_group is None:
+        if not runtime.distributed or runtime.parallel.bridge_group is None:
             raise ValueError("asynchronous evaluation needs torch.distributed and the bridge group (init_distributed)")
         if num_params < 1 or max_pending < 1 or timeout_s <= 0:
             raise ValueError(
@@ -214,8 +214,8 @@ class AsyncEvalClient:
         self.timeout_s = timeout_s
         self.results: list[EvalResult] = []
         self._taken = 0
-        self._main = runtime.is_main_train_rank
-        self._eval_rank = runtime.eval_ranks[0]
+        self._main = runtime.parallel.is_main_train_rank
+        self._eval_rank = runtime.parallel.eval_ranks[0]
         self._lock = threading.Lock()
         self._stop = False
         self._failure: str | None = None
@@ -300,9 +300,9 @@ class AsyncEvalClient:
                     code, message = FAILED, self._failure
                 elif self._stop:
                     code = _STOP
-        if self.runtime.num_train_ranks > 1:
+        if self.runtime.parallel.num_train_ranks > 1:
             flag = encode_reply(code, message=message).to(self.runtime.device)
-            dist.broadcast(flag, src=self.runtime.main_train_rank, group=self.runtime.train_group)
+            dist.broadcast(flag, src=self.runtime.parallel.main_train_rank, group=self.runtime.parallel.train_group)
             code, _, _, _, _, message = decode_reply(flag)
         if code == FAILED:
             self._failure_raised = True
@@ -377,7 +377,7 @@ class AsyncEvalClient:
                     return None
 
     def _send_loop(self) -> None:
-        bridge = self.runtime.bridge_group
+        bridge = self.runtime.parallel.bridge_group
         while True:
             header, payload = self._outbox.get()
             sentinel = int(header[0]) == SENTINEL
@@ -398,7 +398,7 @@ class AsyncEvalClient:
                 return
 
     def _listen_loop(self) -> None:
-        bridge = self.runtime.bridge_group
+        bridge = self.runtime.parallel.bridge_group
         reply = torch.zeros(REPLY_BYTES, dtype=torch.uint8)
         while True:
             self._replies_due.acquire()
@@ -472,16 +472,16 @@ def store_eval_cache(store_path: str, chain_ids: Sequence[str], features: Any, r
 
     Targets are spread over the evaluation group by LPT with cost L² (residue counts from the
     store's chain table); each target keeps the reference's fixed validation seed
-    (:class:`~scalefold.train.sample.StoreSample` in ``"eval"`` mode). Nothing is computed here:
+    (:class:`~scalefold.data.dataset.StoreSample` in ``"eval"`` mode). Nothing is computed here:
     :func:`run_eval_rank` builds the features once at its start, while training runs its first
     cycle (``num_workers`` loader workers), and every evaluation replays them from host memory.
     """
-    from scalefold.train.sample import validation_cache
+    from scalefold.data.dataset import validation_cache
 
-    if not runtime.is_eval_rank:
+    if not runtime.parallel.is_eval_rank:
         raise ValueError(f"rank {runtime.rank} is not an evaluation rank")
-    return validation_cache(store_path, list(chain_ids), features, rank=runtime.eval_ranks.index(runtime.rank),
-                            num_ranks=len(runtime.eval_ranks), num_workers=num_workers,
+    return validation_cache(store_path, list(chain_ids), features, rank=runtime.parallel.eval_ranks.index(runtime.rank),
+                            num_ranks=len(runtime.parallel.eval_ranks), num_workers=num_workers,
                             pin_memory=runtime.device.type == "cuda")  # fmt: skip
 
 
@@ -497,9 +497,9 @@ def _error_text(exc: BaseException) -> str:
 
 def _gather_errors(runtime: Runtime, local_error: str | None) -> str:
     """Every evaluation rank's error message (collective over the evaluation group)."""
-    messages: list[str | None] = [None] * len(runtime.eval_ranks)
-    dist.all_gather_object(messages, local_error, group=runtime.eval_group)
-    return "; ".join(f"evaluation rank {r}: {m}" for r, m in zip(runtime.eval_ranks, messages) if m)
+    messages: list[str | None] = [None] * len(runtime.parallel.eval_ranks)
+    dist.all_gather_object(messages, local_error, group=runtime.parallel.eval_group)
+    return "; ".join(f"evaluation rank {r}: {m}" for r, m in zip(runtime.parallel.eval_ranks, messages) if m)
 
 
 def run_eval_rank(
@@ -529,9 +529,9 @@ def run_eval_rank(
     Returns the evaluations done (same list on every evaluation rank). Raises ``RuntimeError``
     after reporting a failure of any evaluation rank to training.
     """
-    if not runtime.is_eval_rank:
+    if not runtime.parallel.is_eval_rank:
         raise ValueError(f"rank {runtime.rank} is not an evaluation rank")
-    first = runtime.is_main_eval_rank
+    first = runtime.parallel.is_main_eval_rank
     device = runtime.device
     target = float(cfg.target_lddt)
     model, weights, shard, error = _setup_eval_rank(runtime, build_model, eval_batches, target_lengths, align_numel)
@@ -553,7 +553,7 @@ def run_eval_rank(
         try:
             if inbox is not None:
                 header.copy_(inbox.receive(expected_numel=weights.numel()))
-            dist.broadcast(header, src=runtime.main_eval_rank, group=runtime.eval_group)
+            dist.broadcast(header, src=runtime.parallel.main_eval_rank, group=runtime.parallel.eval_group)
             kind, step, epoch = int(header[0]), int(header[1]), int(header[2])
             if kind == _REJECTED:
                 raise _GroupFailure(
@@ -573,7 +573,7 @@ def run_eval_rank(
                 weights.copy_(inbox.payload)
                 if mllog is not None:
                     mllog.eval_start(epoch)
-            dist.broadcast(weights, src=runtime.main_eval_rank, group=runtime.eval_group)
+            dist.broadcast(weights, src=runtime.parallel.main_eval_rank, group=runtime.parallel.eval_group)
             t0 = time.perf_counter()
             score = _evaluate(runtime, model, shard, score_fn)
             stopped = score >= target
@@ -620,11 +620,11 @@ class _Inbox:
         self._replied = True
 
     def _send(self, reply: torch.Tensor) -> None:
-        dist.send(reply, dst=self.runtime.main_train_rank, group=self.runtime.bridge_group, tag=_TAG_REPLY)
+        dist.send(reply, dst=self.runtime.parallel.main_train_rank, group=self.runtime.parallel.bridge_group, tag=_TAG_REPLY)
 
     def receive(self, expected_numel: int | None = None) -> torch.Tensor:
         """The next request's header (its weights in :attr:`payload`); kind ``_REJECTED`` if unusable."""
-        src, bridge = self.runtime.main_train_rank, self.runtime.bridge_group
+        src, bridge = self.runtime.parallel.main_train_rank, self.runtime.parallel.bridge_group
         dist.recv(self.header, src=src, group=bridge, tag=_TAG_HEADER)
         self._replied = False
         kind, self.step, self.epoch, numel, code = (int(x) for x in self.header)
@@ -669,7 +669,7 @@ def _await_end_of_training(runtime: Runtime, inbox: _Inbox | None) -> None:
         if inbox is not None:
             while int(inbox.receive()[0]) != SENTINEL:
                 pass
-        dist.barrier(group=runtime.eval_group)
+        dist.barrier(group=runtime.parallel.eval_group)
     except Exception:  # noqa: BLE001 -- the caller raises the failure anyway
         pass
 
@@ -686,15 +686,15 @@ def _setup_eval_rank(runtime: Runtime, build_model: Callable[[], nn.Module],
         model.eval()
         weights = bind_flat_parameters(model, align_numel)
         shard = _EvalShard(
-            eval_batches, target_lengths, runtime.eval_ranks.index(runtime.rank), len(runtime.eval_ranks)
+            eval_batches, target_lengths, runtime.parallel.eval_ranks.index(runtime.rank), len(runtime.parallel.eval_ranks)
         )
     except Exception as exc:  # noqa: BLE001 -- shared with the group, reported to training
         error = _error_text(exc)
     indices = shard.indices if shard is not None else []
     counts = torch.tensor([len(indices), error is not None], dtype=torch.float64, device=runtime.device)
-    dist.all_reduce(counts, group=runtime.eval_group)
+    dist.all_reduce(counts, group=runtime.parallel.eval_group)
     top = torch.tensor([max(indices, default=-1)], dtype=torch.float64, device=runtime.device)
-    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=runtime.eval_group)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=runtime.parallel.eval_group)
     num_targets, failed, top_index = int(counts[0]), int(counts[1]), int(top[0])
     if failed:
         error = _gather_errors(runtime, error)
@@ -713,7 +713,7 @@ def _evaluate(
     """Mean score over all targets of the evaluation group (collective)."""
     n = shard.num_targets
     sums, local_error = _score_shard(model, shard, score_fn, runtime.device)
-    dist.all_reduce(sums, group=runtime.eval_group)
+    dist.all_reduce(sums, group=runtime.parallel.eval_group)
     if int(sums[-1]):
         raise _GroupFailure(_gather_errors(runtime, local_error))
     scores, covered = sums[:n].cpu().numpy(), sums[n : 2 * n].cpu().numpy()

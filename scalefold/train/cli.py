@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from scalefold.train.config import CUDA_GRAPHS_MODES, PRECISIONS, PRESETS, preset_from_env
+from scalefold.train.config import PRESETS, TrainConfig, preset_from_env
+from scalefold.train.options import add_arguments, overrides_from_args
 
 EXIT_ABORTED = 2  # the run aborted (too many non-finite steps): run_stop status=aborted was logged
 EXIT_BAD_INPUT = 3  # a bad configuration, store, launch environment or checkpoint, refused before training
@@ -20,40 +21,8 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
         "SCALEFOLD_<OPTION> environment variables, then these flags. Launch under torchrun, srun or mpirun "
         "for data-parallel training.",
     )
-    p.add_argument("--preset", choices=sorted(PRESETS), help="run preset (default: SCALEFOLD_PRESET, else PRESET "
-                   "of a config_*.sh environment, else demo)")
     p.add_argument("--config", help="TOML/YAML file of training options (between the preset and the environment)")
-    p.add_argument("--out", help="run directory (metrics.jsonl, MLPerf log, checkpoints/, curves.png)")
-    p.add_argument("--store", help="dataset store (presets demo and tiny create a synthetic one there if absent)")
-    p.add_argument("--synthesize-missing-store", action="store_true", default=None,
-                   help="create a synthetic store at --store if it is absent (default only for the demo and tiny presets)")
-    p.add_argument("--max-steps", type=int, help="training steps")
-    p.add_argument("--eval-every", type=int, help="evaluate the SWA weights every N steps (0 = never)")
-    p.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (0 = never)")
-    p.add_argument("--keep-last", type=int, help="checkpoints kept in --out/checkpoints (the newest K)")
-    p.add_argument("--resume", action="store_true", default=None,
-                   help="continue from the newest loadable checkpoint in --out (none there: start from step 0; "
-                   "checkpoints that all fail to load: refused)")
-    p.add_argument("--init-from", help="start from a reference-format checkpoint (weights + Adam state)")
-    p.add_argument("--seed", type=int, help="run seed (data order, recycling counts, dropout)")
-    p.add_argument("--deterministic", action="store_true", default=None, help="deterministic algorithms and data order")
-    p.add_argument("--precision", choices=PRECISIONS, help="fp32, tf32, bf16 (autocast, fp32 master weights) or fp64")
-    p.add_argument("--lr", type=float, help="base learning rate")
-    p.add_argument("--target-lddt", type=float, help="stop when the eval lDDT-Cα reaches this")
-    p.add_argument("--num-workers", type=int, help="data-loader worker processes")
-    p.add_argument("--num-async-eval-ranks", type=int, help="the last N ranks evaluate asynchronously (0 = in the loop)")
-    p.add_argument("--eval-timeout-s", type=float,
-                   help="seconds without progress after which the evaluation ranks count as stuck (default 1800)")
-    p.add_argument("--process-group-timeout-s", type=float,
-                   help="timeout of torch.distributed collectives (default 1800)")
-    p.add_argument("--compile", action="store_true", default=None, help="torch.compile the Evoformer blocks")
-    p.add_argument("--cuda-graphs", choices=CUDA_GRAPHS_MODES, help="CUDA graphs of the no-grad recycling passes, "
-                   "captured before run_start (auto: on for CUDA without DAP/BP, eager elsewhere; on: refuse where "
-                   "unusable; default auto)")
-    p.add_argument("--dap", type=int, help="dynamic axial parallelism degree (issue 5)")
-    p.add_argument("--bp", type=int, choices=(1, 2), help="branch parallelism degree (issue 5)")
-    p.add_argument("--parallel-evoformer", action="store_true", default=None, help="parallel Evoformer (issue 5)")
-    p.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
+    add_arguments(p, TrainConfig)  # every other flag: from the options' one declaration (TrainConfig)
     p.set_defaults(handler=_run_train)
 
 
@@ -61,21 +30,14 @@ def _run_train(args: argparse.Namespace) -> int:
     from scalefold.checkpoint.adapters import CheckpointError as ReferenceCheckpointError
     from scalefold.distributed.layout import LayoutError
     from scalefold.train.checkpoint_io import CheckpointError
-    from scalefold.train.config import TrainConfig
     from scalefold.train.graphed_step import CudaGraphsUnavailable
-    from scalefold.train.loop import StoreNotFoundError, TrainingAborted, train
-    from scalefold.train.runtime import LaunchError
+    from scalefold.train.loop import train
+    from scalefold.train.run_data import StoreNotFoundError
+    from scalefold.train.stopping import TrainingAborted
+    from scalefold.distributed.runtime import LaunchError
 
-    overrides = {
-        "out": args.out, "store": args.store, "max_steps": args.max_steps, "eval_every": args.eval_every,
-        "checkpoint_every": args.checkpoint_every, "keep_last": args.keep_last, "resume": args.resume, "init_from": args.init_from,
-        "seed": args.seed, "deterministic": args.deterministic, "precision": args.precision, "lr": args.lr,
-        "target_lddt": args.target_lddt, "num_workers": args.num_workers, "progress": args.progress,
-        "num_async_eval_ranks": args.num_async_eval_ranks, "compile": args.compile, "dap": args.dap,
-        "bp": args.bp, "parallel_evoformer": args.parallel_evoformer, "cuda_graphs": args.cuda_graphs,
-        "synthesize_missing_store": args.synthesize_missing_store, "eval_timeout_s": args.eval_timeout_s,
-        "process_group_timeout_s": args.process_group_timeout_s,
-    }  # fmt: skip
+    overrides = overrides_from_args(args, TrainConfig)
+    overrides.pop("preset")  # chosen first, below
     preset = args.preset or preset_from_env()
     if preset not in PRESETS:
         print(f"scalefold train: unknown preset {preset!r} from the environment; expected one of {sorted(PRESETS)}",

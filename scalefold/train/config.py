@@ -27,90 +27,97 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ENV_PREFIX = "SCALEFOLD_"
+from scalefold.train.options import ENV_PREFIX, env_value_type, option, parse_value, slurm_config_env
+
 #: Set by every ``launch/config_*.sh``: its presence says "the environment is a Slurm submission's".
 SLURM_CONFIG_MARKER = "DGXSYSTEM"
-#: ``config_*.sh`` variable -> training option (the names ``run_and_time.sh`` maps to flags).
-SLURM_CONFIG_ENV = {
-    "PRESET": "preset", "PRECISION": "precision", "MAX_STEPS": "max_steps", "VAL_EVERY": "eval_every",
-    "CHECKPOINT_EVERY": "checkpoint_every", "TARGET_LDDT": "target_lddt", "SEED": "seed",
-    "INIT_CHECKPOINT": "init_from", "NUM_ASYNC_VAL_RANKS": "num_async_eval_ranks", "DAP_SIZE": "dap",
-    "BP_SIZE": "bp", "PARALLEL_EVOFORMER": "parallel_evoformer", "SUBMISSION_ORG": "submission_org",
-    "SUBMISSION_PLATFORM": "submission_platform",
-}  # fmt: skip
 PRECISIONS = ("fp32", "tf32", "bf16", "fp64")
 CUDA_GRAPHS_MODES = ("auto", "on", "off")
+PRESET_NAMES = ("demo", "mlperf", "tiny")  # the PRESETS below
 
 
 @dataclass
 class TrainConfig:
-    """Everything one ``scalefold train`` run needs besides the model config."""
+    """Everything one ``scalefold train`` run needs besides the model config.
 
-    preset: str = "demo"
-    out: str = "runs/demo"
+    Each field is the option's one declaration (:func:`~scalefold.train.options.option`): its type and
+    default here, its help, whether ``scalefold train`` has a flag for it and which ``config_*.sh``
+    variable sets it; the flags, the environment and the Slurm mappings derive from it.
+    """
+
+    preset: str = option("demo", cli=True, choices=PRESET_NAMES, slurm="PRESET",
+                         help="run preset (default: SCALEFOLD_PRESET, else PRESET of a config_*.sh environment, else demo)")
+    out: str = option("runs/demo", cli=True, help="run directory (metrics.jsonl, MLPerf log, checkpoints/, curves.png)")
     # data: an existing store, or (synthesize_missing_store: the demo/tiny presets, or
     # --synthesize-missing-store) the synthetic store to create there if absent
-    store: str = "runs/demo-store.h5"
-    synthesize_missing_store: bool = False
-    synth_num_chains: int = 320
-    synth_num_families: int = 40
-    synth_length_range: tuple[int, int] = (40, 120)
-    synth_seed: int = 0
-    num_workers: int = 1
+    store: str = option("runs/demo-store.h5", cli=True,
+                        help="dataset store (presets demo and tiny create a synthetic one there if absent)")
+    synthesize_missing_store: bool = option(False, cli=True, help="create a synthetic store at --store if it is "
+                                            "absent (default only for the demo and tiny presets)")
+    synth_num_chains: int = option(320, help="chains of a synthesised store")
+    synth_num_families: int = option(40, help="fold families of a synthesised store")
+    synth_length_range: tuple[int, int] = option((40, 120), help="residues per synthesised chain (min,max)")
+    synth_seed: int = option(0, help="seed of a synthesised store")
+    num_workers: int = option(1, cli=True, help="data-loader worker processes")
     # model (AlphaFoldConfig preset and data-pipeline overrides; None keeps the model preset's)
-    model_preset: str = "demo"
-    crop_size: int | None = None
-    max_msa_clusters: int | None = None
-    max_extra_msa: int | None = None
-    num_recycling_iters: int | None = None
-    activation_checkpointing: bool = False
-    precision: str = "fp32"
+    model_preset: str = option("demo", help="AlphaFoldConfig preset of the model")
+    crop_size: int | None = option(None, help="training crop (residues; default: the model preset's)")
+    max_msa_clusters: int | None = option(None, help="MSA cluster centres (default: the model preset's)")
+    max_extra_msa: int | None = option(None, help="extra-MSA rows (default: the model preset's)")
+    num_recycling_iters: int | None = option(None, help="recycling iterations (default: the model preset's)")
+    activation_checkpointing: bool = option(False, help="recompute block activations in backward")
+    precision: str = option("fp32", cli=True, choices=PRECISIONS, slurm="PRECISION",
+                            help="fp32, tf32, bf16 (autocast, fp32 master weights) or fp64")
     # schedule
-    max_steps: int = 100
-    seed: int = 1234
-    deterministic: bool = False
-    lr: float = 1e-3
-    warmup_lr_init: float = 1e-5
-    warmup_steps: int = 0
-    clip_grad_max_norm: float = 0.1
-    swa_decay: float = 0.9
-    max_consecutive_nonfinite: int = 10
+    max_steps: int = option(100, cli=True, slurm="MAX_STEPS", help="training steps")
+    seed: int = option(1234, cli=True, slurm="SEED", help="run seed (data order, recycling counts, dropout)")
+    deterministic: bool = option(False, cli=True, help="deterministic algorithms and data order")
+    lr: float = option(1e-3, cli=True, help="base learning rate")
+    warmup_lr_init: float = option(1e-5, help="learning rate of the first warm-up step")
+    warmup_steps: int = option(0, help="linear learning-rate warm-up steps")
+    clip_grad_max_norm: float = option(0.1, help="gradient clipping norm")
+    swa_decay: float = option(0.9, help="SWA (EMA) decay")
+    max_consecutive_nonfinite: int = option(10, help="non-finite steps in a row that abort the run")
     # evaluation (validation = chains released in the CAMEO window)
-    eval_every: int = 40
-    eval_max_chains: int = 0  # 0 = all validation chains
+    eval_every: int = option(40, cli=True, slurm="VAL_EVERY", help="evaluate the SWA weights every N steps (0 = never)")
+    eval_max_chains: int = option(0, help="validation chains evaluated (0 = all)")
     # synchronous evaluation: also score the untrained model (step 0, for the curves; after run_start,
     # so timed, and not logged to MLPerf); never with --init-from
-    eval_baseline: bool = True
-    val_min_date: str = "2021-09-17"
-    val_max_date: str = "2021-12-11"
-    val_max_sequence_length: int = 700
-    target_lddt: float = 0.8
+    eval_baseline: bool = option(True, help="also score the untrained model (step 0, for the curves)")
+    val_min_date: str = option("2021-09-17", help="first release date of the validation chains")
+    val_max_date: str = option("2021-12-11", help="last release date of the validation chains")
+    val_max_sequence_length: int = option(700, help="longest validation chain (residues)")
+    target_lddt: float = option(0.8, cli=True, slurm="TARGET_LDDT", help="stop when the eval lDDT-Cα reaches this")
     # checkpoints
-    checkpoint_every: int = 0  # 0 = only none
-    keep_last: int = 3
-    resume: bool = False
-    progress: bool = True
+    checkpoint_every: int = option(0, cli=True, slurm="CHECKPOINT_EVERY", help="checkpoint every N steps (0 = never)")
+    keep_last: int = option(3, cli=True, help="checkpoints kept in --out/checkpoints (the newest K)")
+    resume: bool = option(False, cli=True, help="continue from the newest loadable checkpoint in --out (none there: "
+                          "start from step 0; checkpoints that all fail to load: refused)")
+    progress: bool = option(True, flag="--no-progress", help="no progress bar")
     # starting point: a reference-format checkpoint (weights + Adam state), SWA starts from it
-    init_from: str | None = None
-    # parallelism: the last ``num_async_eval_ranks`` ranks evaluate asynchronously (0 = synchronous
-    # evaluation on the main training rank); DAP / branch parallelism land with issue 5
-    num_async_eval_ranks: int = 0
-    # seconds without progress after which the evaluation ranks count as stuck (asynchronous evaluation),
-    # and the timeout of torch.distributed's collectives (init_process_group)
-    eval_timeout_s: float = 1800.0
-    process_group_timeout_s: float = 1800.0
-    dap: int = 1
-    bp: int = 1
-    parallel_evoformer: bool = False
+    init_from: str | None = option(None, cli=True, slurm="INIT_CHECKPOINT",
+                                   help="start from a reference-format checkpoint (weights + Adam state)")
+    # parallelism (the rank layout is validated once, by scalefold.distributed.layout.ParallelLayout)
+    num_async_eval_ranks: int = option(0, cli=True, slurm="NUM_ASYNC_VAL_RANKS", slurm_omit_default=True,
+                                       help="the last N ranks evaluate asynchronously (0 = in the loop)")
+    eval_timeout_s: float = option(1800.0, cli=True, help="seconds without progress after which the evaluation "
+                                   "ranks count as stuck (default 1800)")
+    process_group_timeout_s: float = option(1800.0, cli=True, help="timeout of torch.distributed collectives "
+                                            "(default 1800)")
+    dap: int = option(1, cli=True, slurm="DAP_SIZE", slurm_omit_default=True, help="dynamic axial parallelism degree")
+    bp: int = option(1, cli=True, choices=(1, 2), slurm="BP_SIZE", slurm_omit_default=True,
+                     help="branch parallelism degree (2 needs --parallel-evoformer)")
+    parallel_evoformer: bool = option(False, cli=True, slurm="PARALLEL_EVOFORMER",
+                                      help="parallel Evoformer (the outer product mean at the end of the block)")
     # torch.compile of the Evoformer / extra-MSA blocks (eager fallback when compilation fails)
-    compile: bool = False
-    compile_backend: str = "inductor"  # torch.compile backend ("aot_eager": tracing only, fast to build)
-    # CUDA graphs of the no-grad recycling passes, captured before run_start (scalefold.train.graphed_step):
-    # auto = on for CUDA devices without DAP/BP, eager elsewhere; on = the same but refuse where unusable
-    cuda_graphs: str = "auto"
+    compile: bool = option(False, cli=True, help="torch.compile the Evoformer blocks")
+    compile_backend: str = option("inductor", help="torch.compile backend (aot_eager: tracing only, fast to build)")
+    cuda_graphs: str = option("auto", cli=True, choices=CUDA_GRAPHS_MODES, help="CUDA graphs of the no-grad "
+                              "recycling passes, captured before run_start (auto: on for CUDA without DAP/BP, eager "
+                              "elsewhere; on: refuse where unusable; default auto)")
     # MLPerf log: submission_org, and the platform logged as "{nodes}x{platform}" ("": the device type)
-    submission_org: str = "ScaleFold"
-    submission_platform: str = ""
+    submission_org: str = option("ScaleFold", slurm="SUBMISSION_ORG", help="MLPerf submitter")
+    submission_platform: str = option("", slurm="SUBMISSION_PLATFORM", help="MLPerf platform (default: device type)")
 
     # -----------------------------------------------------------------------------------------
 
@@ -139,15 +146,13 @@ class TrainConfig:
         """Reject values no run can use (clear messages instead of failures deep in the loop)."""
         if self.precision not in PRECISIONS:
             raise ValueError(f"unknown precision {self.precision!r}; expected one of {PRECISIONS}")
-        for name in ("max_steps", "eval_every", "checkpoint_every", "num_async_eval_ranks", "max_consecutive_nonfinite"):
+        for name in ("max_steps", "eval_every", "checkpoint_every", "max_consecutive_nonfinite"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.dap < 1 or self.bp not in (1, 2):
-            raise ValueError(f"dap must be >= 1 and bp 1 or 2, got dap={self.dap} bp={self.bp}")
+        # the rank layout (dap, bp, num_async_eval_ranks against the world size) is validated once, by
+        # scalefold.distributed.layout.ParallelLayout; --cuda-graphs on with DAP/BP by graphed_step.resolve_mode
         if self.cuda_graphs not in CUDA_GRAPHS_MODES:
             raise ValueError(f"unknown cuda_graphs mode {self.cuda_graphs!r}; expected one of {CUDA_GRAPHS_MODES}")
-        if self.cuda_graphs == "on" and self.dap * self.bp > 1:  # DAP/BP collectives are not captured
-            raise ValueError(f"cuda_graphs 'on' is not supported with dap={self.dap} bp={self.bp}; use auto or off")
         if self.keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {self.keep_last}")
         for name in ("eval_timeout_s", "process_group_timeout_s"):
@@ -167,16 +172,15 @@ class TrainConfig:
         """Values of the ``config_*.sh`` variables (when ``DGXSYSTEM`` is set), then of the
         ``SCALEFOLD_<FIELD>`` variables, converted to the field's type. ``PRESET`` is not applied
         here (the preset is chosen first, see :func:`preset_from_env`)."""
+        sources = list(SLURM_CONFIG_ENV.items()) if env.get(SLURM_CONFIG_MARKER) else []
+        sources += [(ENV_PREFIX + f.name.upper(), f.name) for f in dataclasses.fields(self)]
         changes: dict[str, Any] = {}
-        if env.get(SLURM_CONFIG_MARKER):
-            for var, name in SLURM_CONFIG_ENV.items():
-                raw = env.get(var)
-                if raw not in (None, "") and name != "preset":  # config_common.sh exports empty defaults
-                    changes[name] = _parse(raw, getattr(self, name), name, var)
-        for f in dataclasses.fields(self):
-            raw = env.get(ENV_PREFIX + f.name.upper())
-            if raw is not None and f.name != "preset":
-                changes[f.name] = _parse(raw, getattr(self, f.name), f.name, ENV_PREFIX + f.name.upper())
+        for var, name in sources:
+            raw = env.get(var)
+            if raw in (None, "") and not var.startswith(ENV_PREFIX):  # config_common.sh exports empty defaults
+                continue
+            if raw is not None and name != "preset":
+                changes[name] = parse_value(raw, getattr(self, name), name, var, env_value_type(type(self), name))
         return self.replace(**changes) if changes else self
 
     def to_dict(self) -> dict[str, Any]:
@@ -247,35 +251,6 @@ def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     return dict(data)
 
 
-_OPTIONAL_STR_FIELDS = ("init_from",)
-
-
-def _parse(raw: str, current: Any, name: str, var: str | None = None) -> Any:
-    """``raw`` (an environment value) converted to the type of field ``name``; errors name ``var``."""
-    var = var or ENV_PREFIX + name.upper()
-    raw = raw.strip()
-    try:
-        if isinstance(current, bool):
-            if raw.lower() in ("1", "true", "yes", "on"):
-                return True
-            if raw.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError("not a boolean (1/0, true/false, yes/no, on/off)")
-        if isinstance(current, tuple):
-            return tuple(int(x) for x in raw.split(","))
-        if isinstance(current, int):
-            return int(raw)
-        if isinstance(current, float):
-            return float(raw)
-        if current is None:  # Optional fields: init_from (a path) and the int overrides
-            if raw.lower() in ("", "none"):
-                return None
-            return raw if name in _OPTIONAL_STR_FIELDS else int(raw)
-    except ValueError as exc:
-        raise ValueError(f"environment variable {var}={raw!r} is not valid for option {name!r}: {exc}") from None
-    return raw
-
-
 def _mlperf() -> dict[str, Any]:
     return {
         "out": "runs/mlperf", "store": "data/store.h5", "model_preset": "mlperf", "num_workers": 8,
@@ -304,6 +279,9 @@ def _tiny() -> dict[str, Any]:
 
 
 PRESETS = {"mlperf": _mlperf, "demo": _demo, "tiny": _tiny}
+assert sorted(PRESETS) == sorted(PRESET_NAMES)
+#: ``config_*.sh`` variable -> training option (derived from the declarations above).
+SLURM_CONFIG_ENV = slurm_config_env(TrainConfig)
 
 __all__ = [
     "TrainConfig", "PRESETS", "PRECISIONS", "CUDA_GRAPHS_MODES", "ENV_PREFIX", "SLURM_CONFIG_ENV", "SLURM_CONFIG_MARKER",

@@ -23,7 +23,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,13 +150,6 @@ def epoch_num(cycle: int, global_batch_size: int, val_every_iters: int) -> int:
 def cycle_of_iteration(iteration: int, val_every_iters: int) -> int:
     """1-based train-eval cycle that 1-based ``iteration`` belongs to."""
     return (iteration - 1) // val_every_iters + 1
-
-
-def default_log_path(out_dir: Union[str, Path], instance: int | None = None, datestamp: str | None = None) -> Path:
-    """``<out_dir>/mlperf_<datestamp>[_<instance>].log`` (one file per run / per throughput instance)."""
-    datestamp = datestamp or time.strftime("%y%m%d%H%M%S")
-    suffix = f"_{instance}" if instance is not None else ""
-    return Path(out_dir) / f"mlperf_{datestamp}{suffix}.log"
 
 
 INSTANCE_ENV = "SCALEFOLD_MLPERF_INSTANCE"

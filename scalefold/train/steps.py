@@ -4,8 +4,6 @@
   (independent of ``--max-steps``, so a resumed run continues the same stream);
 * :func:`recycling_count`, :func:`forward_seed` -- per-step randomness as pure functions;
 * :func:`setup_precision`, :func:`compile_blocks` -- numerics and ``torch.compile`` of selected regions;
-* :class:`StopRequest` -- SIGTERM / SIGUSR1 (Slurm pre-emption) turned into "checkpoint and stop
-  at the end of this step";
 * :func:`allreduce_step_stats` -- one small all-reduce per step over the training group: the mean
   loss and whether any rank was asked to stop (so every rank takes the same decisions).
 """
@@ -15,7 +13,6 @@ from __future__ import annotations
 import functools
 import os
 import random
-import signal
 import warnings
 from collections.abc import Mapping, MutableMapping, Sequence
 
@@ -27,7 +24,6 @@ from scalefold.data.loader import Sampler
 
 SEED_MODULUS = 2**63 - 1
 STREAM_BLOCK = 1024  # samples per rank and block of the position-indexed stream
-STOP_SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGUSR1", None)) if s is not None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,107 +215,8 @@ def warm_up(model: torch.nn.Module, batch: dict[str, torch.Tensor], autocast: bo
 
 
 # ---------------------------------------------------------------------------------------------
-# Stop requests and per-step agreement between ranks
+# Per-step agreement between ranks
 # ---------------------------------------------------------------------------------------------
-
-
-class StopRequest:
-    """SIGTERM / SIGUSR1 set a flag; the loop checkpoints at the end of the current step and exits
-    (evaluation ranks: they keep serving until training's end-of-training sentinel).
-
-    Use as a context manager: the previous handlers are restored on exit. Re-entrant: a nested
-    ``with`` of the same object keeps its handlers (and a signal caught earlier) until the outermost
-    ``with`` ends.
-    """
-
-    def __init__(self, signals: Sequence[int] = STOP_SIGNALS) -> None:
-        self.signals = tuple(signals)
-        self.signum: int | None = None
-        self._previous: dict[int, object] = {}
-        self._depth = 0
-
-    @property
-    def requested(self) -> bool:
-        return self.signum is not None
-
-    @property
-    def signal_name(self) -> str:
-        """``"SIGTERM"`` etc. of the caught signal (``""``: none)."""
-        if self.signum is None:
-            return ""
-        try:
-            return signal.Signals(self.signum).name
-        except ValueError:
-            return f"signal {self.signum}"
-
-    def _handle(self, signum: int, frame: object) -> None:
-        self.signum = signum
-
-    def __enter__(self) -> StopRequest:
-        self._depth += 1
-        if self._depth > 1:
-            return self
-        for sig in self.signals:
-            try:
-                self._previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread: signals stay with whoever owns them
-                pass
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._depth -= 1
-        if self._depth > 0:
-            return
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-
-
-def start_multiprocessing_helpers_ignoring_stop_signals() -> None:
-    """Start multiprocessing's forkserver and resource tracker now, with SIGTERM / SIGUSR1 ignored.
-
-    Both are started by ``exec`` and an ignored signal stays ignored across ``exec``, so a pre-emption
-    signal sent to every process of the task (Slurm) no longer kills them (which made the loader see
-    its workers as dead and restart them). The forkserver's children, the loader workers, inherit it
-    too (plus :func:`ignore_stop_signals`). Helpers that are already running stay as they are. Call it
-    from the main thread before :class:`StopRequest` installs its handlers."""
-    import multiprocessing
-
-    previous = {}
-    try:
-        for sig in STOP_SIGNALS:
-            previous[sig] = signal.signal(sig, signal.SIG_IGN)
-    except ValueError:  # not the main thread: leave everything as it is
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        return
-    try:
-        if "forkserver" in multiprocessing.get_all_start_methods():
-            from multiprocessing import forkserver
-
-            forkserver.ensure_running()  # starts the resource tracker first
-        else:
-            from multiprocessing import resource_tracker
-
-            resource_tracker.ensure_running()
-    except Exception as exc:  # noqa: BLE001 -- started later by the loader, as before
-        warnings.warn(f"could not start the multiprocessing helpers early: {exc}", stacklevel=2)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def ignore_stop_signals(worker_id: int = 0) -> None:
-    """``worker_init`` of the data-loader workers: SIGTERM / SIGUSR1 are the parent's business.
-
-    Slurm signals every process of a job step (pre-emption: ``scancel --signal``, ``--signal``), loader
-    workers included; a worker killed by it would be reported as a failed sample. The training process
-    handles the signal (:class:`StopRequest`) and closes its loader when it stops."""
-    for sig in STOP_SIGNALS:
-        try:
-            signal.signal(sig, signal.SIG_IGN)
-        except ValueError:  # not the main thread
-            pass
 
 
 def nonfinite_terms_to_nan(loss: torch.Tensor, terms: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -360,7 +257,6 @@ def broadcast_float(value: float, src: int, group: dist.ProcessGroup | None, dev
 
 __all__ = [
     "sample_pairs", "recycling_count", "forward_seed", "to_device", "step_batch", "setup_precision",
-    "float_outputs", "run_in_fp32", "keep_fp32_regions", "FP32_REGIONS", "COMPILE_REGIONS", "compile_blocks", "warm_up", "nonfinite_terms_to_nan", "StopRequest", "allreduce_step_stats", "broadcast_float",
-    "deterministic_environment", "CUBLAS_WORKSPACE_CONFIG", "ignore_stop_signals",
-    "start_multiprocessing_helpers_ignoring_stop_signals",
+    "float_outputs", "run_in_fp32", "keep_fp32_regions", "FP32_REGIONS", "COMPILE_REGIONS", "compile_blocks", "warm_up", "nonfinite_terms_to_nan", "allreduce_step_stats", "broadcast_float",
+    "deterministic_environment", "CUBLAS_WORKSPACE_CONFIG",
 ]  # fmt: skip

@@ -13,7 +13,7 @@ import torch
 from scalefold.data.bench_cli import SimulatedSample
 from scalefold.data.loader import InOrderLoader
 from scalefold.data.pipeline import FeatureConfig
-from scalefold.train.sample import StoreSample
+from scalefold.data.dataset import StoreSample
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))  # appended: shadows nothing
 from dali_loader import DaliLoader, dali_available  # noqa: E402

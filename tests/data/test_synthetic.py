@@ -204,7 +204,7 @@ def test_templates_are_earlier_family_members(tmp_path):
 
     from scalefold.data.pipeline import FeatureConfig
     from scalefold.data.store import Store
-    from scalefold.train.sample import StoreSample
+    from scalefold.data.dataset import StoreSample
 
     path = tmp_path / "synth.h5"
     summary = synth.synthesize(path, num_chains=12, num_families=2, length_range=(40, 44), seed=5)

@@ -29,7 +29,7 @@ from scalefold.data.templates import (
     select_templates,
     template_cutoff,
 )
-from scalefold.train.sample import StoreSample
+from scalefold.data.dataset import StoreSample
 
 QUERY_CHAIN = "9qry_A"  # a made-up chain id for the real query (no PDB entry of its own)
 TEMPLATE_KEYS = ("template_aatype", "template_all_atom_positions", "template_all_atom_masks", "template_sum_probs")

@@ -11,7 +11,7 @@ from scalefold.cli import main
 from scalefold.inference.evaluate import evaluate, validation_chains
 from scalefold.inference.weights import InferenceError, load_model
 from scalefold.train.config import TrainConfig
-from scalefold.train.loop import evaluate as loop_evaluate
+from scalefold.train.evaluation import evaluate as loop_evaluate
 from scalefold.train.loop import train
 
 
@@ -42,7 +42,7 @@ def test_per_target_scores_equal_the_loop_evaluator(tiny_run):
     """Every target's lDDT-Cα equals the training loop's evaluator on that target alone, and the
     mean over the whole validation window (--max-chains 0) equals the evaluator's mean."""
     from scalefold.data.pipeline import FeatureConfig
-    from scalefold.train.sample import StoreSample
+    from scalefold.data.dataset import StoreSample
 
     cfg, _, checkpoint = tiny_run
     chains = validation_chains(cfg.store, "tiny", max_chains=0)

@@ -29,7 +29,9 @@ from scalefold.train.async_eval import (
     swa_flat_buffer,
 )
 from scalefold.train.mlperf_logging import check_log
-from scalefold.train.runtime import Runtime
+from scalefold.distributed.context import ParallelContext
+from scalefold.distributed.layout import ParallelLayout
+from scalefold.distributed.runtime import Runtime
 
 LENGTHS = [10, 14, 8, 12, 9]  # residues of the validation targets
 STEPS_PER_CYCLE = 2  # "eval_every" of these runs
@@ -88,7 +90,7 @@ def _score_hanging(model, batch) -> float:
 
 @torch.no_grad()
 def _synchronous_score(eval_model) -> float:
-    """What synchronous evaluation computes (``loop.evaluate``): the mean over targets in order."""
+    """What synchronous evaluation computes (``evaluation.evaluate``): the mean over targets in order."""
     eval_model.eval()
     return float(np.mean([_score(eval_model, b) for b in _targets(list(range(len(LENGTHS))))]))
 
@@ -110,7 +112,7 @@ def _train_side(runtime, out: Path, target: float, max_cycles: int, max_pending:
     opt.bind_module_to_swa(eval_model)  # the synchronous reference reads the SWA buffer
     flat = swa_flat_buffer(opt)
     client = AsyncEvalClient(runtime, flat.numel(), max_pending=max_pending, timeout_s=timeout_s)
-    mllog = mll.MLPerfLogger.for_rank(runtime.rank, runtime.log_ranks, out / "mlperf.log")
+    mllog = mll.MLPerfLogger.for_rank(runtime.rank, runtime.parallel.log_ranks, out / "mlperf.log")
     snapshots, answers, submit_s, stopped_at = {}, [], [], None
     error, error_after_s = None, None
     t_start = time.monotonic()
@@ -129,12 +131,12 @@ def _train_side(runtime, out: Path, target: float, max_cycles: int, max_pending:
             submit_s.append(time.perf_counter() - t0)
             stop = client.should_stop()
             answers.append(stop)
-            if runtime.is_main_train_rank:
+            if runtime.parallel.is_main_train_rank:
                 snapshots[step] = flat.clone()  # scored synchronously at the end: training outruns evaluation
             if stop:
                 stopped_at = cycle
                 break
-            while wait_for_results and runtime.is_main_train_rank and len(client.results) < cycle:
+            while wait_for_results and runtime.parallel.is_main_train_rank and len(client.results) < cycle:
                 time.sleep(0.01)  # test only: let the evaluation finish before the next cycle
                 assert time.monotonic() - t_start < 60, "no evaluation result within 60 s"
     except RuntimeError as exc:
@@ -148,7 +150,7 @@ def _train_side(runtime, out: Path, target: float, max_cycles: int, max_pending:
     for step, weights in snapshots.items() if error is None else ():
         flat.copy_(weights)
         expected[step] = _synchronous_score(eval_model)
-    threads_alive = runtime.is_main_train_rank and (client._sender.is_alive() or client._listener.is_alive())
+    threads_alive = runtime.parallel.is_main_train_rank and (client._sender.is_alive() or client._listener.is_alive())
     return {
         "expected": {str(k): v for k, v in expected.items()}, "answers": answers, "stopped_at": stopped_at,
         "results": [[r.step, r.epoch, r.score, r.target_reached] for r in client.results],
@@ -163,10 +165,10 @@ def _eval_side(
     from scalefold.data.eval_cache import EvalCache
     from scalefold.train import mlperf_logging as mll
 
-    mllog = mll.MLPerfLogger.for_rank(runtime.rank, runtime.log_ranks, out / "mlperf.log")
+    mllog = mll.MLPerfLogger.for_rank(runtime.rank, runtime.parallel.log_ranks, out / "mlperf.log")
     if use_cache:
         batches = EvalCache(_target, [(i, 0) for i in range(len(LENGTHS))], LENGTHS,
-                            rank=runtime.eval_ranks.index(runtime.rank), num_ranks=len(runtime.eval_ranks))  # fmt: skip
+                            rank=runtime.parallel.eval_ranks.index(runtime.rank), num_ranks=len(runtime.parallel.eval_ranks))  # fmt: skip
         results = run_eval_rank(_Cfg(target), runtime, _build_model, batches, score_fn, mllog)
     else:
         results = run_eval_rank(_Cfg(target), runtime, _build_model, _targets, score_fn, mllog, target_lengths=lengths)
@@ -205,7 +207,7 @@ SCENARIOS = {
 
 
 def _rank_main(rank: int, port: int, scenario: str, out: str) -> None:
-    from scalefold.train.runtime import init_distributed
+    from scalefold.distributed.runtime import init_distributed
 
     torch.set_num_threads(1)
     world, num_eval, train_kwargs, eval_kwargs = SCENARIOS[scenario]
@@ -214,7 +216,7 @@ def _rank_main(rank: int, port: int, scenario: str, out: str) -> None:
     record: dict = {"rank": rank}
     try:
         runtime = init_distributed(num_async_eval_ranks=num_eval, env=env, timeout_s=60)
-        if runtime.is_train_rank:
+        if runtime.parallel.is_train_rank:
             if scenario in ("stop_at_target", "unreachable_split"):
                 train_kwargs = {**train_kwargs, "wait_for_results": scenario == "stop_at_target"}
             record.update(_train_side(runtime, Path(out), **train_kwargs))
@@ -580,6 +582,6 @@ def test_client_and_eval_rank_refuse_wrong_runtimes():
         AsyncEvalClient(Runtime(), num_params=10)
     with pytest.raises(ValueError, match="not an evaluation rank"):
         run_eval_rank(_Cfg(0.8), Runtime(), _build_model, _targets, _score, None, target_lengths=LENGTHS)
-    rt = Runtime(rank=0, world_size=2, train_ranks=[0], eval_ranks=[1])
+    rt = Runtime(rank=0, world_size=2, parallel=ParallelContext(ParallelLayout(2, num_eval_ranks=1), rank=0))
     with pytest.raises(ValueError, match="torch.distributed"):
         AsyncEvalClient(rt, num_params=10)

@@ -24,8 +24,9 @@ from scalefold.data.store import Store
 from scalefold.losses import AlphaFoldLoss
 from scalefold.train.checkpoint_io import load_checkpoint
 from scalefold.train.config import TrainConfig
-from scalefold.train.loop import build_model, build_model_config, split_chains
-from scalefold.train.sample import StoreSample
+from scalefold.train.build import build_model, build_model_config
+from scalefold.train.run_data import split_chains
+from scalefold.data.dataset import StoreSample
 from scalefold.train.steps import forward_seed, recycling_count, sample_pairs, step_batch
 
 WORLD = 2

@@ -34,7 +34,8 @@ from scalefold.cli import main
 from scalefold.train.checkpoint_io import load_checkpoint
 from scalefold.train.cli import EXIT_ABORTED, EXIT_BAD_INPUT
 from scalefold.train.config import TrainConfig
-from scalefold.train.loop import build_model, build_model_config, train
+from scalefold.train.build import build_model, build_model_config
+from scalefold.train.loop import train
 
 SIGNAL_TEST_TIMEOUT_S = 300  # generous: the machine is shared
 
@@ -324,7 +325,7 @@ def test_resume_log_is_named_after_the_checkpoint_that_loaded(tmp_path, store, c
 def test_missing_store_is_refused_unless_the_preset_synthesises_one(tmp_path, capsys):
     """--preset mlperf with an absent --store: exit status 3, the path and how to create a store named,
     nothing created. demo / tiny (and --synthesize-missing-store) synthesise it."""
-    from scalefold.train.loop import StoreNotFoundError, check_store
+    from scalefold.train.run_data import StoreNotFoundError, check_store
 
     missing = tmp_path / "data" / "store.h5"
     out = tmp_path / "run"
@@ -348,7 +349,7 @@ def test_stop_request_is_reentrant_and_restores_the_handlers():
     """train() installs one StopRequest for the whole run (a signal during the setup counts); the loop's
     nested `with` of the same object keeps its handlers and the caught signal; the outermost exit
     restores the previous handlers."""
-    from scalefold.train.steps import StopRequest
+    from scalefold.train.stopping import StopRequest
 
     before = signal.getsignal(signal.SIGUSR1)
     request = StopRequest()

@@ -55,18 +55,20 @@ def _worker(rank: int, port: int) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from scalefold.train.flat_optimizer import FlatAdamSWA
-    from scalefold.train.runtime import Runtime, build_process_groups, init_distributed
+    from scalefold.distributed.context import build_parallel_context
+    from scalefold.distributed.layout import ParallelLayout
+    from scalefold.distributed.runtime import init_distributed
 
     env = {"RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(WORLD),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
     runtime = init_distributed(env=env)
-    assert runtime.backend == "gloo" and runtime.world_size == WORLD and runtime.train_ranks == [0, 1]
+    assert runtime.backend == "gloo" and runtime.world_size == WORLD and runtime.parallel.layout.train_ranks() == [0, 1]
 
     # 1. DDP + bucket clipping + flat Adam == clipping the averaged gradient + torch Adam
     model = _model()
     opt = FlatAdamSWA(list(model.named_parameters()), eps=1e-6)  # before DDP wraps the model
     ddp = DDP(model, gradient_as_bucket_view=False, bucket_cap_mb=0.001)  # tiny buckets: several per step
-    clipper = GradClipper(max_norm=MAX_NORM, process_group=runtime.train_group)
+    clipper = GradClipper(max_norm=MAX_NORM, process_group=runtime.parallel.train_group)
     clipper.register(ddp)
     ref_model, ref_norms, ref_scales = _reference(STEPS)
     for step in range(STEPS):
@@ -92,10 +94,8 @@ def _worker(rank: int, port: int) -> None:
     assert not clipper.compute().is_finite()
 
     # 3. process groups with one async evaluation rank: bridge and eval group work
-    rt2 = build_process_groups(
-        Runtime(rank=rank, world_size=WORLD, backend="gloo"), num_async_eval_ranks=1
-    )
-    assert rt2.train_ranks == [0] and rt2.eval_ranks == [1]
+    rt2 = build_parallel_context(ParallelLayout(WORLD, num_eval_ranks=1).validate())
+    assert rt2.layout.train_ranks() == [0] and rt2.eval_ranks == [1]
     assert rt2.is_train_rank == (rank == 0) and rt2.is_eval_rank == (rank == 1)
     weights = torch.arange(4, dtype=torch.float32) if rank == 0 else torch.zeros(4)
     dist.broadcast(weights, src=0, group=rt2.bridge_group)

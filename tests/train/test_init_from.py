@@ -23,7 +23,9 @@ from scalefold.model import AlphaFold, AlphaFoldConfig
 from scalefold.train.cli import EXIT_BAD_INPUT
 from scalefold.train.config import TrainConfig
 from scalefold.train.flat_optimizer import FlatAdamSWA
-from scalefold.train.loop import build_model, build_model_config, init_from_checkpoint, train
+from scalefold.train.build import build_model, build_model_config
+from scalefold.train.checkpointing import init_from_checkpoint
+from scalefold.train.loop import train
 
 ITERATION = 7
 
@@ -165,13 +167,13 @@ def test_corrupt_or_foreign_files_are_refused(tmp_path, tiny_store):
 def test_only_the_logging_rank_hashes_the_checkpoint(tmp_path, monkeypatch):
     """init_from_checkpoint(hash_file=False) loads without hashing (the loop hashes on the logging rank only
     and broadcasts the hash to the other training ranks)."""
-    from scalefold.train import loop
+    from scalefold.train import checkpointing
 
     path = tmp_path / "ref.pt"
     _reference_checkpoint(path)
     calls = []
-    real = loop.sha256sum
-    monkeypatch.setattr(loop, "sha256sum", lambda p: (calls.append(p), real(p))[1])
+    real = checkpointing.sha256sum
+    monkeypatch.setattr(checkpointing, "sha256sum", lambda p: (calls.append(p), real(p))[1])
     cfg = _tiny_cfg()
     model = build_model(cfg, build_model_config(cfg), torch.device("cpu"), torch.float32)
     opt = FlatAdamSWA(list(model.named_parameters()), lr=1e-3, eps=1e-6)

@@ -12,7 +12,9 @@ import pytest
 
 from scalefold.cli import main
 from scalefold.train.config import TrainConfig
-from scalefold.train.loop import BREAKDOWN_KEYS, print_breakdown, recycling_count, train
+from scalefold.train.loop import train
+from scalefold.train.run_log import BREAKDOWN_KEYS, print_breakdown
+from scalefold.train.steps import recycling_count
 from scalefold.train.mlperf_logging import INIT_BLOCK_KEYS, check_log
 
 # What the official checker (hpc 3.0.0) rejects in a tiny CPU run's log, and why: dataset counts
@@ -137,7 +139,7 @@ def test_validation_chain_ids_is_the_split_chains_validation_set(tiny_run):
     """validation_chain_ids (used by `scalefold evaluate`) returns split_chains' validation list, and
     honours eval_max_chains (0 = all)."""
     from scalefold.data.store import Store
-    from scalefold.train.loop import split_chains, validation_chain_ids
+    from scalefold.train.run_data import split_chains, validation_chain_ids
 
     cfg, _ = tiny_run
     with Store.open(cfg.store) as store:
@@ -209,15 +211,15 @@ def test_validation_set_is_built_after_run_start(tiny_run, tmp_path, monkeypatch
     """Synchronous evaluation: the validation cache is built, and the step-0 baseline evaluated, only after
     run_start (dataset work is timed); eval_baseline off (the mlperf preset's default) skips the baseline."""
     from scalefold.data.eval_cache import EvalCache
-    from scalefold.train import loop
+    from scalefold.train import evaluation
     from scalefold.train import mlperf_logging as mll
 
     cfg, _ = tiny_run
     events: list[str] = []
-    run_start, fill, evaluate = mll.MLPerfLogger.init_stop_run_start, EvalCache.fill, loop.evaluate
+    run_start, fill, evaluate = mll.MLPerfLogger.init_stop_run_start, EvalCache.fill, evaluation.evaluate
     monkeypatch.setattr(mll.MLPerfLogger, "init_stop_run_start", lambda self: (events.append("run_start"), run_start(self))[1])
     monkeypatch.setattr(EvalCache, "fill", lambda self: (events.append("fill") if not self.filled else None, fill(self))[1])
-    monkeypatch.setattr(loop, "evaluate", lambda *a, **k: (events.append("evaluate"), evaluate(*a, **k))[1])
+    monkeypatch.setattr(evaluation, "evaluate", lambda *a, **k: (events.append("evaluate"), evaluate(*a, **k))[1])
     _record_chain_table_reads(monkeypatch, events)
     out = tmp_path / "run"
     run_cfg = cfg.replace(out=str(out), max_steps=1, eval_every=1, checkpoint_every=0, eval_baseline=baseline)

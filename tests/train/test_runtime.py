@@ -6,14 +6,15 @@ import subprocess
 
 import pytest
 
-from scalefold.train.runtime import (
+from scalefold.distributed.context import ParallelContext
+from scalefold.distributed.layout import LayoutError, ParallelLayout
+from scalefold.distributed.runtime import (
     SLURM_PORT_BASE,
     Runtime,
     cuda_device_index,
     discover,
     expand_slurm_nodelist,
     init_distributed,
-    partition_ranks,
     resolve_slurm_master,
 )
 
@@ -63,8 +64,8 @@ def test_single_process_default():
     info = discover({})
     assert (info.launcher, info.rank, info.world_size) == ("single", 0, 1)
     runtime = init_distributed(env={})
-    assert not runtime.distributed and runtime.is_train_rank and runtime.is_main_train_rank
-    assert runtime.train_ranks == [0] and runtime.eval_ranks == [] and runtime.log_ranks == (0,)
+    assert not runtime.distributed and runtime.parallel.is_train_rank and runtime.parallel.is_main_train_rank
+    assert runtime.parallel.layout.train_ranks() == [0] and runtime.parallel.eval_ranks == [] and runtime.parallel.log_ranks == (0,)
 
 
 @pytest.mark.parametrize(
@@ -83,7 +84,7 @@ def test_expand_slurm_nodelist(nodelist, hosts):
 
 def test_resolve_master_prefers_scontrol(monkeypatch):
     """With scontrol on PATH its first hostname is the master; otherwise the list is parsed."""
-    import scalefold.train.runtime as rt
+    import scalefold.distributed.runtime as rt
 
     monkeypatch.setattr(rt.shutil, "which", lambda name: "/usr/bin/scontrol")
     fake = lambda cmd, **kw: subprocess.CompletedProcess(cmd, 0, stdout="hostA\nhostB\n", stderr="")  # noqa: E731
@@ -92,26 +93,28 @@ def test_resolve_master_prefers_scontrol(monkeypatch):
     assert resolve_slurm_master("h[1-2]") == "h1"
 
 
-def test_partition_and_runtime_roles():
-    """The last num_async_eval_ranks ranks evaluate; roles, data-parallel rank and log ranks follow."""
-    assert partition_ranks(8, 2) == ([0, 1, 2, 3, 4, 5], [6, 7])
-    with pytest.raises(ValueError):
-        partition_ranks(2, 2)
-    rt = Runtime(rank=6, world_size=8, train_ranks=[0, 1, 2, 3, 4, 5], eval_ranks=[6, 7])
+def test_layout_roles():
+    """The last num_async_eval_ranks ranks evaluate; roles, the data-parallel rank (shared by a DAP group)
+    and the log ranks all come from the one layout object."""
+    layout = ParallelLayout(8, dap=2, num_eval_ranks=2).validate()
+    assert layout.train_ranks() == [0, 1, 2, 3, 4, 5] and layout.eval_ranks() == [6, 7]
+    with pytest.raises(LayoutError, match="leave no training rank"):
+        ParallelLayout(2, num_eval_ranks=2).validate()
+    rt = ParallelContext(layout, rank=6)
     assert rt.is_eval_rank and rt.is_main_eval_rank and not rt.is_train_rank and rt.async_eval
-    assert rt.data_parallel_rank == -1 and rt.log_ranks == (0, 6)
-    rt1 = Runtime(rank=3, world_size=8, train_ranks=[0, 1, 2, 3, 4, 5], eval_ranks=[6, 7])
-    assert rt1.data_parallel_rank == 3 and rt1.num_train_ranks == 6
+    assert rt.dp_rank == -1 and rt.log_ranks == (0, 6)
+    rt1 = ParallelContext(layout, rank=3)
+    assert rt1.dp_rank == 1 and rt1.num_train_ranks == 6 and rt1.layout.dp == 3  # ranks 2, 3: one DAP group
 
 
 _MPI_SCRIPT = """
 import sys, pathlib
 import torch, torch.distributed as dist
-from scalefold.train.runtime import init_distributed
+from scalefold.distributed.runtime import init_distributed
 rt = init_distributed(num_async_eval_ranks=1)
 t = torch.tensor([float(rt.rank + 1)])
 dist.all_reduce(t)
-fields = [rt.launcher, rt.rank, rt.world_size, rt.local_rank, rt.train_ranks, rt.eval_ranks, float(t)]
+fields = [rt.launcher, rt.rank, rt.world_size, rt.local_rank, rt.parallel.layout.train_ranks(), rt.parallel.eval_ranks, float(t)]
 pathlib.Path(sys.argv[1], f"rank{rt.rank}.txt").write_text(" ".join(map(str, fields)))
 dist.destroy_process_group()
 """
@@ -148,13 +151,13 @@ def test_mpirun_launch_bootstraps_gloo_through_mpi4py(tmp_path):
 _BOOT_SCRIPT = """
 import json, sys
 import torch, torch.distributed as dist
-from scalefold.train.runtime import init_distributed, shutdown
+from scalefold.distributed.runtime import init_distributed, shutdown
 runtime = init_distributed(num_async_eval_ranks=1, timeout_s=300)
 t = torch.tensor([float(runtime.rank + 1)])
 dist.all_reduce(t)
 print(json.dumps({"launcher": runtime.launcher, "rank": runtime.rank, "world": runtime.world_size,
-                  "local_rank": runtime.local_rank, "backend": runtime.backend, "train": runtime.train_ranks,
-                  "eval": runtime.eval_ranks, "sum": float(t)}), flush=True)
+                  "local_rank": runtime.local_rank, "backend": runtime.backend, "train": runtime.parallel.layout.train_ranks(),
+                  "eval": runtime.parallel.eval_ranks, "sum": float(t)}), flush=True)
 shutdown(runtime)
 """
 
@@ -232,7 +235,7 @@ def test_mpirun_without_mpi4py_is_a_clear_error(monkeypatch):
     """An MPI launch lacking MASTER_ADDR/MASTER_PORT needs mpi4py; without it: LaunchError saying how to fix it."""
     import sys
 
-    from scalefold.train.runtime import LaunchError
+    from scalefold.distributed.runtime import LaunchError
 
     monkeypatch.setitem(sys.modules, "mpi4py", None)  # `import mpi4py` raises ImportError
     env = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
@@ -286,7 +289,7 @@ def _shutdown_entry(rank: int, world_size: int, port: int, leaver: int, out_dir:
 
     import torch.distributed as dist
 
-    from scalefold.train.runtime import shutdown
+    from scalefold.distributed.runtime import shutdown
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)

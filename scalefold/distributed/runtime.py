@@ -12,10 +12,12 @@ One code path whatever launched us:
   PMIx ``PMIX_RANK``; without ``MASTER_ADDR`` the master address and port are broadcast with mpi4py.
 
 Discovery is a pure function of an environment mapping (:func:`discover`), so it is unit-tested with
-plain dicts. :func:`init_distributed` then initialises ``torch.distributed`` (NCCL on GPU, gloo on
-CPU) and builds ScaleFold's process groups (:func:`build_process_groups`): the training ranks, the
-evaluation ranks (the last ``num_async_eval_ranks``) and a gloo "bridge" between training rank 0
-and the first evaluation rank, through which the SWA weights travel (host memory).
+plain dicts. :func:`init_distributed` validates the rank layout against the discovered world size
+(before anything starts), initialises ``torch.distributed`` (NCCL on GPU, gloo on CPU) and builds every
+process group once, in :class:`~scalefold.distributed.context.ParallelContext` (``Runtime.parallel``):
+the training ranks, the evaluation ranks (the last ``num_async_eval_ranks``), the gloo "bridge" between
+training rank 0 and the first evaluation rank (the SWA weights travel through it, in host memory), and
+the DAP / BP / model groups.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from scalefold.distributed.context import ParallelContext, build_parallel_context
+from scalefold.distributed.layout import ParallelLayout
 from scalefold.errors import exception_summary
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -211,23 +215,14 @@ def complete_with_mpi(info: RankInfo) -> RankInfo:
 
 
 # ----------------------------------------------------------------------------------------------
-# Process groups
+# The runtime
 # ----------------------------------------------------------------------------------------------
-
-
-def partition_ranks(world_size: int, num_async_eval_ranks: int = 0) -> tuple[list[int], list[int]]:
-    """(training ranks, evaluation ranks): the last ``num_async_eval_ranks`` ranks evaluate."""
-    if not 0 <= num_async_eval_ranks < world_size:
-        raise ValueError(
-            f"num_async_eval_ranks={num_async_eval_ranks} must leave at least one training rank of {world_size}"
-        )
-    split = world_size - num_async_eval_ranks
-    return list(range(split)), list(range(split, world_size))
 
 
 @dataclass
 class Runtime:
-    """Everything the training loop needs to know about the processes it runs in."""
+    """The process the run lives in: its rank as the launcher told it, its device, and ``parallel``, the
+    one owner of the rank layout and of every process group (roles, sizes, groups: ask it)."""
 
     launcher: str = "single"
     rank: int = 0
@@ -237,71 +232,11 @@ class Runtime:
     num_nodes: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: str | None = None  # None: torch.distributed not initialised (single process)
-    train_ranks: list[int] = field(default_factory=lambda: [0])
-    eval_ranks: list[int] = field(default_factory=list)
-    train_group: dist.ProcessGroup | None = None
-    eval_group: dist.ProcessGroup | None = None
-    bridge_group: dist.ProcessGroup | None = None  # gloo, [first train rank, first eval rank]
+    parallel: ParallelContext = field(default_factory=lambda: ParallelContext(ParallelLayout(1), rank=0))
 
     @property
     def distributed(self) -> bool:
         return self.backend is not None
-
-    @property
-    def is_train_rank(self) -> bool:
-        return self.rank in self.train_ranks
-
-    @property
-    def is_eval_rank(self) -> bool:
-        return self.rank in self.eval_ranks
-
-    @property
-    def async_eval(self) -> bool:
-        return bool(self.eval_ranks)
-
-    @property
-    def main_train_rank(self) -> int:
-        return self.train_ranks[0]
-
-    @property
-    def main_eval_rank(self) -> int:
-        """The rank that logs evaluation results (first eval rank, or training rank 0 if synchronous)."""
-        return self.eval_ranks[0] if self.eval_ranks else self.train_ranks[0]
-
-    @property
-    def is_main_train_rank(self) -> bool:
-        return self.rank == self.main_train_rank
-
-    @property
-    def is_main_eval_rank(self) -> bool:
-        return self.rank == self.main_eval_rank
-
-    @property
-    def num_train_ranks(self) -> int:
-        return len(self.train_ranks)
-
-    @property
-    def data_parallel_rank(self) -> int:
-        """Index among the training ranks (-1 on evaluation ranks)."""
-        return self.train_ranks.index(self.rank) if self.is_train_rank else -1
-
-    @property
-    def log_ranks(self) -> tuple[int, ...]:
-        """Ranks that write the MLPerf log."""
-        return tuple(sorted({self.main_train_rank, self.main_eval_rank}))
-
-
-def build_process_groups(runtime: Runtime, num_async_eval_ranks: int = 0) -> Runtime:
-    """Create the training / evaluation / bridge groups (collective: every rank must call it)."""
-    train_ranks, eval_ranks = partition_ranks(runtime.world_size, num_async_eval_ranks)
-    runtime.train_ranks, runtime.eval_ranks = train_ranks, eval_ranks
-    if not runtime.distributed:
-        return runtime
-    # new_group is collective over the default group: same calls in the same order on every rank
-    runtime.train_group = dist.new_group(train_ranks) if eval_ranks else dist.group.WORLD
-    runtime.eval_group = dist.new_group(eval_ranks) if eval_ranks else None
-    runtime.bridge_group = dist.new_group([train_ranks[0], eval_ranks[0]], backend="gloo") if eval_ranks else None
-    return runtime
 
 
 def cuda_device_index(local_rank: int, local_world_size: int, device_count: int) -> int:
@@ -330,13 +265,21 @@ def init_distributed(
     env: Mapping[str, str] | None = None,
     backend: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    *,
+    dap: int = 1,
+    bp: int = 1,
+    parallel_evoformer: bool = False,
+    crop_size: int | None = None,
 ) -> Runtime:
-    """Discover ranks, initialise ``torch.distributed`` when there is more than one, build groups.
+    """Discover ranks, validate the layout (:class:`~scalefold.distributed.layout.LayoutError` before any
+    process group exists), initialise ``torch.distributed`` when there is more than one rank, build the groups.
 
     ``timeout_s``: timeout of the process group's collectives (``TrainConfig.process_group_timeout_s``)."""
     info = discover(env)
     if info.launcher == "mpi" and (info.master_addr is None or info.master_port is None or info.local_rank < 0):
         info = complete_with_mpi(info)
+    layout = ParallelLayout(info.world_size, dap=dap, bp=bp, num_eval_ranks=num_async_eval_ranks)
+    layout.validate(parallel_evoformer=parallel_evoformer, crop_size=crop_size)
     env_map = os.environ if env is None else env
     nodelist = env_map.get("SLURM_STEP_NODELIST") or env_map.get("SLURM_JOB_NODELIST") or env_map.get("SLURM_NODELIST")
     if info.launcher == "slurm" and "MASTER_ADDR" not in env_map and nodelist:
@@ -355,7 +298,8 @@ def init_distributed(
         runtime.backend = backend
     elif dist.is_initialized():
         runtime.backend = dist.get_backend()
-    return build_process_groups(runtime, num_async_eval_ranks)
+    runtime.parallel = build_parallel_context(layout, ranks_per_node=info.local_world_size)
+    return runtime
 
 
 #: seconds a cleanly finished rank waits at the exit barrier for its peers (gloo) before it leaves anyway

@@ -1,0 +1,186 @@
+"""Where a run starts from and what it keeps: ``--init-from``, ``--resume`` and the checkpoint policy.
+
+* ``--init-from``: a reference-format checkpoint (MLPerf's), weights strictly and Adam moments onto the
+  flat buffers, SWA restarting from the loaded weights (:func:`init_from_checkpoint`);
+* ``--resume``: the newest of our own checkpoints that loads, chosen by the main training rank and
+  announced to every rank (:func:`choose_resume_checkpoint`), restored by :func:`resume_from_checkpoint`;
+* :class:`CheckpointPolicy`: every ``checkpoint_every`` steps and at a requested stop, written by the main
+  training rank (atomic, the newest ``keep_last`` kept: :class:`~.checkpoint_io.CheckpointManager`).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from scalefold.distributed.runtime import Runtime
+from scalefold.model import AlphaFold
+from scalefold.train.checkpoint_io import (
+    CheckpointError,
+    CheckpointManager,
+    build_checkpoint,
+    capture_rng_state,
+    load_checkpoint,
+    restore_rng_state,
+    sha256sum,
+)
+from scalefold.train.config import TrainConfig
+from scalefold.train.flat_optimizer import FlatAdamSWA
+from scalefold.train.mlperf_run import mlperf_log_path
+
+
+def init_from_checkpoint(path: str, model: AlphaFold, opt: FlatAdamSWA, hash_file: bool = True) -> tuple[int, str | None]:
+    """Load a reference-format checkpoint (weights strictly, Adam moments onto the flat buffers).
+
+    The MLPerf reference layout: ``alphafold_state_dict`` (reference parameter names),
+    ``optimizer_state_dict`` (``torch.optim.Adam``: per-parameter ``step``/``exp_avg``/``exp_avg_sq``
+    indexed in parameter order) and ``iteration``. Everything is checked before anything is loaded:
+    a corrupt file, mismatching names/shapes or Adam moments raise
+    :class:`~scalefold.checkpoint.adapters.CheckpointError` naming the file and listing the
+    mismatches. SWA restarts from the loaded weights. Returns ``(stored iteration, sha256 of the file)``
+    (``None`` instead of the hash with ``hash_file=False``: the training loop hashes on the logging
+    rank only and broadcasts the result).
+    """
+    from scalefold.checkpoint.adapters import (
+        CheckpointError,
+        _check_adam_state,
+        compare_state_dict,
+        extract_model_state_dict,
+        load_reference_checkpoint,
+        read_checkpoint,
+    )
+
+    ckpt = read_checkpoint(path)  # torch.load(weights_only=True); unreadable files -> CheckpointError
+    for key in ("alphafold_state_dict", "iteration"):
+        if key not in ckpt:
+            raise CheckpointError(f"{path}: not a reference checkpoint, no {key!r} (keys: {sorted(ckpt)[:10]})")
+    report = compare_state_dict(model, extract_model_state_dict(ckpt))
+    if not report.ok:
+        raise CheckpointError(f"{path}: parameters do not match the model config: {report.describe()}")
+    params = list(model.parameters())
+    if "optimizer_state_dict" in ckpt:
+        try:
+            _check_adam_state(ckpt["optimizer_state_dict"], params)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{path}: {exc}") from exc
+    iteration = load_reference_checkpoint(ckpt, model, optimizer=None)  # weights -> the flat master views
+    if "optimizer_state_dict" in ckpt:
+        try:
+            opt.load_state_dict(ckpt["optimizer_state_dict"])
+        except (KeyError, ValueError) as exc:
+            raise CheckpointError(f"{path}: optimizer state does not fit the model: {exc}") from exc
+    opt.sync_compute_from_master()
+    opt.reset_swa()
+    return iteration, sha256sum(path) if hash_file else None
+
+
+def save_checkpoint(
+    checkpoints: CheckpointManager, model: AlphaFold, opt: FlatAdamSWA, step: int, model_preset: str | None = None
+) -> Path:
+    """Reference keys (weights, Adam state, iteration) plus SWA state, RNG state, data position and
+    the model preset name."""
+    ckpt = build_checkpoint(
+        model.state_dict(), opt.state_dict(), step, swa_state=opt.swa_state_dict(),
+        rng_state=capture_rng_state(), data_position={"samples_consumed": step}, model_preset=model_preset,
+    )  # fmt: skip
+    return checkpoints.save(ckpt)
+
+
+def resume_from_checkpoint(ckpt: dict[str, Any], cfg: TrainConfig, model: AlphaFold, opt: FlatAdamSWA,
+                           source: Any = "checkpoint") -> int:  # fmt: skip
+    """Restore weights, Adam and SWA state and RNG state of one of our checkpoints; returns its step.
+
+    A checkpoint of another model preset, or whose parameters do not match the model, is refused
+    (:class:`~scalefold.checkpoint.adapters.CheckpointError` listing the mismatches) before anything is
+    loaded.
+    """
+    from scalefold.checkpoint.adapters import CheckpointError, StateDictMismatchError, compare_state_dict
+
+    preset = ckpt.get("model_preset")
+    if preset is not None and preset != cfg.model_preset:
+        raise CheckpointError(
+            f"{source}: checkpoint of model preset {preset!r}, this run builds {cfg.model_preset!r}"
+        )
+    missing = [k for k in ("alphafold_state_dict", "optimizer_state_dict", "iteration", "swa_state_dict",
+                           "rng_state") if k not in ckpt]  # fmt: skip
+    if missing:
+        raise CheckpointError(f"{source}: not a resumable ScaleFold checkpoint, missing {missing}")
+    report = compare_state_dict(model, ckpt["alphafold_state_dict"])
+    if not report.ok:
+        raise StateDictMismatchError(report)
+    model.load_state_dict(ckpt["alphafold_state_dict"])  # copies into the flat master views
+    opt.load_state_dict(ckpt["optimizer_state_dict"])
+    opt.load_swa_state_dict(ckpt["swa_state_dict"])
+    opt.sync_compute_from_master()
+    restore_rng_state(ckpt["rng_state"])
+    step = int(ckpt["iteration"])
+    consumed = int(ckpt.get("data_position", {}).get("samples_consumed", step))
+    if consumed != step:
+        raise CheckpointError(f"{source}: data position {consumed} != iteration {step}")
+    return step
+
+
+def choose_resume_checkpoint(cfg: TrainConfig, runtime: Runtime, checkpoints: CheckpointManager) -> tuple[Path | None, dict | None]:
+    """``--resume``: (path, content) of the newest checkpoint that loads, ``(None, None)`` when there is no
+    checkpoint at all (a fresh start). The main training rank chooses and tells every rank (collective
+    over all ranks): the other training ranks load the same file, evaluation ranks only need its name
+    (the MLPerf log's). Raises :class:`CheckpointError` on every rank, listing each file's error, when
+    checkpoint files exist but none of them loads."""
+    main = runtime.parallel.is_main_train_rank
+    choice: list[Any] = [None]
+    ckpt = None
+    if main:
+        checkpoints.prune()  # temporary files of a killed writer go; complete checkpoints stay
+        try:
+            found = checkpoints.load_resumable()
+        except CheckpointError as exc:
+            choice[0] = ("error", str(exc))
+        else:
+            if found is None:
+                choice[0] = ("none", str(checkpoints.directory))
+            else:
+                path, ckpt, skipped = found
+                for error in skipped:
+                    print(f"scalefold train: --resume: skipping a checkpoint that does not load: {error}", flush=True)
+                choice[0] = ("path", str(path))
+    if runtime.distributed:
+        dist.broadcast_object_list(choice, src=runtime.parallel.main_train_rank)
+    kind, value = choice[0]
+    if kind == "error":
+        raise CheckpointError(f"--resume: {value}")
+    if kind == "none":
+        if main:
+            print(f"scalefold train: --resume: no checkpoint in {value}; starting from step 0 (metrics.jsonl "
+                  f"restarted, MLPerf log {mlperf_log_path(cfg).name})", flush=True)  # fmt: skip
+        return None, None
+    path = Path(value)
+    if ckpt is None and runtime.parallel.is_train_rank:
+        ckpt = load_checkpoint(path)
+    return path, ckpt
+
+
+class CheckpointPolicy:
+    """When the main training rank writes a checkpoint: every ``cfg.checkpoint_every`` steps and at a
+    requested stop (pre-emption); the other ranks only take part in the timing."""
+
+    def __init__(self, cfg: TrainConfig, runtime: Runtime, out: Path) -> None:
+        self.every, self.model_preset = cfg.checkpoint_every, cfg.model_preset
+        self.main = runtime.parallel.is_main_train_rank
+        self.manager = CheckpointManager(out / "checkpoints", keep_last=cfg.keep_last)
+
+    def due(self, step: int, stop: bool) -> bool:
+        return bool(self.every and step % self.every == 0) or stop
+
+    def save(self, model: AlphaFold, opt: FlatAdamSWA, step: int, timings: dict[str, float]) -> None:
+        t_ckpt = time.perf_counter()
+        if self.main:
+            save_checkpoint(self.manager, model, opt, step, model_preset=self.model_preset)
+        timings["checkpoint"] += time.perf_counter() - t_ckpt
+
+
+__all__ = [
+    "CheckpointPolicy", "choose_resume_checkpoint", "init_from_checkpoint", "resume_from_checkpoint", "save_checkpoint",
+]  # fmt: skip

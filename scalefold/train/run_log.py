@@ -1,0 +1,142 @@
+"""What a training run tells its user: ``metrics.jsonl``, console lines, the end-of-run summary.
+
+Kept apart from the loop so that the :class:`~scalefold.train.loop.Trainer` only says *what*
+happened (a step's record, an evaluation, a skipped sample) and this module decides how it is
+written: strict JSON lines on the main training rank, one atomic ``write`` per console line (ranks
+share the launcher's pipe), the step-time breakdown and ``curves.png`` at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from scalefold.train import mlperf_logging as mll
+from scalefold.train.plots import plot_metrics
+
+
+def announce(line: str) -> None:
+    """Print ``line`` with one ``write`` of the whole line (newline included), flushed at once.
+
+    Ranks share the launcher's stdout pipe; ``print`` may issue the text and the newline as separate
+    writes, so two ranks' lines could interleave. A single write of at most ``PIPE_BUF`` bytes to a
+    pipe is atomic (POSIX), so each rank's line arrives whole.
+    """
+    stream = sys.stdout
+    stream.flush()  # anything buffered before goes out first, on its own
+    data = (line + "\n").encode(getattr(stream, "encoding", None) or "utf-8", errors="replace")
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # a replaced stdout without a descriptor (e.g. captured)
+        stream.write(line + "\n")
+        stream.flush()
+        return
+    while data:  # a pipe write of <= PIPE_BUF bytes is never partial; longer lines are written in pieces
+        data = data[os.write(fd, data) :]
+
+
+@dataclass
+class TrainResult:
+    out: Path | None  # None on ranks that write nothing
+    steps: int
+    final_loss: float
+    eval_history: list[tuple[int, float]] = field(default_factory=list)
+    skipped_steps: int = 0
+    stopped_by_signal: int | None = None
+    status: str = mll.STATUS_ABORTED
+    timings: dict[str, float] = field(default_factory=dict)
+    # samples this rank's loader gave up on (and replaced): chain_id, reason, ... (loader ranks only)
+    skipped_samples: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # extra end-of-run lines (e.g. the CUDA-graph summary)
+
+
+class MetricsLog:
+    """``metrics.jsonl`` of the main training rank (other ranks: no-op)."""
+
+    def __init__(self, path: Path, enabled: bool) -> None:
+        self.path = path
+        self._file = path.open("a") if enabled else None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._file is not None:  # strict JSON: NaN / inf (a skipped step's loss) are written as null
+            self._file.write(json.dumps(_json_safe(record), allow_nan=False) + "\n")
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by ``None`` (JSON ``null``)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop records after ``last_step`` (written after the checkpoint a resumed run restarts from)."""
+    if not path.exists():
+        return
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= last_step]
+    path.write_text("".join(ln + "\n" for ln in lines))
+
+
+def progress_bar(total: int, start: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, desc="train", unit="step", disable=not enabled, dynamic_ncols=True)
+
+
+BREAKDOWN_KEYS = ("data_wait", "forward", "backward", "optimizer", "eval", "checkpoint")
+
+
+def print_breakdown(result: TrainResult, file: Any = None) -> None:
+    """Step-time breakdown (data wait, forward, backward, optimizer, eval, checkpoint): seconds, share of
+    the total, milliseconds per step; then the evaluation history."""
+    steps = max(result.steps, 1)
+    timings = {k: result.timings.get(k, 0.0) for k in BREAKDOWN_KEYS}
+    timings.update({k: v for k, v in result.timings.items() if k not in timings})
+    total = sum(timings.values())
+    lines = [f"step-time breakdown over {result.steps} steps ({result.skipped_steps} skipped):"]
+    for key, seconds in timings.items():
+        share = 100 * seconds / total if total > 0 else 0.0
+        lines.append(f"  {key:<11s} {seconds:8.2f} s  {share:5.1f} %  {1000 * seconds / steps:9.1f} ms/step")
+    lines.append(f"  {'total':<11s} {total:8.2f} s  100.0 %  {1000 * total / steps:9.1f} ms/step")
+    if result.skipped_samples:  # data the loader gave up on (each replaced: the step still happened)
+        lines.append(f"data: {len(result.skipped_samples)} sample(s) skipped and replaced: " + ", ".join(
+            f"{s['chain_id']} ({s['reason']})" for s in result.skipped_samples))  # fmt: skip
+    lines.extend(result.notes)
+    if result.eval_history:
+        lines.append("eval lDDT-Cα: " + ", ".join(f"step {s}: {v:.4f}" for s, v in result.eval_history))
+    print("\n".join(lines), file=file, flush=True)
+
+
+def final_report(preset: str, out: Path, metrics_path: Path, result: TrainResult) -> None:
+    """``curves.png`` and the step-time breakdown (main training rank; also after an abort, where a
+    failure to plot is reported and never hides the abort's own error)."""
+    try:
+        if metrics_path.exists():
+            plot_metrics(metrics_path, out / "curves.png", title=f"scalefold train --preset {preset}")
+    except Exception as exc:  # noqa: BLE001 -- the breakdown still follows
+        print(f"scalefold train: could not plot {metrics_path}: {type(exc).__name__}: {exc}", flush=True)
+    print_breakdown(result)
+
+
+__all__ = [
+    "BREAKDOWN_KEYS", "MetricsLog", "TrainResult", "announce", "final_report", "print_breakdown",
+    "progress_bar", "truncate_metrics",
+]  # fmt: skip
