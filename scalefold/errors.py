@@ -35,8 +35,8 @@ _KNOWN_INPUT_ERRORS: tuple[tuple[str, str], ...] = (
     ("scalefold.data.store", "StoreSchemaError"),
     ("scalefold.checkpoint.adapters", "CheckpointError"),
     ("scalefold.train.checkpoint_io", "CheckpointError"),
-    ("scalefold.train.loop", "StoreNotFoundError"),
-    ("scalefold.train.runtime", "LaunchError"),
+    ("scalefold.train.run_data", "StoreNotFoundError"),
+    ("scalefold.distributed.runtime", "LaunchError"),
     ("scalefold.distributed.layout", "LayoutError"),
     ("scalefold.inference.weights", "InferenceError"),
 )

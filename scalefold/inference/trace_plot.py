@@ -62,10 +62,7 @@ def predict_ca_trace(checkpoint: PathLike, store: PathLike, chain_id: str, weigh
     from scalefold.inference.weights import load_model
     from scalefold.metrics import validation_lddt_ca
 
-    try:
-        from scalefold.data.dataset import StoreSample
-    except ImportError:  # older layout
-        from scalefold.train.sample import StoreSample
+    from scalefold.data.dataset import StoreSample
 
     loaded = load_model(checkpoint, weights=weights)
     features = FeatureConfig.from_reference_config(loaded.config.to_dict())

@@ -44,7 +44,7 @@ def test_shipped_example_equals_a_fresh_export_of_the_demo_store(tmp_path):
     for name in FILE_NAMES.values():
         assert (tmp_path / "fresh" / name).read_text() == (EXAMPLE / name).read_text(), name
     with Store.open(store) as s:  # the default chain is held out of training by the demo's split
-        from scalefold.train.loop import validation_chain_ids
+        from scalefold.train.run_data import validation_chain_ids
 
         chain = (EXAMPLE / "target.fasta").read_text().split()[0][1:]
         assert chain in validation_chain_ids(s, cfg)
