@@ -13,12 +13,14 @@ from scalefold.train.config import TrainConfig
 
 
 def build_model_config(cfg: TrainConfig) -> AlphaFoldConfig:
-    """The model preset with the run's data-pipeline overrides (crop, MSA sizes, recycling)."""
+    """The model preset with the run's overrides (crop, MSA sizes, recycling, structure-module iterations)."""
     overrides = {
         "train_sequence_crop_size": cfg.crop_size, "max_msa_clusters": cfg.max_msa_clusters,
         "max_extra_msa": cfg.max_extra_msa, "num_recycling_iters": cfg.num_recycling_iters,
         "clip_grad_max_norm": cfg.clip_grad_max_norm, "swa_decay_rate": cfg.swa_decay,
     }  # fmt: skip
+    if cfg.structure_module_iterations is not None:
+        overrides["structure_module_config"] = {"num_blocks": cfg.structure_module_iterations}
     precision = "fp32" if cfg.precision in ("fp64", "tf32") else cfg.precision
     return AlphaFoldConfig.from_preset(
         cfg.model_preset, precision=precision, overrides={k: v for k, v in overrides.items() if v is not None}

@@ -65,6 +65,8 @@ class TrainConfig:
     max_msa_clusters: int | None = option(None, help="MSA cluster centres (default: the model preset's)")
     max_extra_msa: int | None = option(None, help="extra-MSA rows (default: the model preset's)")
     num_recycling_iters: int | None = option(None, help="recycling iterations (default: the model preset's)")
+    structure_module_iterations: int | None = option(
+        None, help="structure-module iterations (shared weights; default: the model preset's, 8 for mlperf)")
     activation_checkpointing: bool = option(False, help="recompute block activations in backward")
     precision: str = option("fp32", cli=True, choices=PRECISIONS, slurm="PRECISION",
                             help="fp32, tf32, bf16 (autocast, fp32 master weights) or fp64")

@@ -106,3 +106,14 @@ def test_sourced_config_sh_reaches_the_config():
     assert (cfg.max_steps, cfg.eval_every, cfg.precision, cfg.target_lddt) == (
         int(env["MAX_STEPS"]), int(env["VAL_EVERY"]), env["PRECISION"], float(env["TARGET_LDDT"]))  # fmt: skip
     assert cfg.submission_platform == env["SUBMISSION_PLATFORM"] == "DGXH100_1x8x1x1"
+
+
+def test_structure_module_iterations_override_reaches_the_model_config():
+    from scalefold.train.build import build_model_config
+
+    default = build_model_config(TrainConfig.from_preset("demo", env={}))
+    assert default.structure_module_config.num_blocks == 2
+    cfg = TrainConfig.from_preset("demo", env={"SCALEFOLD_STRUCTURE_MODULE_ITERATIONS": "8"})
+    model_cfg = build_model_config(cfg)
+    assert model_cfg.structure_module_config.num_blocks == 8
+    assert model_cfg.structure_module_config.c_s == default.structure_module_config.c_s  # the rest is the preset's
