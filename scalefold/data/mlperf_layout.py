@@ -1,6 +1,6 @@
 """The MLPerf HPC OpenFold "processed" dataset: read it directly, or convert it to a store.
 
-Layout (see ``docs/mlperf_openfold.md`` §3 and the reference's ``scripts/preprocess_*.py``)::
+Layout (the MLPerf reference's ``scripts/preprocess_*.py`` output)::
 
     pdb_mmcif/processed/chains.csv      pdb_chain_id, pdb_id, author_chain_id, mmcif_chain_ids,
                                         release_date, resolution, pdb_cluster_id, sequence_length, sequence

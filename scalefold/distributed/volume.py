@@ -1,4 +1,4 @@
-"""Analytic communication volume of one DAP Evoformer block (``parallelism.md`` table).
+"""Analytic communication volume of one DAP Evoformer block (per rank: S(d-1)/d^2 per all-to-all of a tensor of S elements over d ranks).
 
 Per block and rank, forward: 6 all_to_all (MSA rows->cols, MSA cols->rows, then z four times) and
 6 all_gather (MSA row-attention pair bias, outer-product-mean right projection, tri-mul outgoing

@@ -3,7 +3,7 @@
 One :class:`MLPerfLogger` per run writes ``:::MLLOG`` lines to a per-run file (and optionally
 stdout); only the designated rank(s) log, every other rank holds a disabled logger whose calls are
 no-ops. :meth:`MLPerfLogger.log_init_block` emits every key of the benchmark's init block in the
-order of ``mlperf_openfold.md`` section 5, with values from an :class:`MLPerfRunInfo` (defaults are
+order of the MLPerf HPC OpenFold rules (the reference's ``mllog`` sequence), with values from an :class:`MLPerfRunInfo` (defaults are
 the closed-division values). In throughput mode every event carries ``instance`` metadata.
 
 :func:`run_compliance_checker` runs the official checker
@@ -120,7 +120,7 @@ def caches_cleared(env: Mapping[str, str] | None = None) -> bool:
     return (os.environ if env is None else env).get("SCALEFOLD_CACHE_CLEARED", "0").strip().lower() in ("1", "true", "yes")
 
 
-# Keys in log order, grouped as in mlperf_openfold.md section 5 (init_start and cache_clear precede).
+# Keys in log order, grouped as the MLPerf HPC OpenFold rules list them (init_start and cache_clear precede).
 INIT_BLOCK_KEYS: tuple[str, ...] = (
     "submission_benchmark", "submission_org", "submission_division", "submission_status", "submission_platform",
     "seed",

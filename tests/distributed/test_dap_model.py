@@ -126,7 +126,7 @@ def _volume_worker(rank: int, world: int) -> None:
         expected = evoformer_block_bytes(n_seq, n_res, world, **dims)
         assert dict(g.stats.calls) == {"all_to_all": 6, "all_gather": 6}
         assert dict(g.stats.bytes) == expected, (n_seq, n_res, dict(g.stats.bytes), expected)
-        if n_seq % world == 0 and n_res % world == 0:  # parallelism.md: S(d-1)/d^2 and S(d-1)/d
+        if n_seq % world == 0 and n_res % world == 0:  # all-to-all S(d-1)/d^2, all-gather S(d-1)/d per rank
             s_m, s_z = n_seq * n_res * 8 * 8, n_res * n_res * 4 * 8
             gathered = (n_res * n_res * (2 + 2 * 4 + 2 * 2) + n_seq * n_res * 3) * 8
             assert expected["all_to_all"] == (2 * s_m + 4 * s_z) * (world - 1) // world**2

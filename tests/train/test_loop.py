@@ -67,7 +67,7 @@ def _mllog(path: Path) -> list[dict]:
 
 def test_mlperf_log_of_a_real_run_has_every_key_in_order(tiny_run):
     """The log of a 3-step run (eval every 2, global batch 1) holds the init block of
-    mlperf_openfold.md section 5 in order, then the dataset keys, one closed cycle with its evaluation
+    the MLPerf rules' order, then the dataset keys, one closed cycle with its evaluation
     (epoch_num = samples = 2), the partial last cycle closed at 3 samples, and run_stop."""
     cfg, result = tiny_run
     recs = _mllog(Path(cfg.out).parent / "first_run.log")

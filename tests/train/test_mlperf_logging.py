@@ -63,7 +63,7 @@ def _small_info() -> MLPerfRunInfo:
 
 
 def test_log_order_and_values(tmp_path):
-    """Keys appear in the order of mlperf_openfold.md section 5 with the configured values;
+    """Keys appear in the MLPerf rules' order with the configured values;
     epoch_num counts samples (cycle x global batch x 40)."""
     path = tmp_path / "run.log"
     _write_run(path, _small_info(), [0.5, 0.6], (10, 3), "aborted")
