@@ -163,16 +163,18 @@ def choose_resume_checkpoint(cfg: TrainConfig, runtime: Runtime, checkpoints: Ch
 
 
 class CheckpointPolicy:
-    """When the main training rank writes a checkpoint: every ``cfg.checkpoint_every`` steps and at a
-    requested stop (pre-emption); the other ranks only take part in the timing."""
+    """When the main training rank writes a checkpoint: every ``cfg.checkpoint_every`` steps, at the last
+    step and at a requested stop (pre-emption); the other ranks only take part in the timing."""
 
     def __init__(self, cfg: TrainConfig, runtime: Runtime, out: Path) -> None:
         self.every, self.model_preset = cfg.checkpoint_every, cfg.model_preset
         self.main = runtime.parallel.is_main_train_rank
         self.manager = CheckpointManager(out / "checkpoints", keep_last=cfg.keep_last)
 
-    def due(self, step: int, stop: bool) -> bool:
-        return bool(self.every and step % self.every == 0) or stop
+    def due(self, step: int, stop: bool, last: bool = False) -> bool:
+        """Every ``checkpoint_every`` steps and at the run's last step (when checkpointing is on), and
+        at a requested stop."""
+        return bool(self.every and (step % self.every == 0 or last)) or stop
 
     def save(self, model: AlphaFold, opt: FlatAdamSWA, step: int, timings: dict[str, float]) -> None:
         t_ckpt = time.perf_counter()

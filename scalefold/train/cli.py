@@ -33,6 +33,7 @@ def _run_train(args: argparse.Namespace) -> int:
     from scalefold.train.graphed_step import CudaGraphsUnavailable
     from scalefold.train.loop import train
     from scalefold.train.run_data import StoreNotFoundError
+    from scalefold.train.run_log import print_run_files
     from scalefold.train.stopping import TrainingAborted
     from scalefold.distributed.runtime import LaunchError
 
@@ -72,5 +73,5 @@ def _run_train(args: argparse.Namespace) -> int:
         print(f"scalefold train: launch error: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     if result.out is not None:
-        print(f"run directory: {result.out}")
+        print_run_files(result.out, cfg.store)
     return 0

@@ -97,7 +97,9 @@ class SyncEvaluation:
         ctx, score = self.ctx, float("nan")
         if self.main:
             ctx.mllog.eval_start(epoch)
+            ctx.progress.set_description(f"evaluating step {step} (SWA weights)", refresh=True)  # no frozen bar
             score = self._score()
+            ctx.progress.set_description("train", refresh=False)
             ctx.mllog.eval_accuracy(score, epoch)
             ctx.mllog.eval_stop(epoch)
             ctx.metrics.write({"step": step, "eval_lddt_ca": score, "epoch_num": epoch})

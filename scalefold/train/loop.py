@@ -275,7 +275,8 @@ class Trainer:
 
     def start(self) -> None:
         cfg, main = self.cfg, self.main
-        self.result = TrainResult(out=self.out if main else None, steps=self.start_step, final_loss=float("nan"))
+        self.result = TrainResult(out=self.out if main else None, steps=self.start_step, final_loss=float("nan"),
+                                  start_step=self.start_step)  # fmt: skip
         self.metrics = MetricsLog(self.metrics_path, enabled=main)
         self.progress = progress_bar(cfg.max_steps, self.start_step, enabled=cfg.progress and main)
         ctx = EvalContext(self.metrics, self.result, self.progress, self.mllog, self.device, self.dtype,
@@ -325,9 +326,11 @@ class Trainer:
                     new_skips = self.data.report_skips(step)
                     self.cycles.step(step)
                     stop = self.train_step(step, batch, new_skips)
-                    done = self.after_cycle(step, stop) if self.cfg.eval_every and step % self.eval_every == 0 else False
+                    last = step >= self.cfg.max_steps  # a finished run ends evaluated and checkpointed
+                    due_eval = self.cfg.eval_every and (step % self.eval_every == 0 or last)
+                    done = self.after_cycle(step, stop) if due_eval else False
                     self.metrics.flush()
-                    if self.checkpoints.due(step, stop):
+                    if self.checkpoints.due(step, stop, last):
                         self.checkpoints.save(self.model, self.opt, step, self.timings)
                     if stop:
                         self._stopped_by_signal(step)
@@ -399,7 +402,7 @@ class Trainer:
         self.metrics.write(record)
         result.final_loss, result.steps = mean_loss, step
         self.progress.update(1)
-        self.progress.set_postfix(loss=f"{mean_loss:.3f}", n=n)
+        self.progress.set_postfix(loss=f"{mean_loss:.3f}", recycling=n)
         self.guard.check(step, self.metrics.flush)
         return stop
 

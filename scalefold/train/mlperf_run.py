@@ -70,6 +70,7 @@ class MLPerfCycles:
     def end(self, step: int) -> int:
         """The cycle of ``step`` ends (its evaluation follows); returns its epoch number."""
         epoch = mll.epoch_num(mll.cycle_of_iteration(step, self.eval_every), self.global_batch, self.eval_every)
+        epoch = min(epoch, step * self.global_batch)  # the run's last cycle may be short: samples seen
         self.log.epoch_stop(epoch)
         self._open_samples = None
         return epoch

@@ -43,7 +43,7 @@ def announce(line: str) -> None:
 @dataclass
 class TrainResult:
     out: Path | None  # None on ranks that write nothing
-    steps: int
+    steps: int  # the last step taken (counted from the start of training, resumed runs included)
     final_loss: float
     eval_history: list[tuple[int, float]] = field(default_factory=list)
     skipped_steps: int = 0
@@ -53,6 +53,7 @@ class TrainResult:
     # samples this rank's loader gave up on (and replaced): chain_id, reason, ... (loader ranks only)
     skipped_samples: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # extra end-of-run lines (e.g. the CUDA-graph summary)
+    start_step: int = 0  # the step this process started from (a resumed run's checkpoint)
 
 
 class MetricsLog:
@@ -107,11 +108,13 @@ BREAKDOWN_KEYS = ("data_wait", "forward", "backward", "optimizer", "eval", "chec
 def print_breakdown(result: TrainResult, file: Any = None) -> None:
     """Step-time breakdown (data wait, forward, backward, optimizer, eval, checkpoint): seconds, share of
     the total, milliseconds per step; then the evaluation history."""
-    steps = max(result.steps, 1)
+    ran = result.steps - result.start_step  # the steps this process took (timings cover only these)
+    steps = max(ran, 1)
     timings = {k: result.timings.get(k, 0.0) for k in BREAKDOWN_KEYS}
     timings.update({k: v for k, v in result.timings.items() if k not in timings})
     total = sum(timings.values())
-    lines = [f"step-time breakdown over {result.steps} steps ({result.skipped_steps} skipped):"]
+    resumed = f", steps {result.start_step + 1}-{result.steps} after resuming" if result.start_step else ""
+    lines = [f"step-time breakdown over {ran} step{'s' if ran != 1 else ''}{resumed} ({result.skipped_steps} skipped):"]
     for key, seconds in timings.items():
         share = 100 * seconds / total if total > 0 else 0.0
         lines.append(f"  {key:<11s} {seconds:8.2f} s  {share:5.1f} %  {1000 * seconds / steps:9.1f} ms/step")
@@ -136,7 +139,27 @@ def final_report(preset: str, out: Path, metrics_path: Path, result: TrainResult
     print_breakdown(result)
 
 
+def print_run_files(out: Path, store: str, file: Any = None) -> None:
+    """Where the run's outputs are, and the commands that use them next."""
+    out = Path(out)
+    ckpts = sorted((out / "checkpoints").glob("checkpoint_*.pt"))
+    logs = sorted(out.glob("mlperf*.log"))
+    lines = [f"run directory: {out}"]
+    for label, path in (("curves", out / "curves.png"), ("Cα trace", out / "trace.png"),
+                        ("metrics", out / "metrics.jsonl")):  # fmt: skip
+        if path.exists():
+            lines.append(f"  {label + ':':<12s} {path}")
+    if logs:
+        lines.append(f"  {'MLPerf log:':<12s} {', '.join(str(p) for p in logs)}")
+    if ckpts:
+        lines.append(f"  {'checkpoints:':<12s} {out / 'checkpoints'} (newest: {ckpts[-1].name})")
+        lines.append("next:")
+        lines.append(f"  scalefold evaluate --store {store} --checkpoint {ckpts[-1]}")
+        lines.append(f"  scalefold predict --fasta FASTA [--a3m A3M] --checkpoint {ckpts[-1]} --out PRED.pdb")
+    print("\n".join(lines), file=file, flush=True)
+
+
 __all__ = [
-    "BREAKDOWN_KEYS", "MetricsLog", "TrainResult", "announce", "final_report", "print_breakdown",
+    "BREAKDOWN_KEYS", "MetricsLog", "TrainResult", "announce", "final_report", "print_breakdown", "print_run_files",
     "progress_bar", "truncate_metrics",
 ]  # fmt: skip

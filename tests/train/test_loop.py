@@ -52,13 +52,14 @@ def test_tiny_run_writes_metrics_log_and_plot(tiny_run):
     assert [r["step"] for r in train_recs] == [1, 2, 3]
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in train_recs)
     assert all(0 <= r["recycling_iters"] <= cfg.num_recycling_iters for r in train_recs)
-    assert [r["step"] for r in eval_recs] == [0, 2]
+    assert [r["step"] for r in eval_recs] == [0, 2, 3]  # the last step is evaluated (3 is not a multiple of 2)
     assert all(0.0 <= r["eval_lddt_ca"] <= 1.0 for r in eval_recs)
     log = (out / "mlperf.log").read_text()
     for key in ("init_start", "run_start", "epoch_start", "eval_accuracy", "run_stop"):
         assert f'"key": "{key}"' in log, key
     assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "checkpoints" / "checkpoint_00000002.pt").exists()
+    assert (out / "checkpoints" / "checkpoint_00000003.pt").exists()  # and checkpointed
 
 
 def _mllog(path: Path) -> list[dict]:
@@ -68,7 +69,8 @@ def _mllog(path: Path) -> list[dict]:
 def test_mlperf_log_of_a_real_run_has_every_key_in_order(tiny_run):
     """The log of a 3-step run (eval every 2, global batch 1) holds the init block of
     the MLPerf rules' order, then the dataset keys, one closed cycle with its evaluation
-    (epoch_num = samples = 2), the partial last cycle closed at 3 samples, and run_stop."""
+    (epoch_num = samples = 2), the partial last cycle closed at 3 samples with the run's final evaluation,
+    and run_stop."""
     cfg, result = tiny_run
     recs = _mllog(Path(cfg.out).parent / "first_run.log")
     keys = [r["key"] for r in recs]
@@ -77,13 +79,14 @@ def test_mlperf_log_of_a_real_run_has_every_key_in_order(tiny_run):
         "init_start", "cache_clear", *init, "init_stop", "run_start",
         "train_samples", "eval_samples", "initial_training_dataloader_type",
         "epoch_start", "epoch_stop", "eval_start", "eval_accuracy", "eval_stop",
-        "epoch_start", "epoch_stop", "run_stop",
+        "epoch_start", "epoch_stop", "eval_start", "eval_accuracy", "eval_stop", "run_stop",
     ]  # fmt: skip
     epochs = [(r["key"], r["metadata"]["epoch_num"]) for r in recs if "epoch_num" in r.get("metadata", {})]
     assert epochs == [("epoch_start", 0), ("epoch_stop", 2), ("eval_start", 2), ("eval_accuracy", 2),
-                      ("eval_stop", 2), ("epoch_start", 2), ("epoch_stop", 3)]  # fmt: skip
+                      ("eval_stop", 2), ("epoch_start", 2), ("epoch_stop", 3), ("eval_start", 3),
+                      ("eval_accuracy", 3), ("eval_stop", 3)]  # fmt: skip
     by_key = {r["key"]: r["value"] for r in recs}
-    assert by_key["eval_accuracy"] == pytest.approx(dict(result.eval_history)[2], abs=1e-12)
+    assert by_key["eval_accuracy"] == pytest.approx(dict(result.eval_history)[3], abs=1e-12)  # the last one
     assert (by_key["seed"], by_key["val_every_iters"], by_key["global_batch_size"]) == (cfg.seed, 2, 1)
     assert by_key["submission_platform"] == "1xcpu" and by_key["precision"] == "fp32"
     assert recs[-1]["metadata"]["status"] == "aborted"  # target 0.8 not reached
