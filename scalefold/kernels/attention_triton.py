@@ -452,7 +452,7 @@ def _attn_bwd_dq_dbias(
     row_ok = rows < NQ
     dim_ok = dims < D
     q_mask = row_ok[:, None] & dim_ok[None, :]
-    Z = (tl.num_programs(2) // H) * R  # = A * R * C
+    Z = (tl.num_programs(0) // H) * R  # axis 0 has A * C * H programs: Z = A * R * C
     dq_acc = tl.zeros([BLOCK_M, BLOCK_D], ACC_DTYPE)
     n_blocks = tl.cdiv(NK, BLOCK_N)
     first = split * SPLIT_BLOCKS
