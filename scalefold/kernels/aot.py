@@ -58,7 +58,9 @@ import torch
 
 #: ``--arch`` -> (compute capability, opt-in dynamic shared memory per block in bytes)
 ARCHS = {"sm_90": (90, 227 * 1024), "sm_80": (80, 163 * 1024)}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+#: ``--dtype`` -> tensor dtype; ``tf32`` is fp32 storage with TF32 matmuls
+#: (``torch.backends.cuda.matmul.allow_tf32``), which changes only the attention kernels' dots
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "tf32": torch.float32}
 KERNELS = ("attention_fwd", "attention_bwd", "layer_norm_fwd", "layer_norm_bwd", "adam_swa")
 
 EXIT_BAD_INPUT = 3
@@ -356,10 +358,14 @@ def collect(
             raise ValueError(f"unknown site(s) {', '.join(unknown)}; expected some of {', '.join(sites)}")
         if only_sites:
             sites = {name: go for name, go in sites.items() if name in only_sites}
+        dot_sites = set(attention_sites())
         for dtype in dtypes:
-            for site, go in sites.items():
-                ctx.site, ctx.dtype = site, dtype
-                go(DTYPES[dtype])
+            with _patched(torch.backends.cuda.matmul, "allow_tf32", dtype == "tf32"):
+                for site, go in sites.items():
+                    if dtype == "tf32" and site not in dot_sites:
+                        continue  # no matmul: the fp32 kernel
+                    ctx.site, ctx.dtype = site, dtype
+                    go(DTYPES[dtype])
     return [launch for launch in ctx.launches if launch.kernel.split(":")[0] in kernels]
 
 

@@ -154,9 +154,8 @@ def test_key_splits_of_the_dq_kernel(device, monkeypatch):
 
     monkeypatch.setattr(autotune, "_tuners", {})  # fresh tuners see the patched candidates
     monkeypatch.setattr(attention_triton, "INTERPRETER_CONFIG", dict(attention_triton.INTERPRETER_CONFIG, SPLITS=2))
-    monkeypatch.setattr(attention_triton, "ATTENTION_CONFIGS",
-                        {cap: [dict(c, SPLITS=2) for c in cs] for cap, cs in attention_triton.ATTENTION_CONFIGS.items()}
-                        if isinstance(attention_triton.ATTENTION_CONFIGS, dict)
-                        else [dict(c, SPLITS=2) for c in attention_triton.ATTENTION_CONFIGS])  # fmt: skip
+    dq_configs = [dict(c, SPLITS=2) for c in autotune.Tuner("dq", attention_triton.ATTENTION_CONFIGS["attention_bwd_dq"],
+                                                             {}).candidates()]  # fmt: skip
+    monkeypatch.setitem(attention_triton.ATTENTION_CONFIGS, "attention_bwd_dq", dq_configs)
     _compare(*_inputs((2, 3), 2, 40, 40, 8, torch.float32, device, bias_shape=(2, 1, 2, 40, 40),
                       mask_shape=(2, 3, 1, 1, 40)))  # fmt: skip
