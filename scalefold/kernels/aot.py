@@ -22,11 +22,13 @@ How the launches are found (so that what is compiled is what training launches):
    ``num_stages`` come from the launcher itself;
 3. each distinct launch (kernel, argument types and 16-byte divisibility as Triton's own binder
    specialises them, constexprs, options) is compiled once per architecture; ``cuobjdump
-   --dump-resource-usage`` on the cubin gives registers and local memory (spills); shared
+   --dump-resource-usage`` on the cubin gives the registers, ptxas' own ``-v`` report the bytes
+   of spill stores per thread (the stack frame when the kernel came from Triton's cache); shared
    memory is the dynamic amount Triton requests at launch (``metadata.shared``), checked
    against the architecture's opt-in limit (227 KiB H100, 163 KiB A100).
 
-One record per compile: ``kernel`` (``attention_fwd``, ``attention_bwd:dkdv`` ...), ``dtype``,
+One record per compile: ``kernel`` (``attention_fwd``, ``attention_bwd:dkdv`` ...), ``dtype``
+(``bf16``/``fp16``/``fp32``, and ``tf32``: fp32 tensors under ``allow_tf32``, attention only),
 ``arch``, ``config``, ``default`` (the config used without autotuning), ``ok`` (compiled and fits
 shared memory), ``error``, ``registers``, ``shared_bytes``, ``spill_bytes``, plus ``sites`` (the
 model call sites launching it) and ``compile_s``. The exit status is 1 when any record is not
@@ -134,8 +136,11 @@ _KERNEL_NAMES = {
         "_attn_bwd_dkdv": "attention_bwd:dkdv",
         "_attn_bwd_dq_dbias": "attention_bwd:dq_dbias",
     },
-    "layer_norm_triton": {"_ln_fwd": "layer_norm_fwd", "_ln_bwd_dx": "layer_norm_bwd:dx",
-                          "_ln_bwd_dwdb": "layer_norm_bwd:dwdb"},  # fmt: skip
+    "layer_norm_triton": {
+        "_ln_fwd": "layer_norm_fwd",
+        "_ln_bwd_dx": "layer_norm_bwd:dx",
+        "_ln_bwd_dwdb": "layer_norm_bwd:dwdb",
+    },  # fmt: skip
     "adam_swa_triton": {"_adam_swa": "adam_swa"},
 }
 
@@ -144,7 +149,9 @@ def _kernel_modules():
     """Import the kernel modules with the interpreter off (a compile needs real JITFunctions)."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         if any(f"scalefold.kernels.{m}" in sys.modules for m in _KERNEL_NAMES):
-            raise RuntimeError("the Triton kernels were imported in interpreter mode; run the AOT check in its own process")
+            raise RuntimeError(
+                "the Triton kernels were imported in interpreter mode; run the AOT check in its own process"
+            )
         os.environ["TRITON_INTERPRET"] = "0"
     os.environ.setdefault("TRITON_INTERPRET", "0")  # triton_ops would switch the interpreter on
     from triton.runtime.jit import JITFunction
@@ -645,7 +652,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     known = all_sites(args.kernel or KERNELS)
     unknown = sorted(set(args.site or ()) - set(known))
     if unknown:
-        print(f"--site {', '.join(unknown)}: unknown; the sites of these kernels are {', '.join(known)}", file=sys.stderr)
+        print(
+            f"--site {', '.join(unknown)}: unknown; the sites of these kernels are {', '.join(known)}", file=sys.stderr
+        )
         return EXIT_BAD_INPUT
     missing = [tool for tool in ("ptxas", "cuobjdump") if not Path(_tool(tool)).exists()]
     if missing:

@@ -598,16 +598,14 @@ def canonical_bias(
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
-    """Operand precision of ``tl.dot``. fp64: exact. fp32: ``"tf32"`` when PyTorch allows TF32
-    matmuls (``torch.backends.cuda.matmul.allow_tf32``, set by tf32 training), otherwise
-    ``"tf32x3"`` -- three TF32 tensor-core products, fp32-level accuracy. (The exact ``"ieee"``
-    path multiplies on CUDA cores with the whole K extent of a tile in each thread's registers:
-    at the MLPerf head sizes it spilled 6-14 KB per thread in every config, ``python -m
-    scalefold.kernels.aot``.) fp16/bf16: irrelevant. The CPU interpreter multiplies exactly."""
+    """Operand precision of ``tl.dot``: fp64, and fp32 unless PyTorch allows TF32 matmuls
+    (``torch.backends.cuda.matmul.allow_tf32``, set by tf32 training): exact (``"ieee"``, CUDA
+    cores); fp32 under ``allow_tf32``: ``"tf32"`` (tensor cores, like PyTorch's own matmuls);
+    fp16/bf16: tensor cores (the argument is irrelevant). The CPU interpreter multiplies exactly."""
     if dtype == torch.float64:
         return "ieee"
     if dtype == torch.float32:
-        return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "tf32x3"
+        return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
     return "tf32"
 
 
@@ -629,34 +627,63 @@ def _block_d(d: int) -> int:
 # Launchers (canonical layout)
 # ----------------------------------------------------------------------------------------------
 
-# Candidate launch configs per program (autotune.Tuner: the first is the default, used without
-# autotuning; a dict maps a compute capability to its list). Checked ahead of time for sm_90 and
-# sm_80 at the MLPerf call sites by ``python -m scalefold.kernels.aot`` (bench/RESULTS.md).
+# Candidate launch configs per program for tensor-core dots (fp16/bf16, fp32 under allow_tf32):
+# autotune.Tuner's list, the first is the default (used without autotuning); a dict may map a
+# compute capability to its own list. Checked ahead of time for sm_90 and sm_80 at every MLPerf
+# call site by ``python -m scalefold.kernels.aot`` (bench/RESULTS.md): each compiles and fits
+# shared memory, the defaults do not spill registers. The dQ/dbias kernel holds the most tiles
+# (S, P, dP, dS, the dbias accumulator): BLOCK_N 64 spilled there, so its default is 64 x 32.
 ATTENTION_CONFIGS = {
     "attention_fwd": [
         {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
         {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+        {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
         {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3},
         {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
     ],
     "attention_bwd_dkdv": [
         {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
-        {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+        {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+        {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
         {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3},
-        {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
+        {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
     ],
     "attention_bwd_dq": [
-        {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
-        {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
-        {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3},
-        {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
+        {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
+        {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
+        {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
+        {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
+        {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+    ],
+}
+# Exact fp32/fp64 dots run on CUDA cores with a whole K extent of each operand tile in every
+# thread's registers: 64 x 64 tiles spilled kilobytes, 32 x 32 tiles do not.
+ATTENTION_EXACT_CONFIGS = {
+    "attention_fwd": [
+        {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
+        {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
+        {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
+        {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
+    ],
+    "attention_bwd_dkdv": [
+        {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
+        {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
+        {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
+    ],
+    "attention_bwd_dq": [
+        {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
+        {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
+        {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
     ],
 }
 # Interpreter mode (CPU): few, big programs -- each program instance costs milliseconds.
 INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 1, "num_stages": 1}
 
 
-def _config(name: str, key: tuple, bench) -> dict:
+def _config(name: str, key: tuple, bench, dtype: torch.dtype) -> dict:
+    """The launch config of program ``name``: separate tuners (and candidates) for exact dots."""
+    if _dot_precision(dtype) == "ieee":
+        return autotune.get_tuner(f"{name}_exact", ATTENTION_EXACT_CONFIGS[name], INTERPRETER_CONFIG).pick(key, bench)
     return autotune.get_tuner(name, ATTENTION_CONFIGS[name], INTERPRETER_CONFIG).pick(key, bench)
 
 
@@ -699,7 +726,7 @@ def attention_forward(
         )  # fmt: skip
 
     key = ("fwd",) + _shape_class(q, k, bias is not None, R) + (gate is not None,)
-    launch(_config("attention_fwd", autotune.make_key(key, q), launch))
+    launch(_config("attention_fwd", autotune.make_key(key, q), launch, q.dtype))
     return o, row_max, row_logsum
 
 
@@ -758,7 +785,7 @@ def attention_backward(
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
 
-    launch_dkdv(_config("attention_bwd_dkdv", autotune.make_key(("dkdv",) + shape_key, q), launch_dkdv))
+    launch_dkdv(_config("attention_bwd_dkdv", autotune.make_key(("dkdv",) + shape_key, q), launch_dkdv, q.dtype))
 
     # 3. dQ (+ dbias, reduced over the R members sharing the bias)
     full_bias_shape = (A, C, H, NQ, NK)
@@ -784,7 +811,7 @@ def attention_backward(
         )  # fmt: skip
         state["dq_buf"] = dq_buf
 
-    launch_dq(_config("attention_bwd_dq", autotune.make_key(("dq",) + shape_key, q), launch_dq))
+    launch_dq(_config("attention_bwd_dq", autotune.make_key(("dq",) + shape_key, q), launch_dq, q.dtype))
     dq_buf = state["dq_buf"]
     dq = (dq_buf[0] if dq_buf.shape[0] == 1 else dq_buf.sum(0)).mul_(scale).to(q.dtype)
 

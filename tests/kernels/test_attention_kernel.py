@@ -154,8 +154,8 @@ def test_key_splits_of_the_dq_kernel(device, monkeypatch):
 
     monkeypatch.setattr(autotune, "_tuners", {})  # fresh tuners see the patched candidates
     monkeypatch.setattr(attention_triton, "INTERPRETER_CONFIG", dict(attention_triton.INTERPRETER_CONFIG, SPLITS=2))
-    dq_configs = [dict(c, SPLITS=2) for c in autotune.Tuner("dq", attention_triton.ATTENTION_CONFIGS["attention_bwd_dq"],
-                                                             {}).candidates()]  # fmt: skip
-    monkeypatch.setitem(attention_triton.ATTENTION_CONFIGS, "attention_bwd_dq", dq_configs)
+    for table in (attention_triton.ATTENTION_CONFIGS, attention_triton.ATTENTION_EXACT_CONFIGS):
+        split = [dict(c, SPLITS=2) for c in autotune.Tuner("dq", table["attention_bwd_dq"], {}).candidates()]
+        monkeypatch.setitem(table, "attention_bwd_dq", split)
     _compare(*_inputs((2, 3), 2, 40, 40, 8, torch.float32, device, bias_shape=(2, 1, 2, 40, 40),
                       mask_shape=(2, 3, 1, 1, 40)))  # fmt: skip
