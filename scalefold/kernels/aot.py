@@ -623,6 +623,37 @@ def table(records: Sequence[Record]) -> str:
     return "\n".join(lines)
 
 
+def markdown(records: Sequence[Record]) -> str:
+    """One row per (program, dtype, arch): its compiles, the default config's worst case over the
+    MLPerf sites, the largest figures over every candidate, and which candidates spill."""
+    groups: dict[tuple, list[Record]] = {}
+    for r in records:
+        groups.setdefault((r.kernel, r.dtype, r.arch), []).append(r)
+    lines = [
+        "| kernel | dtype | arch | compiles (ok) | default config | default regs / smem KiB / spill B "
+        "| all candidates: max regs / max smem KiB | candidates spilling (max B) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+
+    def worst(rs: list[Record]) -> tuple[int, float, int]:
+        return (max(r.registers or 0 for r in rs), max(r.shared_bytes or 0 for r in rs) / 1024,
+                max(r.spill_bytes or 0 for r in rs))  # fmt: skip
+
+    for (kernel, dtype, arch), rs in sorted(groups.items()):
+        defaults = [r for r in rs if r.default]
+        configs = sorted({_config_text(r.config) for r in defaults})
+        d_regs, d_smem, d_spill = worst(defaults) if defaults else (0, 0.0, 0)
+        a_regs, a_smem, _ = worst(rs)
+        spilling = {_config_text(r.config) for r in rs if r.spill_bytes}
+        max_spill = max((r.spill_bytes or 0 for r in rs), default=0)
+        lines.append(
+            f"| {kernel} | {dtype} | {arch} | {len(rs)} ({sum(r.ok for r in rs)}) | {'; '.join(configs)} "
+            f"| {d_regs} / {d_smem:.1f} / {d_spill} | {a_regs} / {a_smem:.1f} "
+            f"| {len(spilling)}{f' ({max_spill})' if spilling else ''} |"
+        )
+    return "\n".join(lines)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m scalefold.kernels.aot",
@@ -635,6 +666,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--site", action="append", help="only this MLPerf call site, e.g. msa_row (repeatable; default all)")
     p.add_argument("--default-only", action="store_true", help="only the configs used without autotuning")
     p.add_argument("--json", action="store_true", help="JSON lines, one record per compile, instead of the table")
+    p.add_argument("--markdown", action="store_true", help="a summary per kernel x dtype x arch (bench/RESULTS.md)")
+    p.add_argument(
+        "--from-json", metavar="FILE", help="summarise the records of an earlier --json run; compile nothing"
+    )
     p.add_argument("--jobs", type=int, default=1, help="parallel compile processes (default 1)")
     p.add_argument("--cache-dir", help="Triton cache directory (default: a fresh temporary one, so all compiles run)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -648,6 +683,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.jobs < 1:
         print(f"--jobs {args.jobs}: expected a positive number", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if args.from_json:
+        try:
+            records = load_records(args.from_json)
+        except (OSError, ValueError, TypeError) as exc:
+            print(f"--from-json {args.from_json}: not a file of --json records ({exc})", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        emit(records, args)
+        bad = problems(records)
+        print(f"{len(records)} records, {len(bad)} problem(s)" + "".join(f"\n  {b}" for b in bad), file=sys.stderr)
+        return 1 if bad else 0
     _kernel_modules()  # before the model (and through it the kernels) is imported
     known = all_sites(args.kernel or KERNELS)
     unknown = sorted(set(args.site or ()) - set(known))
@@ -676,15 +721,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress=not args.no_progress,
         )
         elapsed = time.perf_counter() - start
-    if args.json:
-        for r in records:
-            print(json.dumps(asdict(r)))
-    else:
-        print(table(records))
+    emit(records, args)
     bad = problems(records)
     summary = f"{len(records)} compiles in {elapsed:.0f} s, {len(bad)} problem(s)"
     print(summary + "".join(f"\n  {b}" for b in bad), file=sys.stderr)
     return 1 if bad else 0
+
+
+def emit(records: Sequence[Record], args: argparse.Namespace) -> None:
+    if args.json:
+        for r in records:
+            print(json.dumps(asdict(r)))
+    elif args.markdown:
+        print(markdown(records))
+    else:
+        print(table(records))
+
+
+def load_records(path: str) -> list[Record]:
+    """Records of an earlier ``--json`` run."""
+    return [Record(**json.loads(line)) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 if __name__ == "__main__":
