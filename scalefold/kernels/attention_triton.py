@@ -632,13 +632,14 @@ def _block_d(d: int) -> int:
 # compute capability to its own list. Checked ahead of time for sm_90 and sm_80 at every MLPerf
 # call site by ``python -m scalefold.kernels.aot`` (bench/RESULTS.md): each compiles and fits
 # shared memory, the defaults do not spill registers. The dQ/dbias kernel holds the most tiles
-# (S, P, dP, dS, the dbias accumulator): BLOCK_N 64 spilled there, so its default is 64 x 32.
+# (S, P, dP, dS, the dbias accumulator): BLOCK_N 64 spilled there, so its default is 64 x 32 on 8
+# warps; the forward's 64 x 64 spilled 16 B with TF32 on sm_80 (head size 8), so it is 64 x 32.
 ATTENTION_CONFIGS = {
     "attention_fwd": [
+        {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3},
         {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
         {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
         {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
-        {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3},
         {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
     ],
     "attention_bwd_dkdv": [
@@ -657,7 +658,8 @@ ATTENTION_CONFIGS = {
     ],
 }
 # Exact fp32/fp64 dots run on CUDA cores with a whole K extent of each operand tile in every
-# thread's registers: 64 x 64 tiles spilled kilobytes, 32 x 32 tiles do not.
+# thread's registers: 64 x 64 tiles spilled kilobytes; 32 x 32 ones do not, except in the dQ/dbias
+# kernel at head size 8 (32-132 B), whose default is therefore 16 x 32.
 ATTENTION_EXACT_CONFIGS = {
     "attention_fwd": [
         {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
@@ -671,9 +673,9 @@ ATTENTION_EXACT_CONFIGS = {
         {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
     ],
     "attention_bwd_dq": [
+        {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
         {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
         {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
-        {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
     ],
 }
 # Interpreter mode (CPU): few, big programs -- each program instance costs milliseconds.
