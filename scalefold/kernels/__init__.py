@@ -13,6 +13,8 @@ The environment variable ``SCALEFOLD_KERNELS`` (``auto``/``triton``/``torch``) o
 Kernels (``scalefold.kernels.triton_ops`` registers them as ``torch.ops.scalefold.*`` custom ops):
 :func:`attention` (``attention_triton``), :func:`layer_norm` (``layer_norm_triton``) and
 :func:`adam_swa_` (``adam_swa_triton``); their launch configs are tuned by ``autotune``.
+``python -m scalefold.kernels.aot`` compiles every one of them, for every candidate config, for
+H100 (sm_90) and A100 (sm_80) without a GPU, and reports registers, shared memory and spills.
 """
 
 from __future__ import annotations
