@@ -16,6 +16,8 @@ Kernels (``scalefold.kernels.triton_ops`` registers them as ``torch.ops.scalefol
 :func:`adam_swa_` (``adam_swa_triton``); their launch configs are tuned by ``autotune``. The flat
 optimizer (``scalefold.train.flat_optimizer``) steps through :func:`adam_swa_`: training and the
 kernel tests share one Adam+SWA reference.
+``python -m scalefold.kernels.aot`` compiles every one of them, for every candidate config, for
+H100 (sm_90) and A100 (sm_80) without a GPU, and reports registers, shared memory and spills.
 """
 
 from __future__ import annotations

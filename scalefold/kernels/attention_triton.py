@@ -71,6 +71,7 @@ def _scores(
     smn,
     HAS_BIAS: tl.constexpr,
     HAS_MASK: tl.constexpr,
+    MASK_BY_KEY: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -78,8 +79,12 @@ def _scores(
     s = tl.dot(q, kt, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE) * scale
     inside = (rows[:, None] < NQ) & (cols[None, :] < NK)
     if HAS_MASK:
-        mask_ptrs = MASK + z * smz + h * smh + rows[:, None] * smm + cols[None, :] * smn
-        s += tl.load(mask_ptrs, mask=inside, other=0.0).to(ACC_DTYPE)
+        if MASK_BY_KEY:  # the model's masks: one value per key, broadcast over the queries
+            mask_row = tl.load(MASK + z * smz + h * smh + cols * smn, mask=cols < NK, other=0.0)
+            s += mask_row.to(ACC_DTYPE)[None, :]
+        else:
+            mask_ptrs = MASK + z * smz + h * smh + rows[:, None] * smm + cols[None, :] * smn
+            s += tl.load(mask_ptrs, mask=inside, other=0.0).to(ACC_DTYPE)
     if HAS_BIAS:
         bias_ptrs = BIAS + a * sba + c * sbc + h * sbh + rows[:, None] * sbm + cols[None, :] * sbn
         s += tl.load(bias_ptrs, mask=inside, other=0.0).to(ACC_DTYPE)
@@ -135,6 +140,7 @@ def _attn_fwd(
     scale,
     HAS_BIAS: tl.constexpr,
     HAS_MASK: tl.constexpr,
+    MASK_BY_KEY: tl.constexpr,
     HAS_GATE: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -196,6 +202,7 @@ def _attn_fwd(
             smn,
             HAS_BIAS,
             HAS_MASK,
+            MASK_BY_KEY,
             ACC_DTYPE,
             DOT_PRECISION,
         )
@@ -264,15 +271,16 @@ def _attn_bwd_preprocess(
     do = tl.load(DO + z * sdz + h * sdh + rows[:, None] * sdm + dims[None, :] * sdd, mask=io_mask, other=0.0).to(
         ACC_DTYPE
     )
-    # contiguous [Z, H, NQ, D] outputs
-    out = (zh * NQ + rows[:, None]) * D + dims[None, :]
+    # contiguous [Z, H, NQ, D] outputs: a scalar (int64) base plus int32 in-tile offsets
+    base = zh * NQ * D
+    out = rows[:, None] * D + dims[None, :]
     tl.store(DELTA + zh * NQ + rows, tl.sum(do * o, 1), mask=rows < NQ)
     if HAS_GATE:
         g = tl.load(GATE + z * sgz + h * sgh + rows[:, None] * sgm + dims[None, :] * sgd, mask=io_mask, other=0.0)
         sig = 1.0 / (1.0 + tl.exp(-g.to(ACC_DTYPE)))
-        tl.store(DGATE + out, (do * o * (1.0 - sig)).to(DGATE.dtype.element_ty), mask=io_mask)
+        tl.store(DGATE + base + out, (do * o * (1.0 - sig)).to(DGATE.dtype.element_ty), mask=io_mask)
         do = do * sig
-    tl.store(DO_ATTN + out, do.to(DO_ATTN.dtype.element_ty), mask=io_mask)
+    tl.store(DO_ATTN + base + out, do.to(DO_ATTN.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit
@@ -318,6 +326,7 @@ def _attn_bwd_dkdv(
     scale,
     HAS_BIAS: tl.constexpr,
     HAS_MASK: tl.constexpr,
+    MASK_BY_KEY: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -345,11 +354,10 @@ def _attn_bwd_dkdv(
         row_ok = rows < NQ
         q_mask = row_ok[:, None] & dim_ok[None, :]
         q = tl.load(Q + z * sqz + h * sqh + rows[:, None] * sqm + dims[None, :] * sqd, mask=q_mask, other=0.0)
-        do = tl.load(DO_ATTN + (zh * NQ + rows[:, None]) * D + dims[None, :], mask=q_mask, other=0.0)
-        stat = zh * NQ + rows
-        row_max = tl.load(ROW_MAX + stat, mask=row_ok, other=0.0)
-        row_logsum = tl.load(ROW_LOGSUM + stat, mask=row_ok, other=0.0)
-        delta = tl.load(DELTA + stat, mask=row_ok, other=0.0)
+        do = tl.load(DO_ATTN + zh * NQ * D + rows[:, None] * D + dims[None, :], mask=q_mask, other=0.0)
+        row_max = tl.load(ROW_MAX + zh * NQ + rows, mask=row_ok, other=0.0)
+        row_logsum = tl.load(ROW_LOGSUM + zh * NQ + rows, mask=row_ok, other=0.0)
+        delta = tl.load(DELTA + zh * NQ + rows, mask=row_ok, other=0.0)
         s = _scores(
             q,
             tl.trans(k),
@@ -375,6 +383,7 @@ def _attn_bwd_dkdv(
             smn,
             HAS_BIAS,
             HAS_MASK,
+            MASK_BY_KEY,
             ACC_DTYPE,
             DOT_PRECISION,
         )
@@ -384,9 +393,10 @@ def _attn_bwd_dkdv(
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
         ds = p * (dp - delta[:, None])
         dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
-    out = (zh * NK + cols[:, None]) * D + dims[None, :]
-    tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_mask)
+    base = zh * NK * D  # contiguous [Z, H, NK, D]
+    out = cols[:, None] * D + dims[None, :]
+    tl.store(DK + base + out, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + base + out, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
@@ -433,6 +443,7 @@ def _attn_bwd_dq_dbias(
     SPLIT_BLOCKS,
     HAS_BIAS: tl.constexpr,
     HAS_MASK: tl.constexpr,
+    MASK_BY_KEY: tl.constexpr,
     NEED_DBIAS: tl.constexpr,
     DQ_IN_REGISTERS: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
@@ -452,7 +463,7 @@ def _attn_bwd_dq_dbias(
     row_ok = rows < NQ
     dim_ok = dims < D
     q_mask = row_ok[:, None] & dim_ok[None, :]
-    Z = (tl.num_programs(2) // H) * R  # = A * R * C
+    Z = (tl.num_programs(0) // H) * R  # axis 0 has A * C * H programs: Z = A * R * C
     dq_acc = tl.zeros([BLOCK_M, BLOCK_D], ACC_DTYPE)
     n_blocks = tl.cdiv(NK, BLOCK_N)
     first = split * SPLIT_BLOCKS
@@ -467,11 +478,10 @@ def _attn_bwd_dq_dbias(
             z = (a * R + r) * C + c
             zh = z * H + h
             q = tl.load(Q + z * sqz + h * sqh + rows[:, None] * sqm + dims[None, :] * sqd, mask=q_mask, other=0.0)
-            do = tl.load(DO_ATTN + (zh * NQ + rows[:, None]) * D + dims[None, :], mask=q_mask, other=0.0)
-            stat = zh * NQ + rows
-            row_max = tl.load(ROW_MAX + stat, mask=row_ok, other=0.0)
-            row_logsum = tl.load(ROW_LOGSUM + stat, mask=row_ok, other=0.0)
-            delta = tl.load(DELTA + stat, mask=row_ok, other=0.0)
+            do = tl.load(DO_ATTN + zh * NQ * D + rows[:, None] * D + dims[None, :], mask=q_mask, other=0.0)
+            row_max = tl.load(ROW_MAX + zh * NQ + rows, mask=row_ok, other=0.0)
+            row_logsum = tl.load(ROW_LOGSUM + zh * NQ + rows, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + zh * NQ + rows, mask=row_ok, other=0.0)
             k = tl.load(K + z * skz + h * skh + cols[:, None] * skn + dims[None, :] * skd, mask=kv_mask, other=0.0)
             v = tl.load(V + z * svz + h * svh + cols[:, None] * svn + dims[None, :] * svd, mask=kv_mask, other=0.0)
             s = _scores(
@@ -499,6 +509,7 @@ def _attn_bwd_dq_dbias(
                 smn,
                 HAS_BIAS,
                 HAS_MASK,
+                MASK_BY_KEY,
                 ACC_DTYPE,
                 DOT_PRECISION,
             )
@@ -517,7 +528,7 @@ def _attn_bwd_dq_dbias(
                 tl.debug_barrier()  # the rows are read back at the next key block, maybe by other threads
         if NEED_DBIAS:
             # contiguous [A, C, H, NQ, NK]
-            dbias_ptrs = DBIAS + (((a * C + c) * H + h) * NQ + rows[:, None]) * NK + cols[None, :]
+            dbias_ptrs = DBIAS + ((a * C + c) * H + h) * NQ * NK + rows[:, None] * NK + cols[None, :]
             tl.store(dbias_ptrs, dbias.to(DBIAS.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
     if DQ_IN_REGISTERS:
         z = a * C + c  # R == 1
@@ -587,12 +598,25 @@ def canonical_bias(
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
-    """fp32/fp64 operands: exact products (no TF32). fp16/bf16: the default (irrelevant)."""
-    return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
+    """Operand precision of ``tl.dot``: fp64, and fp32 unless PyTorch allows TF32 matmuls
+    (``torch.backends.cuda.matmul.allow_tf32``, set by tf32 training): exact (``"ieee"``, CUDA
+    cores); fp32 under ``allow_tf32``: ``"tf32"`` (tensor cores, like PyTorch's own matmuls);
+    fp16/bf16: tensor cores (the argument is irrelevant). The CPU interpreter multiplies exactly."""
+    if dtype == torch.float64:
+        return "ieee"
+    if dtype == torch.float32:
+        return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    return "tf32"
 
 
 def _acc_dtype(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def _mask_by_key(mask_offset: torch.Tensor | None) -> bool:
+    """The mask offset ``[Z, Hm, NQm, NKm]`` is one row of keys (broadcast over the queries): it is
+    then loaded as a vector, not as a tile of addresses."""
+    return mask_offset is not None and mask_offset.shape[2] == 1
 
 
 def _block_d(d: int) -> int:
@@ -603,18 +627,66 @@ def _block_d(d: int) -> int:
 # Launchers (canonical layout)
 # ----------------------------------------------------------------------------------------------
 
-ATTENTION_CONFIGS = [
-    {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
-    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
-    {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3},
-    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
-]
+# Candidate launch configs per program for tensor-core dots (fp16/bf16, fp32 under allow_tf32):
+# autotune.Tuner's list, the first is the default (used without autotuning); a dict may map a
+# compute capability to its own list. Checked ahead of time for sm_90 and sm_80 at every MLPerf
+# call site by ``python -m scalefold.kernels.aot`` (bench/RESULTS.md): each compiles and fits
+# shared memory, the defaults do not spill registers. The dQ/dbias kernel holds the most tiles
+# (S, P, dP, dS, the dbias accumulator): BLOCK_N 64 spilled there, so its default is 64 x 32 on 8
+# warps; the forward's 64 x 64 spilled 16 B with TF32 on sm_80 (head size 8), so it is 64 x 32.
+ATTENTION_CONFIGS = {
+    "attention_fwd": [
+        {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3},
+        {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+        {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+        {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+        {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
+    ],
+    "attention_bwd_dkdv": [
+        {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+        {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+        {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+        {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3},
+        {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
+    ],
+    "attention_bwd_dq": [
+        {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
+        {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
+        {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
+        {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
+        {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+    ],
+}
+# Exact fp32/fp64 dots run on CUDA cores with a whole K extent of each operand tile in every
+# thread's registers: 64 x 64 tiles spilled kilobytes; 32 x 32 ones do not, except in the dQ/dbias
+# kernel at head size 8 (32-132 B), whose default is therefore 16 x 32.
+ATTENTION_EXACT_CONFIGS = {
+    "attention_fwd": [
+        {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
+        {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
+        {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
+        {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
+    ],
+    "attention_bwd_dkdv": [
+        {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
+        {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
+        {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
+    ],
+    "attention_bwd_dq": [
+        {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
+        {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
+        {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
+    ],
+}
 # Interpreter mode (CPU): few, big programs -- each program instance costs milliseconds.
 INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 1, "num_stages": 1}
 
 
-def _config(name: str, key: tuple, bench) -> dict:
-    return autotune.get_tuner(name, ATTENTION_CONFIGS, INTERPRETER_CONFIG).pick(key, bench)
+def _config(name: str, key: tuple, bench, dtype: torch.dtype) -> dict:
+    """The launch config of program ``name``: separate tuners (and candidates) for exact dots."""
+    if _dot_precision(dtype) == "ieee":
+        return autotune.get_tuner(f"{name}_exact", ATTENTION_EXACT_CONFIGS[name], INTERPRETER_CONFIG).pick(key, bench)
+    return autotune.get_tuner(name, ATTENTION_CONFIGS[name], INTERPRETER_CONFIG).pick(key, bench)
 
 
 def _shape_class(q: torch.Tensor, k: torch.Tensor, has_bias: bool, R: int) -> tuple:
@@ -648,14 +720,15 @@ def attention_forward(
             *q.stride(), *k.stride(), *v.stride(), *_strides(bias, 5), *_strides(mask_offset, 4),
             *_strides(gate, 4), *o.stride(),
             H, NQ, NK, D, R, C, scale,
-            HAS_BIAS=bias is not None, HAS_MASK=mask_offset is not None, HAS_GATE=gate is not None,
+            HAS_BIAS=bias is not None, HAS_MASK=mask_offset is not None, MASK_BY_KEY=_mask_by_key(mask_offset),
+            HAS_GATE=gate is not None,
             ACC_DTYPE=_acc_dtype(q.dtype), DOT_PRECISION=_dot_precision(q.dtype),
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=_block_d(D),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
 
     key = ("fwd",) + _shape_class(q, k, bias is not None, R) + (gate is not None,)
-    launch(_config("attention_fwd", autotune.make_key(key, q), launch))
+    launch(_config("attention_fwd", autotune.make_key(key, q), launch, q.dtype))
     return o, row_max, row_logsum
 
 
@@ -697,7 +770,8 @@ def attention_backward(
         HAS_GATE=gate is not None, ACC_DTYPE=acc, BLOCK_M=pre_block, BLOCK_D=BLOCK_D,
     )  # fmt: skip
 
-    common = dict(HAS_BIAS=bias is not None, HAS_MASK=mask_offset is not None, ACC_DTYPE=acc,
+    common = dict(HAS_BIAS=bias is not None, HAS_MASK=mask_offset is not None,
+                  MASK_BY_KEY=_mask_by_key(mask_offset), ACC_DTYPE=acc,
                   DOT_PRECISION=_dot_precision(q.dtype), BLOCK_D=BLOCK_D)  # fmt: skip
     strides = (*q.stride(), *k.stride(), *v.stride(), *_strides(bias, 5), *_strides(mask_offset, 4))
     shape_key = _shape_class(q, k, bias is not None, R)
@@ -713,7 +787,7 @@ def attention_backward(
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
 
-    launch_dkdv(_config("attention_bwd_dkdv", autotune.make_key(("dkdv",) + shape_key, q), launch_dkdv))
+    launch_dkdv(_config("attention_bwd_dkdv", autotune.make_key(("dkdv",) + shape_key, q), launch_dkdv, q.dtype))
 
     # 3. dQ (+ dbias, reduced over the R members sharing the bias)
     full_bias_shape = (A, C, H, NQ, NK)
@@ -739,7 +813,7 @@ def attention_backward(
         )  # fmt: skip
         state["dq_buf"] = dq_buf
 
-    launch_dq(_config("attention_bwd_dq", autotune.make_key(("dq",) + shape_key, q), launch_dq))
+    launch_dq(_config("attention_bwd_dq", autotune.make_key(("dq",) + shape_key, q), launch_dq, q.dtype))
     dq_buf = state["dq_buf"]
     dq = (dq_buf[0] if dq_buf.shape[0] == 1 else dq_buf.sum(0)).mul_(scale).to(q.dtype)
 

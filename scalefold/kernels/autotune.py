@@ -10,6 +10,12 @@ Unlike ``triton.autotune`` the benchmark runs through a caller-supplied launch f
 in-place kernel can be benchmarked on scratch copies of its operands, and tuning never bumps a
 tensor's ``_version`` inside an autograd Function.
 
+Candidates may differ per GPU architecture (``configs`` maps a compute capability such as 90 or
+80 to its list; a device uses the entry of the highest capability not above its own): which
+candidates compile and fit an architecture's shared memory is checked ahead of time, without a
+GPU, by ``python -m scalefold.kernels.aot``. The first candidate is the *default*: the config used
+without autotuning (``SCALEFOLD_AUTOTUNE=0``), which must never spill.
+
 Under ``TRITON_INTERPRET=1`` (CPU) or without CUDA nothing is timed: the single interpreter
 config is used.
 """
@@ -20,7 +26,7 @@ import functools
 import json
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -28,6 +34,7 @@ import torch
 from scalefold.errors import exception_summary
 
 CACHE_DIR_ENV = "SCALEFOLD_AUTOTUNE_DIR"
+ENABLE_ENV = "SCALEFOLD_AUTOTUNE"  # "0": launch each kernel's default config, time nothing
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "scalefold" / "autotune"
 # Benchmark settings (milliseconds of warm-up / measurement per candidate config).
 BENCH_WARMUP_MS = 10
@@ -84,12 +91,28 @@ def make_key(shape_class: tuple, tensor: torch.Tensor) -> str:
 class Tuner:
     """Picks (and remembers) the fastest launch config of one kernel per key."""
 
-    def __init__(self, name: str, configs: Sequence[dict], interpreter_config: dict) -> None:
+    def __init__(
+        self, name: str, configs: Sequence[dict] | Mapping[int, Sequence[dict]], interpreter_config: dict
+    ) -> None:
         self.name = name
-        self.configs = [dict(c) for c in configs]
+        if isinstance(configs, Mapping):  # per compute capability
+            self.configs_by_arch = {int(cap): [dict(c) for c in cs] for cap, cs in configs.items()}
+        else:
+            self.configs_by_arch = {0: [dict(c) for c in configs]}
         self.interpreter_config = dict(interpreter_config)
         self.table: dict[str, dict] = {}
         self._loaded = False
+
+    def candidates(self, capability: int | None = None) -> list[dict]:
+        """The candidate configs for a device of compute capability ``capability`` (e.g. 90);
+        ``None``: the lowest architecture's list."""
+        caps = sorted(self.configs_by_arch)
+        fitting = [c for c in caps if capability is not None and c <= capability]
+        return self.configs_by_arch[fitting[-1] if fitting else caps[0]]
+
+    def default(self, capability: int | None = None) -> dict:
+        """The config used without autotuning: the first candidate."""
+        return self.candidates(capability)[0]
 
     # -- persistence ---------------------------------------------------------------------------
 
@@ -120,23 +143,26 @@ class Tuner:
         (CUDA only). ``launch`` must be safe to repeat (not accumulate into live state)."""
         if interpreting() or not torch.cuda.is_available():
             return self.interpreter_config
+        capability = _capability()
+        if os.environ.get(ENABLE_ENV, "1") == "0":
+            return self.default(capability)
         with _lock:
             if not self._loaded:
                 self.load()
             if key in self.table:
                 return self.table[key]
-        best = self._benchmark(launch)
+        best = self._benchmark(launch, capability)
         with _lock:
             self.table[key] = best
             self.save()
         return best
 
-    def _benchmark(self, launch: Callable[[dict], None]) -> dict:
+    def _benchmark(self, launch: Callable[[dict], None], capability: int | None = None) -> dict:
         import triton.testing
 
         timings = []
         errors = []
-        for cfg in self.configs:
+        for cfg in self.candidates(capability):
             try:
                 ms = triton.testing.do_bench(functools.partial(launch, cfg), warmup=BENCH_WARMUP_MS, rep=BENCH_REP_MS)
             except Exception as exc:  # out of shared memory / registers for this shape: not a candidate
@@ -148,7 +174,12 @@ class Tuner:
         return min(timings, key=lambda t: t[0])[1]
 
 
-def get_tuner(name: str, configs: Sequence[dict], interpreter_config: dict) -> Tuner:
+def _capability() -> int:
+    major, minor = torch.cuda.get_device_capability()
+    return major * 10 + minor
+
+
+def get_tuner(name: str, configs: Sequence[dict] | Mapping[int, Sequence[dict]], interpreter_config: dict) -> Tuner:
     """The process-wide tuner of kernel ``name``."""
     with _lock:
         if name not in _tuners:

@@ -128,7 +128,9 @@ def _mask_offset(
     mask = mask.reshape((1,) * (ndim - mask.dim()) + tuple(mask.shape))
     mask_tail = tuple(mask.shape[len(batch) :])
     mask = mask.expand(tuple(batch) + mask_tail).reshape((math.prod(batch),) + mask_tail)
-    return (mask.to(dtype) - 1.0) * inf
+    # contiguous: a unit key stride is specialised by Triton (vector loads, fewer registers); the
+    # ending-node triangle attention would otherwise pass its transposed mask
+    return ((mask.to(dtype) - 1.0) * inf).contiguous()
 
 
 def attention(
@@ -158,6 +160,12 @@ def attention(
     bias5 = None
     if bias is not None:
         bias5, R, C = attention_triton.canonical_bias(bias, batch, (H, NQ, NK))
+        # the model's bias is [*, N, N, H] moved to [*, H, N, N] (key stride H); one small copy makes
+        # the key stride 1, which Triton specialises (vector loads instead of a 64-bit address per
+        # element: the attention kernels spilled registers at the MLPerf shapes without it). A bias
+        # broadcast over the batch (stride 0) is left alone: the copy would materialise it.
+        if bias5.stride(-1) != 1 and all(st != 0 or n == 1 for n, st in zip(bias5.shape, bias5.stride())):
+            bias5 = bias5.contiguous()
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     offset = _mask_offset(mask, batch, (H, NQ, NK), inf, acc) if mask is not None else None
     o, _, _ = attention_fwd(q4, k4, v4, bias5, offset, g4, float(scale), R, C)

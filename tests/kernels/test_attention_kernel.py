@@ -144,3 +144,18 @@ def test_launch_grids_fit_cuda_at_the_mlperf_template_shape():
     with pytest.raises(ValueError, match="axis 1 has 262144 blocks"):
         launch_grid(1, pairs_x_heads)  # the orientation the kernels had before
     assert MAX_GRID[1] == MAX_GRID[2] == 65535
+
+
+def test_key_splits_of_the_dq_kernel(device, monkeypatch):
+    """dQ accumulated over two key splits (one fp32 buffer per split, summed afterwards) with two
+    bias groups (A = 2): each split's slice of the buffer is indexed by the number of batch members
+    (A * R * C), not by the number of query blocks (2 here, so a wrong index mixes members)."""
+    from scalefold.kernels import attention_triton, autotune
+
+    monkeypatch.setattr(autotune, "_tuners", {})  # fresh tuners see the patched candidates
+    monkeypatch.setattr(attention_triton, "INTERPRETER_CONFIG", dict(attention_triton.INTERPRETER_CONFIG, SPLITS=2))
+    for table in (attention_triton.ATTENTION_CONFIGS, attention_triton.ATTENTION_EXACT_CONFIGS):
+        split = [dict(c, SPLITS=2) for c in autotune.Tuner("dq", table["attention_bwd_dq"], {}).candidates()]
+        monkeypatch.setitem(table, "attention_bwd_dq", split)
+    _compare(*_inputs((2, 3), 2, 40, 40, 8, torch.float32, device, bias_shape=(2, 1, 2, 40, 40),
+                      mask_shape=(2, 3, 1, 1, 40)))  # fmt: skip

@@ -70,3 +70,29 @@ def test_benchmark_names_each_candidates_error_when_none_runs(monkeypatch):
     message = str(info.value)
     assert "no launch config of t runs on this device" in message
     assert "{'B': 1}: ValueError: grid too large for B=1" in message and "B=3" in message
+
+
+def test_per_architecture_candidates_and_default():
+    """A per-capability table gives each device the list of the highest capability not above its
+    own (the lowest list below all); the first candidate is the default."""
+    a100, h100 = [{"B": 1}, {"B": 2}], [{"B": 3}, {"B": 4}]
+    tuner = autotune.Tuner("t", {80: a100, 90: h100}, {"B": 64})
+    assert tuner.candidates(90) == h100 and tuner.candidates(100) == h100
+    assert tuner.candidates(86) == a100 and tuner.candidates(70) == a100 and tuner.candidates(None) == a100
+    assert tuner.default(90) == {"B": 3} and tuner.default(80) == {"B": 1}
+    flat = autotune.Tuner("t", a100, {"B": 64})
+    assert flat.candidates(90) == a100 and flat.default() == {"B": 1}
+
+
+def test_autotune_off_launches_the_default_without_timing(monkeypatch):
+    """SCALEFOLD_AUTOTUNE=0 on a GPU: the device's default config, nothing benchmarked."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv(autotune.ENABLE_ENV, "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(autotune, "_capability", lambda: 90)
+    tuner = autotune.Tuner("t", {80: [{"B": 1}], 90: [{"B": 3}, {"B": 4}]}, {"B": 64})
+
+    def never(cfg):
+        raise AssertionError("benchmarked with autotuning off")
+
+    assert tuner.pick("k", never) == {"B": 3}

@@ -1,0 +1,752 @@
+"""Ahead-of-time compilation of every Triton kernel ScaleFold launches, for real GPUs, without one.
+
+``python -m scalefold.kernels.aot [--arch sm_90 --arch sm_80] [--json]``
+
+The kernel tests run in Triton's CPU interpreter, which accepts programs a GPU compile rejects
+(``tl.dot`` tiles under 16, shared memory over the limit, bf16 paths it never really executes).
+Triton compiles to PTX and cubin with no driver -- ``triton.compile(ASTSource(fn, signature,
+constexprs, attrs), target=GPUTarget("cuda", 90, 32))`` -- and its wheel ships ``ptxas`` and
+``cuobjdump``, so this module proves on a CPU that every program compiles for H100 (sm_90) and
+A100 (sm_80), and reports its registers, shared memory and spills.
+
+How the launches are found (so that what is compiled is what training launches):
+
+1. every attention call site of the MLPerf model (``mlperf`` preset: crop 256, 124 + 4 MSA rows,
+   1,024 extra rows, 4 templates) is built from the real model modules on the ``meta`` device and
+   run forward *and* backward with ``SCALEFOLD_KERNELS=triton``; LayerNorm runs at every hidden
+   size of the MLPerf model; Adam+SWA on flat buffers of its 93 M parameters;
+2. the custom ops' entry points (``triton_ops.attention_fwd`` ...) are wrapped so that each call
+   also runs the real launcher (``attention_triton.attention_forward`` ...) on the same meta
+   tensors, with the ``@triton.jit`` kernels replaced by recorders and the autotuner replaced by
+   a sweep that launches every candidate config -- so strides, constexprs, ``num_warps`` and
+   ``num_stages`` come from the launcher itself;
+3. each distinct launch (kernel, argument types and 16-byte divisibility as Triton's own binder
+   specialises them, constexprs, options) is compiled once per architecture; ``cuobjdump
+   --dump-resource-usage`` on the cubin gives the registers, ptxas' own ``-v`` report the bytes
+   of spill stores per thread (the stack frame when the kernel came from Triton's cache); shared
+   memory is the dynamic amount Triton requests at launch (``metadata.shared``), checked
+   against the architecture's opt-in limit (227 KiB H100, 163 KiB A100).
+
+One record per compile: ``kernel`` (``attention_fwd``, ``attention_bwd:dkdv`` ...), ``dtype``
+(``bf16``/``fp16``/``fp32``, and ``tf32``: fp32 tensors under ``allow_tf32``, attention only),
+``arch``, ``config``, ``default`` (the config used without autotuning), ``ok`` (compiled and fits
+shared memory), ``error``, ``registers``, ``shared_bytes``, ``spill_bytes``, plus ``sites`` (the
+model call sites launching it) and ``compile_s``. The exit status is 1 when any record is not
+``ok`` or a default config spills: the candidate lists in the kernel modules hold only configs
+that compile and fit.
+
+The kernel modules must be imported with ``TRITON_INTERPRET`` off (``@triton.jit`` returns an
+interpreter object otherwise); run this as its own process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+#: ``--arch`` -> (compute capability, opt-in dynamic shared memory per block in bytes)
+ARCHS = {"sm_90": (90, 227 * 1024), "sm_80": (80, 163 * 1024)}
+#: ``--dtype`` -> tensor dtype; ``tf32`` is fp32 storage with TF32 matmuls
+#: (``torch.backends.cuda.matmul.allow_tf32``), which changes only the attention kernels' dots
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "tf32": torch.float32}
+KERNELS = ("attention_fwd", "attention_bwd", "layer_norm_fwd", "layer_norm_bwd", "adam_swa")
+
+EXIT_BAD_INPUT = 3
+
+
+# ----------------------------------------------------------------------------------------------
+# Capturing launches
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Launch:
+    """One kernel launch as a launcher issued it (meta tensors, never run)."""
+
+    kernel: str  # record name, e.g. "attention_bwd:dkdv"
+    dtype: str  # the training dtype of the call site (bf16/fp16/fp32)
+    fn: object  # the triton.runtime.JITFunction
+    args: tuple
+    kwargs: dict
+    candidate: dict | None  # the autotune candidate being launched; None for a fixed launch
+    default: bool
+    site: str
+
+
+@dataclass
+class _Context:
+    site: str = ""
+    dtype: str = ""
+    candidate: dict | None = None
+    default: bool = True
+    launches: list[Launch] = field(default_factory=list)
+
+
+class _Recorder:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **kwargs)`` is recorded."""
+
+    def __init__(self, fn, kernel: str, ctx: _Context) -> None:
+        self.fn, self.kernel, self.ctx = fn, kernel, ctx
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            c = self.ctx
+            c.launches.append(Launch(self.kernel, c.dtype, self.fn, args, kwargs, c.candidate, c.default, c.site))
+
+        return launch
+
+
+class _SweepTuner:
+    """Stands in for ``autotune.Tuner``: ``pick`` launches every candidate of the architecture
+    (the default first) and returns the default, which the launcher then launches again."""
+
+    def __init__(self, tuner, ctx: _Context, capability: int | None) -> None:
+        self.tuner, self.ctx, self.capability = tuner, ctx, capability
+
+    def pick(self, key: str, launch: Callable[[dict], None]) -> dict:
+        default = self.tuner.default(self.capability)
+        for cfg in self.tuner.candidates(self.capability):
+            self.ctx.candidate, self.ctx.default = dict(cfg), cfg == default
+            try:
+                launch(cfg)
+            finally:
+                self.ctx.candidate, self.ctx.default = None, True
+        return default
+
+
+# (module attribute, record name) of every @triton.jit kernel the launchers call
+_KERNEL_NAMES = {
+    "attention_triton": {
+        "_attn_fwd": "attention_fwd",
+        "_attn_bwd_preprocess": "attention_bwd:preprocess",
+        "_attn_bwd_dkdv": "attention_bwd:dkdv",
+        "_attn_bwd_dq_dbias": "attention_bwd:dq_dbias",
+    },
+    "layer_norm_triton": {
+        "_ln_fwd": "layer_norm_fwd",
+        "_ln_bwd_dx": "layer_norm_bwd:dx",
+        "_ln_bwd_dwdb": "layer_norm_bwd:dwdb",
+    },  # fmt: skip
+    "adam_swa_triton": {"_adam_swa": "adam_swa"},
+}
+
+
+def _kernel_modules():
+    """Import the kernel modules with the interpreter off (a compile needs real JITFunctions)."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        if any(f"scalefold.kernels.{m}" in sys.modules for m in _KERNEL_NAMES):
+            raise RuntimeError(
+                "the Triton kernels were imported in interpreter mode; run the AOT check in its own process"
+            )
+        os.environ["TRITON_INTERPRET"] = "0"
+    os.environ.setdefault("TRITON_INTERPRET", "0")  # triton_ops would switch the interpreter on
+    from triton.runtime.jit import JITFunction
+
+    from scalefold.kernels import adam_swa_triton, attention_triton, layer_norm_triton, triton_ops
+
+    if not isinstance(attention_triton._attn_fwd, JITFunction):
+        raise RuntimeError("the Triton kernels were imported in interpreter mode; run the AOT check in its own process")
+    return {"attention_triton": attention_triton, "layer_norm_triton": layer_norm_triton,
+            "adam_swa_triton": adam_swa_triton, "triton_ops": triton_ops}  # fmt: skip
+
+
+@contextlib.contextmanager
+def _patched(obj, name: str, value) -> Iterator[None]:
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+@contextlib.contextmanager
+def capturing(ctx: _Context, arch: int | None = None) -> Iterator[dict]:
+    """Kernels replaced by recorders, the autotuner by a sweep, the custom ops by wrappers that
+    also run the launchers; ``SCALEFOLD_KERNELS=triton`` so the model dispatches to them."""
+    mods = _kernel_modules()
+    from scalefold.kernels import autotune
+
+    real_get_tuner = autotune.get_tuner
+
+    def sweep_tuner(name, configs, interpreter_config):
+        return _SweepTuner(real_get_tuner(name, configs, interpreter_config), ctx, arch)
+
+    ops, at, ln = mods["triton_ops"], mods["attention_triton"], mods["layer_norm_triton"]
+    real = {n: getattr(ops, n) for n in ("attention_fwd", "attention_bwd", "layer_norm_fwd", "layer_norm_bwd")}
+    launchers = {
+        "attention_fwd": at.attention_forward,
+        "attention_bwd": at.attention_backward,
+        "layer_norm_fwd": ln.layer_norm_forward,
+        "layer_norm_bwd": lambda dy, *rest: ln.layer_norm_backward(dy.contiguous(), *rest),  # as the op does
+    }
+
+    def wrap(name):
+        def op(*args):
+            launchers[name](*args)
+            return real[name](*args)  # meta tensors: the op's fake implementation, with autograd
+
+        return op
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_patched(autotune, "get_tuner", sweep_tuner))
+        for module, names in _KERNEL_NAMES.items():
+            for attr, kernel in names.items():
+                fn = getattr(mods[module], attr)
+                stack.enter_context(_patched(mods[module], attr, _Recorder(fn, kernel, ctx)))
+        for name in real:
+            stack.enter_context(_patched(ops, name, wrap(name)))
+        old_env = os.environ.get("SCALEFOLD_KERNELS")
+        os.environ["SCALEFOLD_KERNELS"] = "triton"
+        try:
+            yield mods
+        finally:
+            if old_env is None:
+                os.environ.pop("SCALEFOLD_KERNELS", None)
+            else:
+                os.environ["SCALEFOLD_KERNELS"] = old_env
+
+
+# ----------------------------------------------------------------------------------------------
+# MLPerf call sites
+# ----------------------------------------------------------------------------------------------
+
+
+def _mlperf():
+    from scalefold.model.config import AlphaFoldConfig
+
+    return AlphaFoldConfig.from_preset("mlperf")
+
+
+def attention_sites() -> dict[str, Callable[[torch.dtype], None]]:
+    """Every attention call of the MLPerf model: name -> run(dtype) (forward + backward on meta)."""
+    from scalefold.model.msa_attention import MSAColumnAttention, MSAColumnGlobalAttention, MSARowAttentionWithPairBias
+    from scalefold.model.template import TemplatePointwiseAttention
+    from scalefold.model.triangle import TriangleAttention
+
+    cfg = _mlperf()
+    n = cfg.train_sequence_crop_size
+    n_seq = cfg.max_msa_clusters + cfg.max_templates  # template torsion angles become MSA rows
+    n_extra, n_templ = cfg.max_extra_msa, cfg.max_templates
+    evo, extra = cfg.evoformer_stack_config, cfg.extra_msa_stack_config
+    tps, tpa = cfg.template_pair_stack_config, cfg.template_pointwise_attention_config
+
+    def run(make_module, *shapes):
+        def go(dtype: torch.dtype) -> None:
+            with torch.device("meta"):
+                module = make_module().to(dtype)
+                inputs = [torch.empty(s, dtype=dtype, requires_grad=True) for s in shapes]
+            out = module(*inputs)
+            out.float().sum().backward()
+
+        return go
+
+    def template_pointwise(dtype):
+        with torch.device("meta"):
+            module = TemplatePointwiseAttention(tpa.c_t, tpa.c_z, tpa.c_hidden, tpa.num_heads, inf=tpa.inf).to(dtype)
+            t = torch.empty((n_templ, n, n, tpa.c_t), dtype=dtype, requires_grad=True)
+            z = torch.empty((n, n, tpa.c_z), dtype=dtype, requires_grad=True)
+            mask = torch.ones(n_templ, dtype=dtype)
+        module(t, z, mask).float().sum().backward()
+
+    return {
+        "msa_row": run(lambda: MSARowAttentionWithPairBias(evo.c_m, evo.c_z, evo.c_hidden_msa_att, evo.num_heads_msa),
+                       (n_seq, n, evo.c_m), (n, n, evo.c_z)),
+        "msa_col": run(lambda: MSAColumnAttention(evo.c_m, evo.c_hidden_msa_att, evo.num_heads_msa), (n_seq, n, evo.c_m)),
+        "tri_start": run(lambda: TriangleAttention(evo.c_z, evo.c_hidden_tri_att, evo.num_heads_tri, starting=True),
+                         (n, n, evo.c_z)),
+        "tri_end": run(lambda: TriangleAttention(evo.c_z, evo.c_hidden_tri_att, evo.num_heads_tri, starting=False),
+                       (n, n, evo.c_z)),
+        "extra_msa_row": run(
+            lambda: MSARowAttentionWithPairBias(extra.c_e, extra.c_z, extra.c_hidden_msa_att, extra.num_heads_msa),
+            (n_extra, n, extra.c_e), (n, n, extra.c_z)),
+        "extra_msa_col_global": run(
+            lambda: MSAColumnGlobalAttention(extra.c_e, extra.c_hidden_msa_att, extra.num_heads_msa),
+            (n_extra, n, extra.c_e)),
+        "template_tri_start": run(lambda: TriangleAttention(tps.c_t, tps.c_hidden_tri_att, tps.num_heads_tri),
+                                  (n_templ, n, n, tps.c_t)),
+        "template_tri_end": run(
+            lambda: TriangleAttention(tps.c_t, tps.c_hidden_tri_att, tps.num_heads_tri, starting=False),
+            (n_templ, n, n, tps.c_t)),
+        "template_pointwise": template_pointwise,
+    }  # fmt: skip
+
+
+def layer_norm_sites() -> dict[str, Callable[[torch.dtype], None]]:
+    """LayerNorm at every hidden size of the MLPerf model, over N_res^2 rows (forward + backward)."""
+    from scalefold.model.alphafold import AlphaFold
+    from scalefold.model.primitives import LayerNorm
+
+    cfg = _mlperf()
+    with torch.device("meta"):
+        model = AlphaFold(cfg)
+    sizes = sorted({m.normalized_shape[0] for m in model.modules() if isinstance(m, LayerNorm)})
+    n = cfg.train_sequence_crop_size
+
+    def run(c):
+        def go(dtype):
+            with torch.device("meta"):
+                module = LayerNorm(c).to(dtype)
+                x = torch.empty((n, n, c), dtype=dtype, requires_grad=True)
+            module(x).float().sum().backward()
+
+        return go
+
+    return {f"layer_norm_{c}": run(c) for c in sizes}
+
+
+def adam_sites() -> dict[str, Callable[[torch.dtype], None]]:
+    """Adam+SWA on the flat buffers of the MLPerf model's parameters: master fp32, gradients and
+    compute copy in the training dtype; the first SWA update copies, later ones average."""
+    from scalefold.kernels import adam_swa_triton
+    from scalefold.kernels.reference import adam_step_scalars
+
+    cfg = _mlperf()
+    numel = 93_229_082
+
+    def run(swa_copy):
+        def go(dtype):
+            with torch.device("meta"):
+                master = [torch.empty(numel, dtype=torch.float32) for _ in range(4)]
+                grad = torch.empty(numel, dtype=dtype)
+                compute = None if dtype == torch.float32 else torch.empty(numel, dtype=dtype)
+                lr, step, clip = torch.empty(()), torch.empty(()), torch.empty(())
+                neg_step_size, bc2_sqrt = adam_step_scalars(lr, step, 0.9, 0.999)
+            param, exp_avg, exp_avg_sq, swa = master
+            adam_swa_triton.adam_swa_launch(
+                param, grad, exp_avg, exp_avg_sq, swa, compute, clip if cfg.gradient_clipping else None,
+                neg_step_size, bc2_sqrt, 0.9, 0.999, 1e-6, cfg.swa_decay_rate, swa_copy,
+            )  # fmt: skip
+
+        return go
+
+    return {"adam_swa_average": run(False), "adam_swa_first": run(True)}
+
+
+def all_sites(kernels: Sequence[str] = KERNELS) -> dict[str, Callable[[torch.dtype], None]]:
+    """The call sites launching ``kernels``: name -> run(dtype)."""
+    sites: dict[str, Callable] = {}
+    if {"attention_fwd", "attention_bwd"} & set(kernels):
+        sites.update(attention_sites())
+    if {"layer_norm_fwd", "layer_norm_bwd"} & set(kernels):
+        sites.update(layer_norm_sites())
+    if "adam_swa" in kernels:
+        sites.update(adam_sites())
+    return sites
+
+
+def collect(
+    dtypes: Sequence[str],
+    kernels: Sequence[str] = KERNELS,
+    arch: int | None = None,
+    only_sites: Sequence[str] | None = None,
+) -> list[Launch]:
+    """Every launch of the selected kernels at the MLPerf call sites (all, or ``only_sites``), in
+    every dtype, with the candidate lists of compute capability ``arch``."""
+    ctx = _Context()
+    with capturing(ctx, arch):
+        sites = all_sites(kernels)
+        unknown = sorted(set(only_sites or ()) - set(sites))
+        if unknown:
+            raise ValueError(f"unknown site(s) {', '.join(unknown)}; expected some of {', '.join(sites)}")
+        if only_sites:
+            sites = {name: go for name, go in sites.items() if name in only_sites}
+        dot_sites = set(attention_sites())
+        for dtype in dtypes:
+            with _patched(torch.backends.cuda.matmul, "allow_tf32", dtype == "tf32"):
+                for site, go in sites.items():
+                    if dtype == "tf32" and site not in dot_sites:
+                        continue  # no matmul: the fp32 kernel
+                    ctx.site, ctx.dtype = site, dtype
+                    go(DTYPES[dtype])
+    # tf32 changes only the attention dots: the LayerNorms inside the attention modules are fp32's
+    return [
+        launch
+        for launch in ctx.launches
+        if launch.kernel.split(":")[0] in kernels and (launch.dtype != "tf32" or launch.kernel.startswith("attention"))
+    ]
+
+
+# ----------------------------------------------------------------------------------------------
+# Compiling
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Task:
+    """One distinct compile: a kernel specialisation for one architecture."""
+
+    kernel: str
+    fn_name: str
+    module: str
+    dtype: str
+    arch: str
+    signature: dict
+    constexprs: dict
+    attrs: dict
+    options: dict
+    config: dict
+    default: bool = False
+    candidates: list = field(default_factory=list)
+    sites: list = field(default_factory=list)
+
+
+@dataclass
+class Record:
+    kernel: str
+    dtype: str
+    arch: str
+    config: dict
+    default: bool
+    ok: bool
+    error: str | None
+    registers: int | None
+    shared_bytes: int | None
+    spill_bytes: int | None
+    shared_limit: int
+    candidates: list
+    sites: list
+    compile_s: float
+
+
+_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK", "ROWS", "BLOCK_P")
+
+
+def tasks_for(launches: Sequence[Launch], arch: str) -> list[Task]:
+    """Distinct compiles of ``launches`` for ``arch``, specialised as Triton's binder would."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    capability = ARCHS[arch][0]
+    backend = make_backend(GPUTarget("cuda", capability, 32))
+    binders: dict[int, Callable] = {}
+    tasks: dict[str, Task] = {}
+    for launch in launches:
+        fn = launch.fn
+        if id(fn) not in binders:
+            binders[id(fn)] = create_function_from_signature(fn.signature, fn.params, backend)
+        bound, spec, opts = binders[id(fn)](*launch.args, **launch.kwargs)
+        options, signature, constexprs, attrs = fn._pack_args(backend, opts, bound, spec, opts)
+        config = {k: v for k, v in launch.kwargs.items() if k in _CONFIG_KEYS}
+        config["num_warps"] = options.num_warps
+        config["num_stages"] = options.num_stages
+        dtype = launch.dtype
+        key = repr((launch.kernel, dtype, sorted(signature.items()), sorted(constexprs.items(), key=str),
+                    sorted(attrs.items(), key=str), sorted(opts.items())))  # fmt: skip
+        task = tasks.get(key)
+        if task is None:
+            task = tasks[key] = Task(
+                launch.kernel, fn.__name__, fn.module, dtype, arch, signature, constexprs, attrs, dict(opts), config
+            )
+        task.default |= launch.default
+        if launch.candidate is not None and launch.candidate not in task.candidates:
+            task.candidates.append(launch.candidate)
+        if launch.site not in task.sites:
+            task.sites.append(launch.site)
+    return list(tasks.values())
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    return str(path) if path.exists() else name
+
+
+def resource_usage(cubin: bytes) -> tuple[int, int]:
+    """``(registers, stack frame bytes per thread)`` of the one kernel in ``cubin`` (``cuobjdump``).
+    Spilled registers live in the stack frame."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name],
+                             check=True, capture_output=True, text=True).stdout  # fmt: skip
+    match = re.search(r"REG:(\d+)\s+STACK:(\d+)", out)
+    if not match:
+        raise RuntimeError(f"no resource usage in cuobjdump output: {out.strip()[:200]}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def spill_stores(ptxas_log: str) -> int | None:
+    """Bytes of spill stores ptxas reported (``ptxas -v``); None when it reported nothing (a cache hit)."""
+    match = re.search(r"(\d+) bytes spill stores", ptxas_log)
+    return int(match.group(1)) if match else None
+
+
+def _short_error(exc: BaseException) -> str:
+    text = str(exc).strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    # Triton's CompilationError puts the source excerpt first and the reason last
+    pick = next((line for line in reversed(lines) if not line.startswith("^")), "") if lines else ""
+    for line in lines:
+        if "error" in line.lower() and "ptxas" in line.lower():
+            pick = line
+            break
+    return f"{type(exc).__name__}: {pick}"[:300] if pick else type(exc).__name__
+
+
+def compile_task(task: Task) -> Record:
+    """Compile one task (PTX -> cubin through the wheel's ptxas) and measure it."""
+    import importlib
+
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    capability, limit = ARCHS[task.arch]
+    fn = getattr(importlib.import_module(task.module), task.fn_name)
+    start = time.perf_counter()
+    registers = shared = spills = None
+    error = None
+    log = io.StringIO()
+    try:
+        # Triton prints ptxas' -v report (registers, stack frame, spill stores) when asked to;
+        # on a failed ptxas it prints the whole PTX: both stay out of the table
+        with _patched(knobs.nvidia, "dump_ptxas_log", True), contextlib.redirect_stdout(log):
+            kernel = triton.compile(
+                ASTSource(fn, task.signature, task.constexprs, task.attrs),
+                target=GPUTarget("cuda", capability, 32),
+                options=task.options,
+            )
+        shared = int(kernel.metadata.shared)
+        registers, stack = resource_usage(kernel.asm["cubin"])
+        spills = spill_stores(log.getvalue())
+        if spills is None:  # compiled earlier (cache hit): the stack frame bounds the spills
+            spills = stack
+        if shared > limit:
+            error = f"shared memory {shared} B > {limit} B ({task.arch})"
+    except Exception as exc:  # noqa: BLE001 - a failed compile is a result, reported per record
+        error = _short_error(exc)
+    return Record(
+        task.kernel, task.dtype, task.arch, task.config, task.default, error is None, error,
+        registers, shared, spills, limit, task.candidates, task.sites, round(time.perf_counter() - start, 2),
+    )  # fmt: skip
+
+
+_POOL_TASKS: list[Task] = []
+
+
+def _compile_index(i: int) -> Record:
+    return compile_task(_POOL_TASKS[i])
+
+
+def compile_all(tasks: Sequence[Task], jobs: int = 1, progress: bool = True) -> list[Record]:
+    """Compile every task (``jobs`` worker processes), with a progress bar on stderr."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(tasks), desc="aot compile", unit="kernel", file=sys.stderr, disable=not progress)
+    records: list[Record | None] = [None] * len(tasks)
+    if jobs <= 1:
+        for i, task in enumerate(tasks):
+            records[i] = compile_task(task)
+            bar.update()
+    else:
+        import concurrent.futures as cf
+        import multiprocessing
+
+        _POOL_TASKS[:] = tasks
+        with cf.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+            futures = {pool.submit(_compile_index, i): i for i in range(len(tasks))}
+            for future in cf.as_completed(futures):
+                records[futures[future]] = future.result()
+                bar.update()
+    bar.close()
+    return records  # type: ignore[return-value]
+
+
+def run(
+    archs: Sequence[str] = tuple(ARCHS),
+    dtypes: Sequence[str] = tuple(DTYPES),
+    kernels: Sequence[str] = KERNELS,
+    default_only: bool = False,
+    sites: Sequence[str] | None = None,
+    jobs: int = 1,
+    progress: bool = True,
+) -> list[Record]:
+    """Collect, specialise and compile; one record per compile."""
+    tasks: list[Task] = []
+    for arch in archs:
+        launches = collect(dtypes, kernels, ARCHS[arch][0], sites)
+        arch_tasks = tasks_for(launches, arch)
+        tasks.extend(t for t in arch_tasks if t.default or not default_only)
+    return compile_all(tasks, jobs, progress)
+
+
+def problems(records: Sequence[Record]) -> list[str]:
+    """What must not be: a failed or oversized compile, or a default config that spills."""
+    out = []
+    for r in records:
+        where = f"{r.kernel} {r.dtype} {r.arch} {r.config}"
+        if not r.ok:
+            out.append(f"{where}: {r.error}")
+        elif r.default and r.spill_bytes:
+            out.append(f"{where}: default config spills {r.spill_bytes} B per thread")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------
+
+
+def _config_text(config: dict) -> str:
+    short = {"BLOCK_M": "M", "BLOCK_N": "N", "BLOCK_D": "D", "BLOCK": "B", "ROWS": "R", "BLOCK_P": "P",
+             "num_warps": "w", "num_stages": "s"}  # fmt: skip
+    return " ".join(f"{short.get(k, k)}{v}" for k, v in config.items())
+
+
+def table(records: Sequence[Record]) -> str:
+    """Human-readable table, one line per compile."""
+    head = ("kernel", "dtype", "arch", "config", "def", "ok", "regs", "smem KiB", "spill", "sites / error")
+    rows = [head]
+    for r in sorted(records, key=lambda r: (r.kernel, r.dtype, r.arch, not r.default, str(r.config))):
+        smem = "-" if r.shared_bytes is None else f"{r.shared_bytes / 1024:.1f}"
+        rows.append((
+            r.kernel, r.dtype, r.arch, _config_text(r.config), "*" if r.default else "", "yes" if r.ok else "NO",
+            "-" if r.registers is None else str(r.registers), smem,
+            "-" if r.spill_bytes is None else str(r.spill_bytes),
+            r.error if r.error else ",".join(r.sites),
+        ))  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head) - 1)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row[:-1], widths)) + "  " + row[-1] for row in rows]
+    return "\n".join(lines)
+
+
+def markdown(records: Sequence[Record]) -> str:
+    """One row per (program, dtype, arch): its compiles, the default config's worst case over the
+    MLPerf sites, the largest figures over every candidate, and which candidates spill."""
+    groups: dict[tuple, list[Record]] = {}
+    for r in records:
+        groups.setdefault((r.kernel, r.dtype, r.arch), []).append(r)
+    lines = [
+        "| kernel | dtype | arch | compiles (ok) | default config | default regs / smem KiB / spill B "
+        "| all candidates: max regs / max smem KiB | candidates spilling (max B) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+
+    def worst(rs: list[Record]) -> tuple[int, float, int]:
+        return (max(r.registers or 0 for r in rs), max(r.shared_bytes or 0 for r in rs) / 1024,
+                max(r.spill_bytes or 0 for r in rs))  # fmt: skip
+
+    for (kernel, dtype, arch), rs in sorted(groups.items()):
+        defaults = [r for r in rs if r.default]
+        configs = sorted({_config_text(r.config) for r in defaults})
+        d_regs, d_smem, d_spill = worst(defaults) if defaults else (0, 0.0, 0)
+        a_regs, a_smem, _ = worst(rs)
+        spilling = {_config_text(r.config) for r in rs if r.spill_bytes}
+        max_spill = max((r.spill_bytes or 0 for r in rs), default=0)
+        lines.append(
+            f"| {kernel} | {dtype} | {arch} | {len(rs)} ({sum(r.ok for r in rs)}) | {'; '.join(configs)} "
+            f"| {d_regs} / {d_smem:.1f} / {d_spill} | {a_regs} / {a_smem:.1f} "
+            f"| {len(spilling)}{f' ({max_spill})' if spilling else ''} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m scalefold.kernels.aot",
+        description="Compile every ScaleFold Triton kernel (every autotune candidate, MLPerf shapes) for real "
+        "GPUs without one, and report registers, shared memory and spills per compile.",
+    )
+    p.add_argument("--arch", action="append", choices=sorted(ARCHS), help="target (repeatable; default both)")
+    p.add_argument("--dtype", action="append", choices=sorted(DTYPES), help="data type (repeatable; default all)")
+    p.add_argument("--kernel", action="append", choices=KERNELS, help="kernel (repeatable; default all)")
+    p.add_argument("--site", action="append", help="only this MLPerf call site, e.g. msa_row (repeatable; default all)")
+    p.add_argument("--default-only", action="store_true", help="only the configs used without autotuning")
+    p.add_argument("--json", action="store_true", help="JSON lines, one record per compile, instead of the table")
+    p.add_argument("--markdown", action="store_true", help="a summary per kernel x dtype x arch (bench/RESULTS.md)")
+    p.add_argument(
+        "--from-json", metavar="FILE", help="summarise the records of an earlier --json run; compile nothing"
+    )
+    p.add_argument("--jobs", type=int, default=1, help="parallel compile processes (default 1)")
+    p.add_argument("--cache-dir", help="Triton cache directory (default: a fresh temporary one, so all compiles run)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    # Triton 3.9 warns once that fp fusion defaults to on; the compile keeps the runtime's default
+    warnings.filterwarnings("ignore", message=".*TRITON_DEFAULT_FP_FUSION.*")
+    if args.jobs < 1:
+        print(f"--jobs {args.jobs}: expected a positive number", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.from_json:
+        try:
+            records = load_records(args.from_json)
+        except (OSError, ValueError, TypeError) as exc:
+            print(f"--from-json {args.from_json}: not a file of --json records ({exc})", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        emit(records, args)
+        bad = problems(records)
+        print(f"{len(records)} records, {len(bad)} problem(s)" + "".join(f"\n  {b}" for b in bad), file=sys.stderr)
+        return 1 if bad else 0
+    _kernel_modules()  # before the model (and through it the kernels) is imported
+    known = all_sites(args.kernel or KERNELS)
+    unknown = sorted(set(args.site or ()) - set(known))
+    if unknown:
+        print(
+            f"--site {', '.join(unknown)}: unknown; the sites of these kernels are {', '.join(known)}", file=sys.stderr
+        )
+        return EXIT_BAD_INPUT
+    missing = [tool for tool in ("ptxas", "cuobjdump") if not Path(_tool(tool)).exists()]
+    if missing:
+        print(f"Triton's CUDA tools not found ({', '.join(missing)}): cannot compile for GPUs", file=sys.stderr)
+        return 2
+    with contextlib.ExitStack() as stack:
+        if args.cache_dir:
+            os.environ["TRITON_CACHE_DIR"] = args.cache_dir
+        else:
+            os.environ["TRITON_CACHE_DIR"] = stack.enter_context(tempfile.TemporaryDirectory(prefix="scalefold-aot-"))
+        start = time.perf_counter()
+        records = run(
+            archs=args.arch or tuple(ARCHS),
+            dtypes=args.dtype or tuple(DTYPES),
+            kernels=args.kernel or KERNELS,
+            default_only=args.default_only,
+            sites=args.site,
+            jobs=args.jobs,
+            progress=not args.no_progress,
+        )
+        elapsed = time.perf_counter() - start
+    emit(records, args)
+    bad = problems(records)
+    summary = f"{len(records)} compiles in {elapsed:.0f} s, {len(bad)} problem(s)"
+    print(summary + "".join(f"\n  {b}" for b in bad), file=sys.stderr)
+    return 1 if bad else 0
+
+
+def emit(records: Sequence[Record], args: argparse.Namespace) -> None:
+    if args.json:
+        for r in records:
+            print(json.dumps(asdict(r)))
+    elif args.markdown:
+        print(markdown(records))
+    else:
+        print(table(records))
+
+
+def load_records(path: str) -> list[Record]:
+    """Records of an earlier ``--json`` run."""
+    return [Record(**json.loads(line)) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""Ahead-of-time GPU compilation of the Triton kernels, on a machine without a GPU.
+
+The interpreter tests beside this one cannot show that a kernel compiles for a real GPU (the
+interpreter accepts ``tl.dot`` tiles under 16, any amount of shared memory, bf16 paths it never
+really runs). Here Triton compiles to cubin for H100 (sm_90) and A100 (sm_80) through the
+wheel's ``ptxas``: the default config of every program, at representative MLPerf call sites, in
+bf16 and fp32. The full sweep (every site, candidate, dtype) is ``python -m scalefold.kernels.aot``.
+
+The compile runs in a subprocess: this test session has already defined the kernels in
+interpreter mode (conftest), and a compile needs real ``JITFunction`` objects.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scalefold.kernels import aot
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Sites covering the kernel variants: pair bias shared over rows with gate and mask (dq through
+# the fp32 buffer, dbias reduced in the kernel, D = 32), head size 8 -> 16-wide tiles with a
+# stride-0 key head and no gate (global column attention), LayerNorm at a power-of-two width and
+# at 384 (masked to 512), both Adam+SWA variants. Every site: the command.
+CI_SITES = ("msa_row", "extra_msa_col_global", "layer_norm_128", "layer_norm_384", "adam_swa_average", "adam_swa_first")
+PROGRAMS = {
+    "attention_fwd", "attention_bwd:preprocess", "attention_bwd:dkdv", "attention_bwd:dq_dbias",
+    "layer_norm_fwd", "layer_norm_bwd:dx", "layer_norm_bwd:dwdb", "adam_swa",
+}  # fmt: skip
+
+
+def _cuda_toolchain_or_skip() -> None:
+    """Skip (with the reason) unless Triton's CUDA backend and its ptxas/cuobjdump can run here."""
+    triton = pytest.importorskip("triton")
+    from triton.backends import backends
+
+    if "nvidia" not in backends:
+        pytest.skip(f"triton {triton.__version__} has no CUDA backend (backends: {sorted(backends)})")
+    for tool in ("ptxas", "cuobjdump"):
+        path = Path(aot._tool(tool))
+        if not path.exists():
+            pytest.skip(f"{tool} not shipped with triton {triton.__version__} (looked for {path})")
+        try:
+            subprocess.run([str(path), "--version"], check=True, capture_output=True, timeout=60)
+        except (OSError, subprocess.SubprocessError) as exc:
+            pytest.skip(f"{path} does not run on this machine: {exc}")
+
+
+def _run_aot(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "SCALEFOLD_KERNELS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return subprocess.run(
+        [sys.executable, "-m", "scalefold.kernels.aot", *args], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+
+
+@pytest.mark.slow
+def test_default_configs_compile_for_h100_and_a100_without_spills():
+    """Every program's default config compiles for sm_90 (bf16, tensor-core dots) and sm_80 (fp32,
+    exact dots), fits the architecture's shared memory and does not spill registers. (~30
+    compiles: about a minute on the idle 2-core box.)"""
+    _cuda_toolchain_or_skip()
+    site_args = [a for site in CI_SITES for a in ("--site", site)]
+    runs = [("sm_90", "bf16"), ("sm_80", "fp32")]
+    records = []
+    for arch, dtype in runs:
+        proc = _run_aot("--json", "--default-only", "--no-progress", "--jobs", "2", "--arch", arch, "--dtype", dtype,
+                        *site_args)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        records += [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    assert {(r["arch"], r["dtype"]) for r in records} == set(runs)
+    for arch, dtype in runs:
+        programs = {r["kernel"] for r in records if (r["arch"], r["dtype"]) == (arch, dtype)}
+        assert programs == PROGRAMS, f"{arch} {dtype}: programs compiled {sorted(programs)}"
+    for r in records:
+        where = f"{r['kernel']} {r['dtype']} {r['arch']} {r['config']} at {r['sites']}"
+        assert r["default"], where
+        assert r["ok"] and r["error"] is None, f"{where}: {r['error']}"
+        assert 0 < r["registers"] <= 255, where
+        assert r["shared_bytes"] <= aot.ARCHS[r["arch"]][1], where
+        assert r["spill_bytes"] == 0, f"{where}: spills {r['spill_bytes']} B"
+    sites = {s for r in records for s in r["sites"]}
+    assert sites == set(CI_SITES)
+
+
+def test_unknown_site_is_a_short_error():
+    """A mistyped --site ends in a one-line message naming it (exit 3), not a traceback."""
+    _cuda_toolchain_or_skip()
+    proc = _run_aot("--site", "msa_rows", "--no-progress")
+    assert proc.returncode == aot.EXIT_BAD_INPUT
+    assert "msa_rows" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _record(**kw) -> aot.Record:
+    base = dict(kernel="attention_fwd", dtype="bf16", arch="sm_90", config={"BLOCK_M": 64, "num_warps": 4},
+                default=True, ok=True, error=None, registers=128, shared_bytes=1024, spill_bytes=0,
+                shared_limit=aot.ARCHS["sm_90"][1], candidates=[], sites=["msa_row"], compile_s=1.0)  # fmt: skip
+    base.update(kw)
+    return aot.Record(**base)
+
+
+def test_problems_flag_failures_and_default_spills_only():
+    """A failed or oversized compile is a problem; a spill only when the config is the default."""
+    good = _record()
+    failed = _record(ok=False, error="shared memory 300000 B > 232448 B (sm_90)")
+    spilling_candidate = _record(default=False, spill_bytes=64)
+    spilling_default = _record(spill_bytes=64)
+    assert aot.problems([good, spilling_candidate]) == []
+    found = aot.problems([good, failed, spilling_candidate, spilling_default])
+    assert len(found) == 2 and "300000" in found[0] and "spills 64" in found[1]
+    text = aot.table([good, failed])
+    assert "attention_fwd" in text and "NO" in text and "msa_row" in text
+    summary = aot.markdown([good, failed, spilling_candidate])
+    assert "| attention_fwd | bf16 | sm_90 | 3 (2) | M64 w4 | 128 / 1.0 / 0 | 128 / 1.0 | 1 (64) |" in summary
+
+
+def test_spill_report_parsing():
+    """ptxas -v's spill line is read; no line (a cache hit) gives None."""
+    log = "ptxas info    : Function properties for _attn_fwd\n    1216 bytes stack frame, 2028 bytes spill stores, 1972 bytes spill loads\n"
+    assert aot.spill_stores(log) == 2028
+    assert aot.spill_stores("") is None
