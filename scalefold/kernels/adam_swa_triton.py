@@ -11,7 +11,10 @@ in the master dtype and in :func:`scalefold.kernels.reference.adam_swa_`'s order
     p    = p + (m * -lr/bc1) / (sqrt(v) / sqrt(bc2) + eps)
     copy = p  (compute dtype)
     swa  = p                      if n_averaged == 0     # AveragedModel's first update
-         = swa + (p - swa) * (1 - decay)  otherwise
+         = swa + (p - swa) * (1 - decay)  otherwise  # the MLPerf reference's AveragedModel form
+
+The CPU reference computes the SWA update as ``swa.lerp_(p, 1 - decay)`` (the form training has always
+used; within an ulp of this one per step), so kernel and reference agree within tolerance, not bitwise.
 
 ``-lr/bc1``, ``sqrt(bc2)`` and the clip scale are read from device tensors, the hyper-parameters
 from a cached device tensor, so a captured CUDA graph replays correct steps. Divisions and square

@@ -286,7 +286,7 @@ def adam_swa_update_(
 ) -> None:
     """Fused Adam + SWA step on flat 1-D buffers; semantics of :func:`scalefold.kernels.adam_swa_`.
 
-    (Signature of ``scalefold.train.flat_optimizer.adam_swa_update_``'s Triton hook.)
+    (Called by :func:`scalefold.kernels.adam_swa_`, the one dispatch point the flat optimizer steps through.)
     """
     for t in (param, grad, exp_avg, exp_avg_sq, swa) + ((compute,) if compute is not None else ()):
         if not t.is_contiguous() or t.numel() != param.numel():
