@@ -95,6 +95,8 @@ class TrainConfig:
     keep_last: int = option(3, cli=True, help="checkpoints kept in --out/checkpoints (the newest K)")
     resume: bool = option(False, cli=True, help="continue from the newest loadable checkpoint in --out (none there: "
                           "start from step 0; checkpoints that all fail to load: refused)")
+    overwrite: bool = option(False, cli=True, help="start afresh in an --out that holds a previous run (its "
+                             "metrics.jsonl, MLPerf logs, curves and checkpoints are deleted first)")
     progress: bool = option(True, flag="--no-progress", help="no progress bar")
     # starting point: a reference-format checkpoint (weights + Adam state), SWA starts from it
     init_from: str | None = option(None, cli=True, slurm="INIT_CHECKPOINT",

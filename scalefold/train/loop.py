@@ -63,7 +63,15 @@ from scalefold.train.graphed_step import PARALLEL_EVOFORMER_UNCAPTURABLE, setup_
 from scalefold.train.graphed_step import resolve_mode as resolve_graph_mode
 from scalefold.train.lr_schedule import WarmupConstantLR
 from scalefold.train.mlperf_run import MLPerfCycles, mlperf_log_path, run_info
-from scalefold.train.run_data import TrainingData, check_store, day_before, ensure_store, split_chains
+from scalefold.train.run_data import (
+    TrainingData,
+    check_out,
+    check_store,
+    clear_previous_run,
+    day_before,
+    ensure_store,
+    split_chains,
+)
 from scalefold.train.run_log import MetricsLog, TrainResult, announce, final_report, progress_bar, truncate_metrics
 from scalefold.train.steps import (
     allreduce_step_stats,
@@ -94,6 +102,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     :class:`~scalefold.distributed.layout.LayoutError` when the rank layout does not fit the launch.
     """
     check_store(cfg)  # every rank, before anything is logged: a missing store is a configuration error
+    check_out(cfg)  # nor may a previous run in --out be replaced without --resume / --overwrite
     if cfg.deterministic:
         deterministic_environment()  # CUBLAS_WORKSPACE_CONFIG before CUDA / cuBLAS initialise
     model_cfg = build_model_config(cfg)
@@ -189,6 +198,8 @@ class Trainer:
         cfg, main = self.cfg, self.main
         if main:
             self.out.mkdir(parents=True, exist_ok=True)
+            if cfg.overwrite and not cfg.resume and clear_previous_run(self.out):
+                print(f"scalefold train: --overwrite: the previous run's outputs in {self.out} were deleted", flush=True)
         # the file is named once the starting point is known (a resumed run logs to its own file)
         self.mllog = mll.MLPerfLogger.for_rank(
             self.runtime.rank, (self.parallel.main_train_rank,), None, instance=mll.throughput_instance(), deferred=True

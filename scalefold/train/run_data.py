@@ -46,6 +46,39 @@ def check_store(cfg: TrainConfig) -> Path:
     return path
 
 
+#: What a run writes into --out (a previous run's, if present without --resume / --overwrite).
+RUN_OUTPUTS = ("metrics.jsonl", "mlperf*.log", "curves.png", "trace.png", "checkpoints/checkpoint_*.pt")
+
+
+def previous_run_files(out: Path) -> list[Path]:
+    return sorted(p for pattern in RUN_OUTPUTS for p in Path(out).glob(pattern))
+
+
+def check_out(cfg: TrainConfig) -> None:
+    """A run may not silently replace an earlier one: ``--out`` holding a previous run's outputs needs
+    ``--resume`` (continue it) or ``--overwrite`` (start afresh); ``--out`` must not be a file."""
+    from scalefold.errors import UserError
+
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: is a file, expected a run directory")
+    if cfg.resume or cfg.overwrite:
+        return
+    found = previous_run_files(out)
+    if found:
+        names = ", ".join(str(p.relative_to(out)) for p in found[:4]) + (" ..." if len(found) > 4 else "")
+        raise UserError(f"--out {out} holds a previous run ({names}): continue it with --resume, start afresh "
+                        "with --overwrite, or choose another --out")  # fmt: skip
+
+
+def clear_previous_run(out: Path) -> list[Path]:
+    """``--overwrite``: delete a previous run's outputs in ``out`` (main training rank, before writing)."""
+    found = previous_run_files(out)
+    for path in found:
+        path.unlink(missing_ok=True)
+    return found
+
+
 def ensure_store(cfg: TrainConfig) -> Path:
     """The run's store; a synthetic one is created there first if the file is absent and
     ``cfg.synthesize_missing_store`` is on (the demo and tiny presets, ``--synthesize-missing-store``),
