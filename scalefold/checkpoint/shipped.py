@@ -25,6 +25,8 @@ from typing import Any, Union
 
 import torch
 
+from scalefold.errors import UserError
+
 PathLike = Union[str, os.PathLike]
 
 ASSET_DIR = Path(__file__).resolve().parent.parent / "assets"
@@ -32,7 +34,7 @@ DEMO_INIT_NAME = "demo_init.pt"
 MANIFEST_SUFFIX = ".json"
 
 
-class ShippedCheckpointError(RuntimeError):
+class ShippedCheckpointError(UserError):
     """The shipped checkpoint (or its manifest) is missing or does not match its sha256."""
 
 

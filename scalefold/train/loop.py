@@ -65,6 +65,7 @@ from scalefold.train.lr_schedule import WarmupConstantLR
 from scalefold.train.mlperf_run import MLPerfCycles, mlperf_log_path, run_info
 from scalefold.train.run_data import (
     TrainingData,
+    check_starting_point,
     check_out,
     check_store,
     clear_previous_run,
@@ -72,7 +73,15 @@ from scalefold.train.run_data import (
     ensure_store,
     split_chains,
 )
-from scalefold.train.run_log import MetricsLog, TrainResult, announce, final_report, progress_bar, truncate_metrics
+from scalefold.train.run_log import (
+    MetricsLog,
+    TrainResult,
+    announce,
+    final_report,
+    progress_bar,
+    time_to_train_line,
+    truncate_metrics,
+)
 from scalefold.train.steps import (
     allreduce_step_stats,
     compile_blocks,
@@ -103,6 +112,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     """
     check_store(cfg)  # every rank, before anything is logged: a missing store is a configuration error
     check_out(cfg)  # nor may a previous run in --out be replaced without --resume / --overwrite
+    check_starting_point(cfg)  # a shipped --init-from is intact, and the target is not met before training
     if cfg.deterministic:
         deterministic_environment()  # CUBLAS_WORKSPACE_CONFIG before CUDA / cuBLAS initialise
     model_cfg = build_model_config(cfg)
@@ -236,6 +246,7 @@ class Trainer:
             dist.broadcast_object_list(box, src=self.parallel.main_train_rank, group=self.parallel.train_group)
             sha = box[0]
         if self.main:
+            print(f"init checkpoint: {self.cfg.init_from}", flush=True)  # a line of its own, for scripts
             print(f"initialised from {self.cfg.init_from} (iteration {iteration}, sha256 {sha})", flush=True)
         return sha
 
@@ -301,6 +312,7 @@ class Trainer:
         if self.runtime.distributed:  # every rank is ready: the clock starts (evaluation ranks wait for it too)
             dist.barrier()
         self.mllog.init_stop_run_start()
+        self.t_run_start = time.time()  # time to train (MLPerf): run_start to run_stop
         self.cycles = MLPerfCycles(self.mllog, self.eval_every, self.parallel.dp_size, self.start_step)
         with Store.open(Path(cfg.store)) as store:
             self.train_ids, weights, self.val_ids = split_chains(store, cfg)
@@ -458,6 +470,8 @@ class Trainer:
         if not self.evaluation.run_stop_logged:  # the main evaluation rank logs run_stop success itself
             mllog.run_stop(mll.STATUS_ABORTED if eval_failure is not None else result.status)
         mllog.close()
+        if self.main and hasattr(self, "t_run_start"):
+            print(time_to_train_line(time.time() - self.t_run_start, result), flush=True)
         result.timings = dict(self.timings)
         if self.device.type == "cuda":  # graphed / eager step counts (on CPU the forward is always eager)
             result.notes.append(self.forward.summary())

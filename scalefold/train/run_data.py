@@ -71,6 +71,24 @@ def check_out(cfg: TrainConfig) -> None:
                         "with --overwrite, or choose another --out")  # fmt: skip
 
 
+def check_starting_point(cfg: TrainConfig) -> None:
+    """``--init-from`` a shipped checkpoint (one with a manifest beside it): the file must match the
+    manifest's sha256, and the run's target must not be met by the checkpoint already."""
+    if not cfg.init_from:
+        return
+    from scalefold.checkpoint.shipped import manifest_path, verify_shipped
+    from scalefold.errors import UserError
+
+    if not manifest_path(cfg.init_from).exists():
+        return  # e.g. the MLPerf reference checkpoint: checked when it is loaded
+    manifest = verify_shipped(cfg.init_from)
+    if cfg.target_lddt <= manifest.eval_lddt_ca:
+        raise UserError(
+            f"--target-lddt {cfg.target_lddt}: already met by the starting checkpoint {cfg.init_from} (lDDT-Cα "
+            f"{manifest.eval_lddt_ca:.4f} at step {manifest.step}); choose a target above it"
+        )
+
+
 def clear_previous_run(out: Path) -> list[Path]:
     """``--overwrite``: delete a previous run's outputs in ``out`` (main training rank, before writing)."""
     found = previous_run_files(out)

@@ -139,6 +139,15 @@ def final_report(preset: str, out: Path, metrics_path: Path, result: TrainResult
     print_breakdown(result)
 
 
+def time_to_train_line(seconds: float, result: TrainResult) -> str:
+    """MLPerf's time to train (``run_start`` to ``run_stop``) with the status and the lDDT-Cα before/after."""
+    line = f"time to train: {seconds:.1f} s (run_start to run_stop, status {result.status}"
+    if result.eval_history:
+        first, last = result.eval_history[0], result.eval_history[-1]
+        line += f"; eval lDDT-Cα {first[1]:.4f} at step {first[0]} -> {last[1]:.4f} at step {last[0]}"
+    return line + ")"
+
+
 def print_run_files(out: Path, store: str, file: Any = None) -> None:
     """Where the run's outputs are, and the commands that use them next."""
     out = Path(out)
@@ -160,6 +169,6 @@ def print_run_files(out: Path, store: str, file: Any = None) -> None:
 
 
 __all__ = [
-    "BREAKDOWN_KEYS", "MetricsLog", "TrainResult", "announce", "final_report", "print_breakdown", "print_run_files",
+    "BREAKDOWN_KEYS", "MetricsLog", "TrainResult", "announce", "final_report", "print_breakdown", "print_run_files", "time_to_train_line",
     "progress_bar", "truncate_metrics",
 ]  # fmt: skip

@@ -80,3 +80,25 @@ def test_trace_picture_scores_like_evaluation(tiny_run, tmp_path):
     report = evaluate(cfg.store, checkpoint, chains=[chain], weights="swa", progress=False)
     assert traces[1].lddt_ca == pytest.approx(report.targets[0].lddt_ca, abs=1e-6)
     assert [t.label for t in traces] == ["model", "swa"]
+
+
+def test_training_from_a_shipped_checkpoint_checks_it_and_refuses_a_met_target(tiny_run, tmp_path, capsys):
+    """--init-from a checkpoint with a manifest: a corrupted file and a target the checkpoint already
+    meets are refused before anything runs (exit 3, the expected sha256 / the starting lDDT-Cα named);
+    an intact one trains, prints `init checkpoint: PATH` and the time to train."""
+    from scalefold.cli import main
+
+    cfg, source = tiny_run
+    init = tmp_path / "init.pt"
+    export_init_checkpoint(source, init, eval_lddt_ca=0.5, eval_chains=[], source_command="scalefold train X")
+    base = ["train", "--preset", "tiny", "--store", cfg.store, "--init-from", str(init), "--no-progress"]
+    assert main([*base, "--out", str(tmp_path / "met"), "--target-lddt", "0.4"]) == 3
+    assert "already met by the starting checkpoint" in capsys.readouterr().err
+    assert main([*base, "--out", str(tmp_path / "ok"), "--target-lddt", "0.9", "--max-steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"init checkpoint: {init}\n" in out and "time to train: " in out
+    good = init.read_bytes()
+    init.write_bytes(good[:-4] + b"\0\0\0\0")
+    assert main([*base, "--out", str(tmp_path / "bad"), "--target-lddt", "0.9"]) == 3
+    err = capsys.readouterr().err
+    assert "does not match the manifest's" in err and "scalefold train X" in err
