@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
@@ -308,7 +309,9 @@ def estimate_memory(
 
     ``target``: ``cuda`` (512-byte blocks, CUDA autocast rules; ``kernels`` default ``triton``) or
     ``cpu`` (exact storage sizes, CPU autocast; default ``torch``). ``recycling``: no-grad passes
-    (default the most a step takes, ``R - 1``). ``cuda_graphs``: add the graph pool (default: as
+    (default 1 where the run recycles: the no-grad passes are identical and free everything but the
+    recycled outputs, so one stands for all; ``tests/perf/test_memory.py`` checks that more give the same
+    peak). ``cuda_graphs``: add the graph pool (default: as
     ``--cuda-graphs`` resolves on the target: CUDA without DAP/BP, unless ``cfg.cuda_graphs`` is off).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -329,15 +332,16 @@ def estimate_memory(
     model = build_model(cfg, model_cfg, "cpu")  # real (small) initialisation; then swapped for fakes
     real_batch = synthetic_batch(cfg, model, "cpu")
     n = recycling
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)  # cached constant tables (residue geometry) are real
     _fake_module_(model, mode)
     batch = {k: mode.from_tensor(v) for k, v in real_batch.items()}
     tracker = StorageTracker(block=CUDA_BLOCK_BYTES if target == "cuda" else 1)
     rules = _CudaAutocastRules() if target == "cuda" and cfg.precision == "bf16" else contextlib.nullcontext()
-    with fake_process_group(cfg.dap), _env("SCALEFOLD_KERNELS", kernels), mode:
+    with fake_process_group(cfg.dap), _env("SCALEFOLD_KERNELS", kernels), warnings.catch_warnings(), mode:
+        warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")  # the optimizer's view check
         _wrap_parallel(cfg, model, model_cfg)
         step = TrainingStep.build(cfg, "cpu", model=model, batch=batch)
-        n = step.num_ensembles - 1 if n is None else n
+        n = min(1, step.num_ensembles - 1) if n is None else n
         tracker.register(model.parameters(), "parameters")
         tracker.register(model.buffers(), "buffers")
         for g in step.opt.groups:
@@ -384,6 +388,132 @@ def _wrap_parallel(cfg: TrainConfig, model: torch.nn.Module, model_cfg: Any) -> 
     ctx.wrap(model)
 
 
+def format_estimate(est: MemoryEstimate) -> str:
+    """Human-readable summary: the peak, what is live at it, the largest modules."""
+    s = est.settings
+    lines = [f"{s['preset']} crop {s['crop']} {s['precision']} DAP {s['dap']} on {s['target']} "
+             f"(kernels {s['kernels']}, activation checkpointing {'on' if s['activation_checkpointing'] else 'off'}, "
+             f"{s['recycling_passes']} recycling pass(es) run): peak {est.peak_bytes / GiB:.2f} GiB per rank"]  # fmt: skip
+    if est.cuda_graph_pool_bytes:
+        lines.append(f"  incl. CUDA-graph pool {est.cuda_graph_pool_bytes / GiB:.2f} GiB "
+                     f"(eager step alone {est.step_peak_bytes / GiB:.2f} GiB)")  # fmt: skip
+    lines.append("  live at the peak: " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in est.breakdown.items()) + " GiB")
+    top = list(est.modules.items())[:6]
+    lines.append("  by module (activations/backward): " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in top) + " GiB")
+    return "\n".join(lines)
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown table of :func:`estimate_memory` rows (crop x DAP x precision), peak GiB per rank."""
+    daps = sorted({r["dap"] for r in rows})
+    lines = ["| crop | precision | " + " | ".join(f"DAP {d}" for d in daps) + " |",
+             "| --- | --- | " + " | ".join("---" for _ in daps) + " |"]  # fmt: skip
+    for crop, prec in dict.fromkeys((r["crop"], r["precision"]) for r in rows):
+        cells = []
+        for d in daps:
+            r = next((r for r in rows if (r["crop"], r["precision"], r["dap"]) == (crop, prec, d)), None)
+            cells.append("-" if r is None else ("n/a" if "error" in r else f"{r['peak_bytes'] / GiB:.1f}"))
+        lines.append(f"| {crop} | {prec} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 __all__ = [
-    "MemoryEstimate", "StorageTracker", "estimate_memory", "fake_process_group", "CUDA_BLOCK_BYTES", "DAP_SIZES",
+    "format_estimate", "format_table", "check_fits", "usable_bytes", "measure_cpu_peak", "MemoryEstimate", "StorageTracker", "estimate_memory", "fake_process_group", "CUDA_BLOCK_BYTES", "DAP_SIZES",
 ]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: the real peak of the same step on CPU
+# ---------------------------------------------------------------------------------------------
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def measure_cpu_peak(cfg: TrainConfig, recycling: int | None = None) -> dict[str, int]:
+    """The real peak bytes of the first training step of ``cfg`` on CPU, from the CPU allocator itself.
+
+    The step runs under ``torch.profiler`` with ``profile_memory``: every allocation and free of
+    PyTorch's CPU allocator is recorded with the allocator's running total, op-internal scratch
+    included. Peak = bytes live before the step (parameters, buffers, optimizer buffers, batch: their
+    storages) + the highest running total during the step above its start. Same step, same recycling
+    passes as :func:`estimate_memory` with ``target="cpu"``.
+    """
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    from scalefold.perf.step import TrainingStep
+
+    step = TrainingStep.build(cfg)
+    n = min(1, step.num_ensembles - 1) if recycling is None else recycling
+    live = list(step.model.parameters()) + list(step.model.buffers()) + list(step.batch.values())
+    for g in step.opt.groups:
+        live += [t for t in (g.grad, g.exp_avg, g.exp_avg_sq, g.swa, g.compute) if t is not None]
+    baseline = _storage_bytes(live)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step.run(n)
+    events: list[tuple[int, int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
+            events.append((e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.total_allocated))
+        stack.extend(e.children)
+    events.sort()
+    start = events[0][2] - events[0][1] if events else 0
+    step_peak = max((total for _, _, total in events), default=start) - start
+    return {"peak_bytes": baseline + step_peak, "baseline_bytes": baseline, "step_bytes": step_peak,
+            "allocations": sum(1 for _, size, _ in events if size > 0)}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Start-up check and the table
+# ---------------------------------------------------------------------------------------------
+
+
+def usable_bytes(capacity_bytes: int) -> int:
+    """What a step may use of a device with ``capacity_bytes``: minus the CUDA context / workspaces
+    reserve and the fragmentation margin."""
+    return int((capacity_bytes - CONTEXT_RESERVE_BYTES) / (1 + FRAGMENTATION_MARGIN))
+
+
+def check_fits(
+    train_cfg: TrainConfig, model_cfg: Any = None, device: torch.device | str | None = None,
+    capacity_bytes: int | None = None, estimate: Any = None,
+) -> str | None:  # fmt: skip
+    """``None`` if one training step of ``train_cfg`` is predicted to fit the device, else a message
+    with the prediction, the device's memory and the smallest DAP size that fits (or that none does).
+
+    ``device``: a CUDA device (its total memory is the capacity); CPU devices are not checked (None).
+    ``capacity_bytes`` overrides the device's memory (tests, planning for another card). ``model_cfg``
+    is accepted for the trainer's convenience (the estimate rebuilds it from ``train_cfg``, the same
+    way). ``estimate(cfg) -> MemoryEstimate`` replaces :func:`estimate_memory` (tests; a cached table).
+    Each DAP size tried costs one fake-tensor step (seconds for small presets, minutes for MLPerf).
+    """
+    del model_cfg
+    if capacity_bytes is None:
+        device = torch.device(device if device is not None else "cuda")
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return None
+        capacity_bytes = torch.cuda.get_device_properties(device).total_memory
+    run = estimate or (lambda c: estimate_memory(c, target="cuda"))
+    limit = usable_bytes(capacity_bytes)
+    mine = run(train_cfg)
+    if mine.peak_bytes <= limit:
+        return None
+    head = (f"predicted peak memory per rank {mine.peak_bytes / GiB:.1f} GiB (DAP {train_cfg.dap}, "
+            f"{train_cfg.precision}) exceeds the {limit / GiB:.1f} GiB usable of the device's "
+            f"{capacity_bytes / GiB:.1f} GiB")  # fmt: skip
+    for dap in (d for d in DAP_SIZES if d > train_cfg.dap):
+        try:
+            other = run(replace(train_cfg, dap=dap))
+        except ValueError:  # e.g. the crop is not divisible by this DAP size
+            continue
+        if other.peak_bytes <= limit:
+            return f"{head}; DAP {dap} fits ({other.peak_bytes / GiB:.1f} GiB per rank): use --dap {dap}"
+    return f"{head}; no DAP size up to {DAP_SIZES[-1]} fits: lower --crop-size or enable activation checkpointing"
