@@ -250,6 +250,22 @@ class CompileReport(int):
             raise CompileCheckError(self.summary())
 
 
+def _contiguous(x: object) -> object:
+    return x.contiguous() if isinstance(x, torch.Tensor) else x
+
+
+def _with_contiguous_inputs(fn):
+    """``fn`` called with contiguous tensor arguments. Dynamo guards on strides (``dynamic=False``), and
+    a region's inputs change strides with the step's recycling count (slices ``[..., it]`` of a batch
+    ``[..., n + 1]``: the masks, the template features) -- one recompilation per recycling count
+    without this (found by the strict test on the bf16 step). A contiguous input passes as it is."""
+
+    def forward(*args: object, **kwargs: object) -> object:
+        return fn(*(_contiguous(a) for a in args), **{k: _contiguous(v) for k, v in kwargs.items()})
+
+    return forward
+
+
 def _compile_target(module: torch.nn.Module) -> tuple[object, object]:
     """(the function to compile in place of ``module.forward``, the code object dynamo caches it
     under). A :func:`run_in_fp32` region compiles its inner forward (autocast is switched off outside
@@ -290,7 +306,7 @@ def compile_blocks(
             if getattr(module, "_scalefold_compiled", False):
                 continue
             target, code = _compile_target(module)
-            compiled = torch.compile(target, dynamic=False, backend=backend, fullgraph=strict)
+            compiled = _with_contiguous_inputs(torch.compile(target, dynamic=False, backend=backend, fullgraph=strict))
             if target is module.forward:
                 module.forward = compiled
             else:  # an fp32 region: the compiled inner forward, wrapped in fp32 again

@@ -108,6 +108,17 @@ def test_recompile_counted_but_grad_mode_switch_is_not():
         report.check()
 
 
+def test_input_strides_do_not_recompile():
+    """Region inputs with other strides (a recycling slice of another batch) reuse the graph."""
+    model = Model()
+    report = compile_blocks(model, regions=("evoformer_stack",), backend="eager", strict=True)
+    stack = model.evoformer_stack  # called directly: the first block sees the argument's strides
+    stack(torch.randn(4, 8, requires_grad=True))
+    stack(torch.randn(8, 4, requires_grad=True).t())  # same shape, transposed strides
+    stack(torch.randn(4, 8, 3, requires_grad=True)[..., 1])  # a slice of a trailing dimension (recycling slices)
+    assert report.stats()["recompiles"] == 0, report.summary()
+
+
 def test_non_strict_report_never_raises():
     model = Model()
     report = compile_blocks(model, regions=("evoformer_stack",), backend="eager")
