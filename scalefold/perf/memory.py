@@ -47,6 +47,7 @@ import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -142,7 +143,8 @@ class StorageTracker(TorchDispatchMode):
         self.phase_peaks: dict[str, int] = defaultdict(int)
         self.phase_start: dict[str, int] = {}  # live bytes when each phase was first entered
         self._refs: dict[int, tuple[weakref.ref, int, tuple[str, str]]] = {}
-        self._modules: Any = None  # torch.utils.module_tracker.ModuleTracker while tracking
+        self._stack: list[str] = []  # the attributed modules whose forward is running
+        self._hooks: list[Any] = []
 
     # -- bookkeeping --------------------------------------------------------------------------------
 
@@ -182,13 +184,26 @@ class StorageTracker(TorchDispatchMode):
         self.phase_start.setdefault(name, self.current)
         self.phase_peaks[name] = max(self.phase_peaks[name], self.current)
 
+    def attribute(self, modules: dict[str, torch.nn.Module]) -> None:
+        """Attribute new storages to these (top-level) modules while their forward runs -- in the grad
+        pass, and again when activation checkpointing recomputes them in backward.
+
+        Plain forward pre/post hooks, deliberately: ``torch.utils.module_tracker.ModuleTracker`` keeps
+        a handle on every module call's autograd nodes, which keeps the checkpoint recomputation's
+        saved tensors alive after backward (an over-prediction found against the real CPU peak)."""
+        for name, module in modules.items():
+            self._hooks.append(module.register_forward_pre_hook(partial(self._enter_module, name)))
+            self._hooks.append(module.register_forward_hook(self._exit_module))
+
+    def _enter_module(self, name: str, module: torch.nn.Module, args: Any) -> None:
+        self._stack.append(name)
+
+    def _exit_module(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self._stack:
+            self._stack.pop()
+
     def _module(self) -> str:
-        parents = self._modules.parents if self._modules is not None else ()
-        top = [p.split(".", 2)[1] for p in parents if p.count(".") >= 1]
-        if top:
-            return min(top)  # one top-level module is active at a time; min() makes it deterministic
-        roots = [p for p in parents if p != "Global"]
-        return roots[0] if roots else ""
+        return self._stack[-1] if self._stack else ""
 
     def _category(self) -> str:
         if self.phase_name == "forward":
@@ -197,16 +212,11 @@ class StorageTracker(TorchDispatchMode):
 
     # -- modes -------------------------------------------------------------------------------------
 
-    def __enter__(self) -> StorageTracker:
-        from torch.utils.module_tracker import ModuleTracker
-
-        self._modules = ModuleTracker().__enter__()
-        return super().__enter__()
-
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
-        self._modules.__exit__(*exc)
-        self._modules = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default and _is_fake(args[0]):
@@ -348,6 +358,7 @@ def estimate_memory(
             tracker.register([g.grad], "gradients")
             tracker.register([t for t in (g.exp_avg, g.exp_avg_sq, g.swa, g.compute) if t is not None], "optimizer_state")
         tracker.register(batch.values(), "batch")
+        tracker.attribute({**dict(model.named_children()), "loss": step.loss_fn})
         with rules, tracker:
             step.run(n, phase=tracker.phase)
     by_cat, by_mod = tracker.breakdown()
