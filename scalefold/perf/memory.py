@@ -320,8 +320,8 @@ def estimate_memory(
     ``target``: ``cuda`` (512-byte blocks, CUDA autocast rules; ``kernels`` default ``triton``) or
     ``cpu`` (exact storage sizes, CPU autocast; default ``torch``). ``recycling``: no-grad passes
     (default 1 where the run recycles: the no-grad passes are identical and free everything but the
-    recycled outputs, so one stands for all; ``tests/perf/test_memory.py`` checks that more give the same
-    peak). ``cuda_graphs``: add the graph pool (default: as
+    recycled outputs, so one stands for all; ``tests/perf/test_memory.py`` checks that two give the same
+    peak within 1 %: 0.14 % on ``tiny``, the batch slices copied differ by one recycling slice). ``cuda_graphs``: add the graph pool (default: as
     ``--cuda-graphs`` resolves on the target: CUDA without DAP/BP, unless ``cfg.cuda_graphs`` is off).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
