@@ -51,7 +51,6 @@ from functools import partial
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -65,15 +64,16 @@ CONTEXT_RESERVE_BYTES = 1 * GiB
 FRAGMENTATION_MARGIN = 0.10
 DAP_SIZES = (1, 2, 4, 8)
 
-# Operators CUDA autocast runs in fp32 (torch.amp "CUDA ops that can autocast to float32"), matched by
-# the name of the torch function called; CPU autocast leaves most of them in the input dtype.
+# Operators CUDA autocast runs in fp32 (autocast_mode.cpp: its fp32 list and fp32_set_opt_dtype list), as
+# the aten operators the dispatcher sees below autocast; CPU autocast leaves them in the input dtype.
 _CUDA_FP32_OPS = frozenset({
-    "softmax", "log_softmax", "softmin", "layer_norm", "group_norm", "norm", "normalize", "sum", "prod",
-    "cumsum", "cumprod", "exp", "expm1", "log", "log10", "log1p", "log2", "pow", "reciprocal", "rsqrt",
-    "softplus", "acos", "asin", "cosh", "sinh", "tan", "erfinv", "cdist", "dist", "pdist", "renorm",
-    "cosine_similarity", "cross_entropy", "nll_loss", "kl_div", "mse_loss", "l1_loss", "smooth_l1_loss",
-    "binary_cross_entropy_with_logits", "__pow__", "__rpow__", "__rtruediv__", "__rdiv__",
+    "_softmax", "_log_softmax", "native_layer_norm", "native_group_norm", "sum", "prod", "cumsum", "cumprod",
+    "linalg_vector_norm", "norm", "exp", "expm1", "log", "log10", "log1p", "log2", "pow", "reciprocal", "rsqrt",
+    "softplus", "acos", "asin", "cosh", "sinh", "tan", "erfinv", "logsumexp", "cdist", "dist", "_pdist_forward",
+    "renorm", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "nll_loss_forward", "kl_div",
+    "binary_cross_entropy_with_logits",
 })  # fmt: skip
+_FP32_REGION_NAMES = ("structure_module", "auxiliary_heads", "loss")  # no autocast there (steps.FP32_REGIONS)
 _REDUCED = (torch.bfloat16, torch.float16)
 
 
@@ -108,17 +108,6 @@ class MemoryEstimate:
 # ---------------------------------------------------------------------------------------------
 
 
-class _CudaAutocastRules(TorchFunctionMode):
-    """Under (CPU) bf16 autocast, give the operators CUDA autocasts to fp32 fp32 inputs."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if getattr(func, "__name__", "") in _CUDA_FP32_OPS and torch.is_autocast_enabled("cpu"):
-            args = tuple(_up(a) for a in args)
-            kwargs = {k: _up(v) for k, v in kwargs.items()}
-        return func(*args, **kwargs)
-
-
 def _up(x: Any) -> Any:
     return x.float() if isinstance(x, torch.Tensor) and x.dtype in _REDUCED else x
 
@@ -129,12 +118,16 @@ class StorageTracker(TorchDispatchMode):
 
     Categories of new storages follow the step's phase (:meth:`phase`): ``activations`` (grad pass),
     ``recycling`` (no-grad passes), ``loss``, ``backward``, ``optimizer_temp``. ``block`` rounds every
-    storage up (512 on CUDA). Works on real and on fake tensors alike.
+    storage up (512 on CUDA). ``cuda_autocast``: the operators CUDA autocasts to fp32 get fp32 inputs
+    where CUDA bf16 autocast would be on (the casts counted), at the dispatch level, so that activation
+    checkpointing's recomputation in backward sees the same rule as the forward. Works on real and on
+    fake tensors alike.
     """
 
-    def __init__(self, block: int = 1) -> None:
+    def __init__(self, block: int = 1, cuda_autocast: bool = False) -> None:
         super().__init__()
         self.block = block
+        self.cuda_autocast = cuda_autocast
         self.current = 0
         self.peak = 0
         self.live: dict[tuple[str, str], int] = defaultdict(int)
@@ -202,6 +195,15 @@ class StorageTracker(TorchDispatchMode):
         if self._stack:
             self._stack.pop()
 
+    def _autocast_region(self) -> bool:
+        """Whether CUDA autocast would be on here: under autocast in the forward; in backward, inside a
+        module being recomputed by activation checkpointing, except the fp32 regions (the recompute
+        re-enters autocast; a rule applied in the forward but not in the recomputation would fail the
+        checkpoint's metadata check, as an autocast-state test did in backward)."""
+        if self.phase_name == "backward":
+            return bool(self._stack) and self._stack[-1] not in _FP32_REGION_NAMES
+        return self.phase_name == "forward" and torch.is_autocast_enabled("cpu")
+
     def _module(self) -> str:
         return self._stack[-1] if self._stack else ""
 
@@ -222,8 +224,13 @@ class StorageTracker(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default and _is_fake(args[0]):
             # a host read of fake data (e.g. the loss's ``isfinite(...).all()`` check): answer "finite"
             return _FAKE_SCALARS.get(args[0].dtype, 1)
-        out = func(*args, **(kwargs or {}))
-        tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        kwargs = kwargs or {}
+        casts: list[torch.Tensor] = []
+        if self.cuda_autocast and func.overloadpacket.__name__ in _CUDA_FP32_OPS and self._autocast_region():
+            args = tuple(_up(a) for a in args)
+            casts = [a for a in args if isinstance(a, torch.Tensor)]
+        out = func(*args, **kwargs)
+        tensors = casts + [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if tensors:
             tag = (self._category(), self._module())
             for t in tensors:
@@ -345,8 +352,8 @@ def estimate_memory(
     mode = FakeTensorMode(allow_non_fake_inputs=True)  # cached constant tables (residue geometry) are real
     _fake_module_(model, mode)
     batch = {k: mode.from_tensor(v) for k, v in real_batch.items()}
-    tracker = StorageTracker(block=CUDA_BLOCK_BYTES if target == "cuda" else 1)
-    rules = _CudaAutocastRules() if target == "cuda" and cfg.precision == "bf16" else contextlib.nullcontext()
+    tracker = StorageTracker(block=CUDA_BLOCK_BYTES if target == "cuda" else 1,
+                             cuda_autocast=target == "cuda" and cfg.precision == "bf16")  # fmt: skip
     with fake_process_group(cfg.dap), _env("SCALEFOLD_KERNELS", kernels), warnings.catch_warnings(), mode:
         warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")  # the optimizer's view check
         _wrap_parallel(cfg, model, model_cfg)
@@ -359,7 +366,7 @@ def estimate_memory(
             tracker.register([t for t in (g.exp_avg, g.exp_avg_sq, g.swa, g.compute) if t is not None], "optimizer_state")
         tracker.register(batch.values(), "batch")
         tracker.attribute({**dict(model.named_children()), "loss": step.loss_fn})
-        with rules, tracker:
+        with tracker:
             step.run(n, phase=tracker.phase)
     by_cat, by_mod = tracker.breakdown()
     step_peak = tracker.peak
