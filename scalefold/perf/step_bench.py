@@ -156,6 +156,8 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"scalefold bench step: {exc}", file=sys.stderr)
         return 3
+    if args.threads:
+        torch.set_num_threads(args.threads)
     regions = tuple(r for r in (args.regions or "").split(",") if r) or None
     log = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
     result = run_step_benchmark(cfg, compile=args.compile, regions=regions, backend=args.backend, repeats=args.repeats,
@@ -183,6 +185,7 @@ def add_bench_step_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--crop", type=int, help="crop size override")
     p.add_argument("--repeats", type=int, default=5, help="timed cycles (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed cycles first (default 2)")
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default torch's; 1 is steadier on a loaded box)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=cmd_bench_step)
     return p
