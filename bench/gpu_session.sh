@@ -5,6 +5,7 @@
 #   bash bench/gpu_session.sh                       # everything (OUT defaults to runs/gpu_session)
 #   PARTS="tests train" bash bench/gpu_session.sh   # a subset (or: bash bench/gpu_session.sh tests train)
 #   DRY_RUN=1 bash bench/gpu_session.sh             # print what would run (no CUDA needed)
+#   PARTS="tests headline" bash bench/gpu_session.sh, then PARTS="train bench" ...   # all of it, in two calls
 #
 # What runs, in this order (each part under `timeout`; per-part limits in seconds; the order puts
 # correctness first, so the global deadline, if ever reached, cuts benchmarks rather than tests):
@@ -22,6 +23,11 @@
 #                             axis 0 since d3f1b36; this checks it on a GPU); exits 1 if any size fails
 #   tests_graphs          70  pytest tests/train/test_cuda_graphs.py tests/train/test_graphed_step.py
 #                             tests/train/test_precision_compile.py (real CUDA-graph capture, bf16)
+#   headline             240  bench/step_headline.py: THE figure -- the full training step at MLPerf shapes
+#                             (crop 256, 124/1024 MSA, 4 templates, recycling 0..3 in turn), bf16, five ways:
+#                             eager / --compile / Triton kernels / CUDA graphs / all together, each with
+#                             torch.cuda.max_memory_allocated against `scalefold estimate-memory` (computed
+#                             meanwhile on the CPUs); one JSON line per configuration as it finishes
 #   train_bf16            70  scalefold train --preset demo --precision bf16 --max-steps 20
 #                             --eval-every 10 --cuda-graphs off   (eager bf16 baseline)
 #   train_graphs          60  the same with --cuda-graphs on      (captured recycling passes)
@@ -30,10 +36,12 @@
 #   bench_adam            30  bench/kernels.py --kernel adam --shape mlperf --dtype bf16
 #   bench_cuda_graphs     35  bench/cuda_graphs.py --preset demo --precision bf16 --steps 3
 #   bench_dap             30  bench/dap.py --cuda --dap 1 [2 4 8: as many GPUs as there are]
-#                   total 540 s = 9 min, plus a few seconds of bookkeeping
+#                   total 780 s: more than one call's 9 minutes. The global deadline cuts the tail
+#                   (SKIPPED lines in SUMMARY.txt), so run it as two calls: PARTS="tests headline"
+#                   (~470 s) and PARTS="train bench" (~360 s).
 #
-# Groups for PARTS: env and install (always run), tests (tests_* and the probe), train, bench; single
-# part names work too. A global deadline (DEADLINE_S, default 540) caps every part's limit at the
+# Groups for PARTS: env and install (always run), tests (tests_* and the probe), headline, train, bench;
+# single part names work too. A global deadline (DEADLINE_S, default 540) caps every part's limit at the
 # time left and skips a part with < 10 s left. TIMEOUT_SCALE multiplies every limit (e.g. 1.5 when a
 # call runs only part of the list and its parts need more time).
 #
@@ -73,7 +81,7 @@ TIMEOUT_SCALE=${TIMEOUT_SCALE:-1}
 DRY_RUN=${DRY_RUN:-0}
 BENCH_CUDA_GRAPHS_PRESET=${BENCH_CUDA_GRAPHS_PRESET:-demo}
 if [ "$#" -gt 0 ]; then PARTS="$*"; fi
-PARTS=${PARTS:-"tests train bench"}
+PARTS=${PARTS:-"tests headline train bench"}
 
 if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
 elif [ -n "${VIRTUAL_ENV:-}" ] && command -v python >/dev/null; then PY=python
@@ -296,6 +304,11 @@ part probe_attention_grid tests 40 "$PY" "$WORK/probe_attention_grid.py"
 pytest_args tests_graphs
 part tests_graphs tests 70 "$PY" -m pytest "${PYTEST_ARGS[@]}" \
     tests/train/test_cuda_graphs.py tests/train/test_graphed_step.py tests/train/test_precision_compile.py
+
+# 3b. the headline: the MLPerf-shape training step, eager / compile / triton / graphs / all, peak memory vs
+# the memory model (its dry run lists the configurations; on a machine without CUDA it refuses, exit 2)
+if [ "$DRY_RUN" = 1 ] && selected headline headline; then "$PY" bench/step_headline.py --dry-run; fi
+part headline headline 240 "$PY" bench/step_headline.py --preset mlperf --precision bf16 --cycles 1
 
 # 4. short GPU training runs: bf16 eager, then bf16 with CUDA graphs (one synthetic store for both)
 TRAIN=(-m scalefold train --preset demo --precision bf16 --max-steps 20 --eval-every 10

@@ -30,6 +30,7 @@ _SUBCOMMAND_PROVIDERS: tuple[tuple[str, str], ...] = (
     ("scalefold.data.cli", "add_parsers"),
     ("scalefold.model.cli", "add_parsers"),
     ("scalefold.inference.cli", "add_parsers"),
+    ("scalefold.perf.cli", "add_parsers"),
 )
 
 

@@ -453,11 +453,14 @@ def add_bench_loader_parser(bench_subparsers) -> argparse.ArgumentParser:
 
 
 def add_bench_parser(subparsers) -> argparse._SubParsersAction:
-    """Register ``scalefold bench`` with its ``loader`` subcommand; returns the bench sub-parsers
+    """Register ``scalefold bench`` with its ``loader`` and ``step`` subcommands; returns the bench sub-parsers
     so other benchmarks can add theirs."""
     bench = subparsers.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK")
     add_bench_loader_parser(bench_sub)
+    from scalefold.perf.step_bench import add_bench_step_parser  # the training step, eager vs compiled
+
+    add_bench_step_parser(bench_sub)
     return bench_sub
 
 

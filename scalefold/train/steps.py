@@ -165,34 +165,154 @@ def keep_fp32_regions(model: torch.nn.Module, regions: Sequence[str] = FP32_REGI
 
 
 #: Regions ``--compile`` compiles: the blocks of these stacks (each block's ``forward`` separately,
-#: so one compiled graph serves all blocks of a stack with equal shapes).
+#: so one compiled graph serves all blocks of a stack with equal shapes). :func:`compile_blocks` also
+#: takes module regions without blocks (``structure_module``, ``auxiliary_heads``): their whole forward.
 COMPILE_REGIONS = ("evoformer_stack", "extra_msa_stack", "template_pair_stack")
+#: A guard failure that only says the grad mode changed: the second, expected compilation of a region
+#: (no-grad recycling passes, then the grad pass). Any other guard failure is a recompilation.
+_GRAD_MODE_ONLY = "GLOBAL_STATE changed: grad_mode"
 
 
-def compile_blocks(model: torch.nn.Module, regions: Sequence[str] = COMPILE_REGIONS, backend: str = "inductor") -> int:
-    """``torch.compile`` the forward of every block of the ``regions`` stacks; returns how many.
+class CompileCheckError(RuntimeError):
+    """Strict compilation (``compile_blocks(..., strict=True)``) found graph breaks or recompilations."""
+
+
+class CompileReport(int):
+    """What :func:`compile_blocks` compiled (as an ``int``: the number of compiled forwards) and,
+    read at any later time, what ``torch._dynamo`` did with them since: :meth:`stats` (graph breaks
+    with their reasons, recompilations with their guard failures, graphs compiled per region),
+    :meth:`summary` (one line for the run's summary) and :meth:`check` (raise in strict mode).
+
+    Graph breaks are ``torch._dynamo``'s process-wide counter since the call (ScaleFold compiles
+    nothing else); recompilations are counted per compiled code object from dynamo's guard failures:
+    each region compiles once per grad mode (no-grad recycling passes, grad pass), and any further
+    compilation -- a new shape, another module instance that the graph does not serve, the recompile
+    limit reached and eager fallback -- counts.
+    """
+
+    regions: dict[str, int]
+    strict: bool
+    backend: str
+
+    def __new__(cls, regions: dict[str, int], codes: dict[str, object], strict: bool, backend: str) -> "CompileReport":
+        from torch._dynamo.utils import counters, guard_failures
+
+        self = super().__new__(cls, sum(regions.values()))
+        self.regions, self.strict, self.backend = dict(regions), strict, backend
+        self._codes = dict(codes)  # region -> code object torch.compile wraps
+        self._failures0 = {name: len(guard_failures.get(code, ())) for name, code in codes.items()}
+        self._breaks0 = dict(counters["graph_break"])
+        self._graphs0 = counters["stats"]["unique_graphs"]
+        return self
+
+    def stats(self) -> dict:
+        """``graph_breaks``, ``graph_break_reasons``, ``recompiles``, ``recompile_reasons``,
+        ``graphs`` (compiled since), ``frames`` (compiled versions per region), ``blocks`` per region."""
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+        from torch._dynamo.utils import counters, guard_failures
+
+        reasons = {k: v - self._breaks0.get(k, 0) for k, v in counters["graph_break"].items()}
+        reasons = {k: v for k, v in reasons.items() if v > 0}
+        recompiles: dict[str, list[str]] = {}
+        frames = {}
+        for name, code in self._codes.items():
+            new = [str(r) for r in guard_failures.get(code, ())][self._failures0[name]:]
+            grad_mode_switches = [r for r in new if r.strip().endswith(_GRAD_MODE_ONLY)]
+            unexpected = [r for r in new if r not in grad_mode_switches[:1]]
+            if unexpected:
+                recompiles[name] = unexpected
+            frames[name] = len(_debug_get_cache_entry_list(code))
+        return {
+            "graph_breaks": sum(reasons.values()), "graph_break_reasons": reasons,
+            "recompiles": sum(len(v) for v in recompiles.values()), "recompile_reasons": recompiles,
+            "graphs": counters["stats"]["unique_graphs"] - self._graphs0, "frames": frames, "blocks": dict(self.regions),
+            "backend": self.backend, "strict": self.strict,
+        }  # fmt: skip
+
+    def summary(self) -> str:
+        s = self.stats()
+        line = (f"torch.compile ({self.backend}{', strict' if self.strict else ''}): {int(self)} forwards in "
+                f"{len(self.regions)} regions, {s['graphs']} graphs, {s['graph_breaks']} graph breaks, "
+                f"{s['recompiles']} recompiles")  # fmt: skip
+        details = [f"break: {r} (x{n})" for r, n in s["graph_break_reasons"].items()]
+        details += [f"recompile {name}: {r.strip()[:200]}" for name, rs in s["recompile_reasons"].items() for r in rs]
+        return line + "".join(f"\n  {d}" for d in details)
+
+    def check(self) -> None:
+        """Strict mode: raise :class:`CompileCheckError` (with the reasons) if anything broke or
+        recompiled since :func:`compile_blocks`; otherwise nothing."""
+        s = self.stats()
+        if self.strict and (s["graph_breaks"] or s["recompiles"]):
+            raise CompileCheckError(self.summary())
+
+
+def _contiguous(x: object) -> object:
+    return x.contiguous() if isinstance(x, torch.Tensor) else x
+
+
+def _with_contiguous_inputs(fn):
+    """``fn`` called with contiguous tensor arguments. Dynamo guards on strides (``dynamic=False``), and
+    a region's inputs change strides with the step's recycling count (slices ``[..., it]`` of a batch
+    ``[..., n + 1]``: the masks, the template features) -- one recompilation per recycling count
+    without this (found by the strict test on the bf16 step). A contiguous input passes as it is."""
+
+    def forward(*args: object, **kwargs: object) -> object:
+        return fn(*(_contiguous(a) for a in args), **{k: _contiguous(v) for k, v in kwargs.items()})
+
+    return forward
+
+
+def _compile_target(module: torch.nn.Module) -> tuple[object, object]:
+    """(the function to compile in place of ``module.forward``, the code object dynamo caches it
+    under). A :func:`run_in_fp32` region compiles its inner forward (autocast is switched off outside
+    the graph), so two fp32 regions do not share the wrapper's code (and its compile cache)."""
+    forward = module.forward
+    inner = getattr(forward, "__wrapped__", None) if getattr(module, "_scalefold_fp32", False) else None
+    target = inner if inner is not None else forward
+    return target, getattr(target, "__func__", target).__code__
+
+
+def compile_blocks(
+    model: torch.nn.Module, regions: Sequence[str] = COMPILE_REGIONS, backend: str = "inductor", strict: bool = False
+) -> CompileReport:
+    """``torch.compile`` the forward of every block of the ``regions`` stacks (a region without
+    ``blocks``: its whole forward); returns a :class:`CompileReport` (an ``int``: how many forwards).
 
     The eager module stays the reference (the compiled forward computes the same function, equal up to
-    rounding; ``tests/train/test_precision_compile.py`` compares them). A block whose compilation fails
-    at run time falls back to eager (``torch._dynamo`` ``suppress_errors``), so ``--compile`` never
-    breaks a run.
+    rounding; ``tests/train/test_precision_compile.py`` compares them). Default: a block whose
+    compilation fails at run time falls back to eager (``torch._dynamo`` ``suppress_errors``), and the
+    report counts what happened (print :meth:`CompileReport.summary` at the end of the run).
+    ``strict=True``: no fallback -- a graph break raises at compilation (``fullgraph``) with its reason,
+    and :meth:`CompileReport.check` (call it after the warm-up) raises on recompilations.
     """
     if not hasattr(torch, "compile"):
         warnings.warn("torch.compile is unavailable: running eager", stacklevel=2)
-        return 0
+        return CompileReport({}, {}, strict, backend)
     from torch import _dynamo
 
-    _dynamo.config.suppress_errors = True
-    count = 0
-    for stack_name in regions:
-        stack = getattr(model, stack_name, None)
-        for block in getattr(stack, "blocks", []):
-            if getattr(block, "_scalefold_compiled", False):
+    _dynamo.config.suppress_errors = not strict
+    counts: dict[str, int] = {}
+    codes: dict[str, object] = {}
+    for name in regions:
+        region = getattr(model, name, None)
+        if region is None:
+            continue
+        modules = list(getattr(region, "blocks", None) or []) if hasattr(region, "blocks") else [region]
+        for module in modules:
+            if getattr(module, "_scalefold_compiled", False):
                 continue
-            block.forward = torch.compile(block.forward, dynamic=False, backend=backend)
-            block._scalefold_compiled = True
-            count += 1
-    return count
+            target, code = _compile_target(module)
+            compiled = _with_contiguous_inputs(torch.compile(target, dynamic=False, backend=backend, fullgraph=strict))
+            if target is module.forward:
+                module.forward = compiled
+            else:  # an fp32 region: the compiled inner forward, wrapped in fp32 again
+                module.forward = compiled
+                module._scalefold_fp32 = False
+                run_in_fp32(module)
+            module._scalefold_compiled = True
+            counts[name] = counts.get(name, 0) + 1
+            codes[name] = code
+    return CompileReport(counts, codes, strict, backend)
 
 
 def warm_up(model: torch.nn.Module, batch: dict[str, torch.Tensor], autocast: bool = False) -> None:
@@ -257,6 +377,7 @@ def broadcast_float(value: float, src: int, group: dist.ProcessGroup | None, dev
 
 __all__ = [
     "sample_pairs", "recycling_count", "forward_seed", "to_device", "step_batch", "setup_precision",
-    "float_outputs", "run_in_fp32", "keep_fp32_regions", "FP32_REGIONS", "COMPILE_REGIONS", "compile_blocks", "warm_up", "nonfinite_terms_to_nan", "allreduce_step_stats", "broadcast_float",
-    "deterministic_environment", "CUBLAS_WORKSPACE_CONFIG",
+    "float_outputs", "run_in_fp32", "keep_fp32_regions", "FP32_REGIONS", "COMPILE_REGIONS", "compile_blocks",
+    "CompileReport", "CompileCheckError", "warm_up", "nonfinite_terms_to_nan", "allreduce_step_stats",
+    "broadcast_float", "deterministic_environment", "CUBLAS_WORKSPACE_CONFIG",
 ]  # fmt: skip

@@ -1,0 +1,82 @@
+"""Validation of the memory model (``scalefold estimate-memory``) against the real CPU peak.
+
+For each configuration, the same training step (first step, 1 no-grad recycling pass + grad pass +
+loss + backward + Adam/SWA) is (a) predicted on fake tensors with CPU rules
+(``estimate_memory(target="cpu")``: exact storage sizes, CPU autocast) and (b) run for real on CPU
+under ``torch.profiler(profile_memory=True)``, whose allocation records carry the CPU allocator's
+running total (every allocation, op-internal scratch included): ``measure_cpu_peak``. Prints one
+row per configuration and a JSON list last.
+
+    python bench/memory_model.py [--presets tiny demo] [--precisions fp32 bf16] [--checkpointing off on]
+
+On CUDA (``--cuda``) it compares ``estimate_memory(target="cuda")`` with
+``torch.cuda.max_memory_allocated`` of the same step instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from scalefold.perf.memory import estimate_memory, measure_cpu_peak  # noqa: E402
+from scalefold.train.config import TrainConfig  # noqa: E402
+
+
+def measure_cuda_peak(cfg: TrainConfig) -> dict[str, int]:
+    """``torch.cuda.max_memory_allocated`` over the first training step of ``cfg`` (everything built on
+    the GPU first; the peak counter reset after the build, so it covers what the step adds on top)."""
+    import torch
+
+    from scalefold.perf.step import TrainingStep
+
+    step = TrainingStep.build(cfg, "cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step.run(min(1, step.num_ensembles - 1))
+    torch.cuda.synchronize()
+    return {"peak_bytes": torch.cuda.max_memory_allocated(), "reserved_bytes": torch.cuda.max_memory_reserved()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--presets", nargs="+", default=["tiny", "demo"])
+    ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
+    ap.add_argument("--checkpointing", nargs="+", default=["off", "on"], help="activation checkpointing off/on")
+    ap.add_argument("--cuda", action="store_true", help="compare with torch.cuda.max_memory_allocated instead")
+    ap.add_argument("--crop", type=int, help="crop size override")
+    args = ap.parse_args(argv)
+    rows = []
+    print(f"{'preset':<7} {'prec':<5} {'AC':<4} {'predicted MiB':>14} {'measured MiB':>13} {'error':>8} {'s':>5}", flush=True)
+    for preset in args.presets:
+        for precision in args.precisions:
+            for ac in args.checkpointing:
+                overrides = {"precision": precision, "activation_checkpointing": ac == "on", "crop_size": args.crop}
+                cfg = TrainConfig.from_preset(preset, overrides={k: v for k, v in overrides.items() if v is not None},
+                                              env={})  # fmt: skip
+                t0 = time.perf_counter()
+                if args.cuda:
+                    measured = measure_cuda_peak(cfg)
+                    est = estimate_memory(cfg, target="cuda", kernels=None, cuda_graphs=False)
+                else:
+                    measured = measure_cpu_peak(cfg)
+                    est = estimate_memory(cfg, target="cpu", cuda_graphs=False)
+                err = est.peak_bytes / measured["peak_bytes"] - 1
+                row = {"preset": preset, "precision": precision, "activation_checkpointing": ac == "on",
+                       "predicted_bytes": est.peak_bytes, "measured": measured, "relative_error": round(err, 4),
+                       "breakdown": est.breakdown}  # fmt: skip
+                rows.append(row)
+                print(f"{preset:<7} {precision:<5} {ac:<4} {est.peak_bytes / 2**20:>14.2f} "
+                      f"{measured['peak_bytes'] / 2**20:>13.2f} {100 * err:>7.2f}% {time.perf_counter() - t0:>5.0f}",
+                      flush=True)  # fmt: skip
+    print(json.dumps(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

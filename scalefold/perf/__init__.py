@@ -1,0 +1,11 @@
+"""Performance planning and measurement of the training step, runnable without a GPU.
+
+* :mod:`scalefold.perf.step`       -- one training step exactly as the loop takes it (no-grad recycling
+  passes, grad pass, loss, backward, clipping, Adam + SWA), on a synthetic batch of the run's shapes;
+  shared by the two tools below so they measure the same thing;
+* :mod:`scalefold.perf.memory`     -- ``scalefold estimate-memory``: peak memory per rank predicted by
+  running that step on fake tensors (shapes only), and :func:`~scalefold.perf.memory.check_fits` for
+  the start-up check;
+* :mod:`scalefold.perf.step_bench` -- ``scalefold bench step``: the step timed eager and compiled in
+  one process, with graph breaks and recompilations counted.
+"""

@@ -1,0 +1,105 @@
+"""``scalefold estimate-memory``: argument parsing; the work is in :mod:`scalefold.perf.memory`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+EXIT_BAD_INPUT = 3
+
+
+def add_parsers(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "estimate-memory",
+        help="predict the peak memory per rank of one training step (no GPU needed)",
+        description="Run one training step (recycling passes, grad pass, loss, backward, Adam + SWA) on fake "
+        "tensors and report its peak memory per rank, with what is live at the peak. See scalefold/perf/memory.py "
+        "for the method and what it leaves out.",
+    )  # fmt: skip
+    p.add_argument("--preset", default="mlperf", help="training preset (mlperf, demo, tiny; default mlperf)")
+    p.add_argument("--precision", choices=("bf16", "fp32"), help="default: the preset's")
+    p.add_argument("--crop", type=int, help="crop size (default: the preset's; MLPerf 256)")
+    p.add_argument("--dap", type=int, default=1, help="DAP size: the prediction is per rank (default 1)")
+    p.add_argument("--kernels", choices=("triton", "torch"), help="kernel path (default: triton for --target cuda)")
+    p.add_argument("--target", choices=("cuda", "cpu"), default="cuda",
+                   help="allocator and autocast rules of this device (default cuda)")  # fmt: skip
+    p.add_argument("--cuda-graphs", choices=("auto", "off"), default="auto",
+                   help="count the CUDA-graph pool where --cuda-graphs auto would capture (default auto)")  # fmt: skip
+    p.add_argument("--activation-checkpointing", choices=("on", "off"), help="default: the preset's")
+    p.add_argument("--recycling", type=int, help="no-grad recycling passes to run (default 1 where the run recycles)")
+    p.add_argument("--device-memory-gib", type=float,
+                   help="also check the prediction against a device of this size (names a DAP size that fits)")  # fmt: skip
+    p.add_argument("--table", action="store_true",
+                   help="the README table instead: crop 256 and 384 x DAP 1/2/4/8 x bf16/fp32 (slow)")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(handler=_run)
+
+
+def _config(args: argparse.Namespace, **extra: Any) -> Any:
+    from scalefold.train.config import TrainConfig
+
+    overrides = {"precision": args.precision, "crop_size": args.crop, "dap": args.dap, "cuda_graphs": args.cuda_graphs}
+    if args.activation_checkpointing:
+        overrides["activation_checkpointing"] = args.activation_checkpointing == "on"
+    overrides.update(extra)
+    return TrainConfig.from_preset(args.preset, overrides={k: v for k, v in overrides.items() if v is not None}, env={})
+
+
+def _run(args: argparse.Namespace) -> int:
+    from scalefold.perf import memory
+    from scalefold.train.config import PRESETS
+
+    if args.preset not in PRESETS:
+        return _bad(f"unknown preset {args.preset!r}; expected one of {sorted(PRESETS)}")
+    if args.dap < 1:
+        return _bad(f"--dap {args.dap}: must be >= 1")
+    if args.table:
+        return _table(args)
+    try:
+        cfg = _config(args)
+        est = memory.estimate_memory(cfg, target=args.target, kernels=args.kernels, recycling=args.recycling)
+    except ValueError as exc:  # a layout DAP cannot take (crop not divisible, ...), a bad option value
+        return _bad(str(exc))
+    out = est.to_json()
+    if args.device_memory_gib:
+        verdict = memory.check_fits(cfg, capacity_bytes=int(args.device_memory_gib * memory.GiB),
+                                    estimate=lambda c: est if c.dap == cfg.dap else memory.estimate_memory(
+                                        c, target=args.target, kernels=args.kernels, recycling=args.recycling))  # fmt: skip
+        out["fits"] = verdict is None
+        out["fit_message"] = verdict or f"fits a {args.device_memory_gib:g} GiB device"
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        print(memory.format_estimate(est))
+        if "fit_message" in out:
+            print(out["fit_message"])
+    return 0
+
+
+def _table(args: argparse.Namespace) -> int:
+    from scalefold.perf import memory
+
+    rows = []
+    combos = [(crop, dap, prec) for crop in (256, 384) for prec in ("bf16", "fp32") for dap in memory.DAP_SIZES]
+    for i, (crop, dap, prec) in enumerate(combos, 1):
+        print(f"[{i}/{len(combos)}] crop {crop} DAP {dap} {prec} ...", file=sys.stderr, flush=True)
+        args.crop, args.dap, args.precision = crop, dap, prec
+        try:
+            est = memory.estimate_memory(_config(args), target=args.target, kernels=args.kernels, recycling=args.recycling)
+        except ValueError as exc:
+            rows.append({"crop": crop, "dap": dap, "precision": prec, "error": str(exc)})
+            continue
+        rows.append({"crop": crop, "dap": dap, "precision": prec, **est.to_json()})
+        print(f"    {est.peak_bytes / memory.GiB:.2f} GiB ({est.seconds:.0f} s)", file=sys.stderr, flush=True)
+    print(json.dumps(rows, indent=1) if args.json else memory.format_table(rows))
+    return 0
+
+
+def _bad(message: str) -> int:
+    print(f"scalefold estimate-memory: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+__all__ = ["add_parsers"]

@@ -1,0 +1,159 @@
+"""compile_blocks' report: graph breaks and recompilations are counted, strict mode fails loudly.
+
+Small stand-in stacks (a module with ``blocks``) make each situation happen on purpose; one test
+runs the real ``tiny`` training step compiled in strict mode and expects zero of both. The cheap
+``eager`` dynamo backend is used throughout: what is counted (dynamo's tracing and guards) is the
+same for every backend. Nothing here depends on speed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from scalefold.train.steps import CompileCheckError, compile_blocks
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.linear(x)) + x
+
+
+class BreakingBlock(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        torch._dynamo.graph_break()  # what an unsupported call inside a block does
+        return y + x
+
+
+class Stack(nn.Module):
+    def __init__(self, block: type[nn.Module], n: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(block() for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class Model(nn.Module):
+    def __init__(self, block: type[nn.Module] = Block) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 8)  # the stack's input requires grad in the grad pass, as in AlphaFold
+        self.evoformer_stack = Stack(block)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.evoformer_stack(self.embed(x)))
+
+
+def _train_like(model: nn.Module, x: torch.Tensor) -> None:
+    """A no-grad recycling pass, then the grad pass and backward (the two expected grad modes)."""
+    with torch.no_grad():
+        model(x)
+    model(x).sum().backward()
+
+
+def test_clean_region_reports_zero_and_counts_blocks():
+    model = Model()
+    report = compile_blocks(model, regions=("evoformer_stack",), backend="eager", strict=True)
+    assert report == 3 and report.regions == {"evoformer_stack": 3}
+    _train_like(model, torch.randn(4, 8))
+    stats = report.stats()
+    assert stats["graph_breaks"] == 0 and stats["recompiles"] == 0
+    assert stats["frames"] == {"evoformer_stack": 2}  # one graph per grad mode serves all three blocks
+    report.check()  # does not raise
+    assert compile_blocks(model, regions=("evoformer_stack",), backend="eager") == 0  # idempotent
+
+
+def test_graph_break_counted_with_reason_and_fatal_in_strict_mode():
+    model = Model(BreakingBlock)
+    report = compile_blocks(model, regions=("evoformer_stack",), backend="eager")
+    _train_like(model, torch.randn(4, 8))  # default: runs, with the breaks counted
+    stats = report.stats()
+    assert stats["graph_breaks"] >= 1
+    assert any("graph_break" in reason or "graph break" in reason.lower() for reason in stats["graph_break_reasons"])
+    assert "graph breaks" in report.summary()
+
+    torch._dynamo.reset()
+    strict_model = Model(BreakingBlock)
+    compile_blocks(strict_model, regions=("evoformer_stack",), backend="eager", strict=True)
+    with pytest.raises(Exception, match="(?i)graph.?break"):
+        strict_model(torch.randn(4, 8))
+
+
+def test_recompile_counted_but_grad_mode_switch_is_not():
+    model = Model()
+    report = compile_blocks(model, regions=("evoformer_stack",), backend="eager", strict=True)
+    _train_like(model, torch.randn(4, 8))
+    assert report.stats()["recompiles"] == 0  # no-grad then grad: expected
+    model(torch.randn(5, 8))  # a new shape under dynamic=False: a recompilation
+    stats = report.stats()
+    assert stats["recompiles"] == 1
+    assert "evoformer_stack" in stats["recompile_reasons"]
+    with pytest.raises(CompileCheckError, match="1 recompiles"):
+        report.check()
+
+
+def test_input_strides_do_not_recompile():
+    """Region inputs with other strides (a recycling slice of another batch) reuse the graph."""
+    model = Model()
+    report = compile_blocks(model, regions=("evoformer_stack",), backend="eager", strict=True)
+    stack = model.evoformer_stack  # called directly: the first block sees the argument's strides
+    stack(torch.randn(4, 8, requires_grad=True))
+    stack(torch.randn(8, 4, requires_grad=True).t())  # same shape, transposed strides
+    stack(torch.randn(4, 8, 3, requires_grad=True)[..., 1])  # a slice of a trailing dimension (recycling slices)
+    assert report.stats()["recompiles"] == 0, report.summary()
+
+
+def test_non_strict_report_never_raises():
+    model = Model()
+    report = compile_blocks(model, regions=("evoformer_stack",), backend="eager")
+    model(torch.randn(4, 8))
+    model(torch.randn(6, 8))
+    assert report.stats()["recompiles"] == 1
+    report.check()  # not strict: counted, not fatal
+
+
+def test_module_region_and_fp32_region_compile_their_inner_forward():
+    from scalefold.train.steps import run_in_fp32
+
+    model = Model()
+    run_in_fp32(model.head)
+    report = compile_blocks(model, regions=("head",), backend="eager", strict=True)
+    assert report.regions == {"head": 1}
+    assert model.head._scalefold_fp32  # still runs in fp32 under autocast
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(torch.randn(4, 8))
+    assert out.dtype == torch.float32
+    assert report.stats()["graph_breaks"] == 0
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_tiny_training_step_compiles_without_breaks_or_recompiles(precision):
+    from scalefold.perf.step import TrainingStep
+    from scalefold.train.config import TrainConfig
+
+    cfg = TrainConfig.from_preset("tiny", overrides={"precision": precision}, env={})
+    step = TrainingStep.build(cfg)
+    report = compile_blocks(step.model, backend="eager", strict=True)
+    assert int(report) > 0
+    step.run(1)  # a no-grad recycling pass, the grad pass, backward, optimizer
+    step.run(0)
+    stats = report.stats()
+    assert stats["graph_breaks"] == 0, report.summary()
+    assert stats["recompiles"] == 0, report.summary()
+    report.check()

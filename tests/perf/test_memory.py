@@ -1,0 +1,104 @@
+"""The memory model: its prediction against the CPU allocator's real peak, DAP on a fake process group,
+the CUDA rules, and the start-up check. Small presets only (each estimate is a few CPU seconds)."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from scalefold.perf.memory import (
+    CONTEXT_RESERVE_BYTES, FRAGMENTATION_MARGIN, GiB, MemoryEstimate, check_fits, estimate_memory, measure_cpu_peak,
+)  # fmt: skip
+from scalefold.train.config import TrainConfig
+
+
+def _cfg(**overrides) -> TrainConfig:
+    return TrainConfig.from_preset("tiny", overrides={"precision": "bf16", "activation_checkpointing": True, **overrides},
+                                   env={})  # fmt: skip
+
+
+@pytest.mark.parametrize("overrides", [{}, {"precision": "fp32", "activation_checkpointing": False}],
+                         ids=["bf16-checkpointing", "fp32-plain"])  # fmt: skip
+def test_prediction_matches_the_real_cpu_peak(overrides):
+    cfg = _cfg(**overrides)
+    measured = measure_cpu_peak(cfg)["peak_bytes"]
+    predicted = estimate_memory(cfg, target="cpu").peak_bytes
+    assert abs(predicted / measured - 1) < 0.02, (predicted, measured)
+
+
+def test_one_recycling_pass_stands_for_all():
+    cfg = _cfg(num_recycling_iters=2)  # R = 3: a step takes up to 2 no-grad passes
+    one = estimate_memory(cfg, target="cpu", recycling=1)
+    two = estimate_memory(cfg, target="cpu", recycling=2)
+    # not bit-equal: the batch slices [..., :n+1] that get copied differ in size by one recycling slice
+    assert abs(one.step_peak_bytes / two.step_peak_bytes - 1) < 0.01
+
+
+def test_breakdown_and_cuda_rules():
+    cpu = estimate_memory(_cfg(), target="cpu", cuda_graphs=False)
+    cuda = estimate_memory(_cfg(), target="cuda", kernels="torch")
+    assert sum(cpu.breakdown.values()) == cpu.step_peak_bytes
+    assert {"parameters", "gradients", "optimizer_state", "batch"} <= set(cpu.breakdown)
+    assert cpu.breakdown["optimizer_state"] == 3 * cpu.breakdown["parameters"]  # Adam moments + SWA, fp32
+    assert "evoformer_stack" in cpu.modules
+    # CUDA: 512-byte blocks and fp32 softmax / layer norm under autocast: never smaller than CPU's
+    assert cuda.step_peak_bytes > cpu.step_peak_bytes
+    assert cuda.cuda_graph_pool_bytes > 0 and cuda.peak_bytes >= cuda.step_peak_bytes
+    assert cuda.settings["cuda_graphs"] and not cpu.settings["cuda_graphs"]
+
+
+def test_dap_runs_on_a_fake_process_group_and_shards_activations():
+    one = estimate_memory(_cfg(dap=1), target="cpu")
+    two = estimate_memory(_cfg(dap=2), target="cpu")
+    assert not dist.is_initialized()  # the fake group is gone again
+    assert two.settings["dap"] == 2 and not two.settings["cuda_graphs"]
+    assert two.breakdown["activations"] < one.breakdown["activations"]
+    assert two.breakdown["parameters"] == one.breakdown["parameters"]  # DAP replicates the weights
+    with pytest.raises(ValueError):
+        estimate_memory(_cfg(dap=5), target="cpu")  # crop 24 does not split 5 ways
+
+
+def _fake_estimate(peaks: dict[int, int]):
+    def run(cfg: TrainConfig) -> MemoryEstimate:
+        return MemoryEstimate(peaks[cfg.dap], peaks[cfg.dap], 0, {}, {}, {}, {"dap": cfg.dap})
+
+    return run
+
+
+def _capacity(usable: int) -> int:
+    return int(CONTEXT_RESERVE_BYTES + usable * (1 + FRAGMENTATION_MARGIN)) + 1
+
+
+def test_check_fits_names_the_dap_size_that_fits():
+    # the real tiny estimates: DAP 2 needs less per rank than DAP 1; a device between the two
+    cfg = _cfg()
+    one = estimate_memory(cfg, target="cuda").peak_bytes
+    two = estimate_memory(_cfg(dap=2), target="cuda").peak_bytes
+    assert two < one
+    assert check_fits(cfg, capacity_bytes=_capacity(one)) is None
+    message = check_fits(cfg, capacity_bytes=_capacity((one + two) // 2))
+    assert message is not None and "--dap 2" in message and "exceeds" in message
+
+
+def test_check_fits_messages():
+    cfg = _cfg()
+    peaks = {1: 70 * GiB, 2: 40 * GiB, 4: 30 * GiB, 8: 20 * GiB}
+    msg = check_fits(cfg, capacity_bytes=_capacity(35 * GiB), estimate=_fake_estimate(peaks))
+    assert "DAP 4 fits" in msg and "--dap 4" in msg and "70.0 GiB" in msg
+    assert check_fits(cfg, capacity_bytes=_capacity(80 * GiB), estimate=_fake_estimate(peaks)) is None
+    msg = check_fits(cfg, capacity_bytes=_capacity(10 * GiB), estimate=_fake_estimate(peaks))
+    assert "no DAP size up to 8 fits" in msg
+    assert check_fits(cfg, device="cpu") is None  # host memory is not checked
+
+
+def test_cli_json_and_bad_input(capsys):
+    import json
+
+    from scalefold.cli import main
+
+    assert main(["estimate-memory", "--preset", "tiny", "--target", "cpu", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["peak_bytes"] > 0 and out["modules"] and out["settings"]["target"] == "cpu"
+    assert main(["estimate-memory", "--preset", "nope"]) == 3
+    assert main(["estimate-memory", "--preset", "tiny", "--dap", "5"]) == 3
+    assert "estimate-memory" in capsys.readouterr().err
