@@ -116,6 +116,10 @@ class TrainConfig:
     # torch.compile of the Evoformer / extra-MSA blocks (eager fallback when compilation fails)
     compile: bool = option(False, cli=True, help="torch.compile the Evoformer blocks")
     compile_backend: str = option("inductor", help="torch.compile backend (aot_eager: tracing only, fast to build)")
+    memory_check: bool = option(True, help="on CUDA, predict one step's peak memory per rank before training "
+                                "(scalefold estimate-memory) and warn, naming the DAP size that fits, when it exceeds the device")
+    compile_strict: bool = option(False, cli=True, help="with --compile: a graph break or a recompilation in a "
+                                  "compiled region ends the run (default: eager fallback, counted in the summary)")
     cuda_graphs: str = option("auto", cli=True, choices=CUDA_GRAPHS_MODES, help="CUDA graphs of the no-grad "
                               "recycling passes, captured before run_start (auto: on for CUDA without DAP/BP, eager "
                               "elsewhere; on: refuse where unusable; default auto)")

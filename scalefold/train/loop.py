@@ -218,6 +218,8 @@ class Trainer:
         self.checkpoints = CheckpointPolicy(cfg, self.runtime, self.out)
         resume_path, resume_ckpt = prepare_run(cfg, self.runtime, self.checkpoints.manager)
         self.mllog.open_file(mlperf_log_path(cfg, resume_path))
+        if main and cfg.memory_check and self.device.type == "cuda":
+            self._check_memory()
         # model, loss, optimizer (flat buffers built before the DDP wrap)
         self.model = self.parallel.wrap(build_model(cfg, self.model_cfg, self.device, self.dtype))  # DAP/BP + grad factors
         self.eval_model = build_model(cfg, self.model_cfg, self.device, self.dtype, training=False) if main else None
@@ -236,6 +238,18 @@ class Trainer:
                   f"{self.parallel.num_train_ranks} training rank(s)", flush=True)  # fmt: skip
         self.init_sha = self._init_from() if cfg.init_from else None
         self.start_step = self._resume(resume_path, resume_ckpt)
+
+    def _check_memory(self) -> None:
+        """Predict the step's peak memory per rank (fake tensors, ``scalefold estimate-memory``); warn, naming
+        the DAP size that fits, when it exceeds the device. A failing estimate never stops the run."""
+        from scalefold.perf.memory import check_fits
+
+        try:
+            warning = check_fits(self.cfg, self.model_cfg, self.device)
+        except Exception as exc:  # noqa: BLE001 -- a planning aid, not a requirement
+            warning = f"the memory estimate failed ({type(exc).__name__}: {exc}); training goes on"
+        if warning:
+            print(f"scalefold train: WARNING: {warning}", flush=True)
 
     def _init_from(self) -> str:
         """``--init-from``: every training rank loads the file; only the logging rank hashes it (1.1 GiB),
@@ -269,13 +283,16 @@ class Trainer:
         cfg, model = self.cfg, self.model
         if cfg.compile:  # one warm-up step on a synthetic batch of the training shapes
             t_compile = time.perf_counter()
-            compiled = compile_blocks(model, backend=cfg.compile_backend)
+            self.compiled = compile_blocks(model, backend=cfg.compile_backend, strict=cfg.compile_strict)
             n_warm = min(1, self.features.num_ensembles - 1)  # a no-grad recycling pass and the grad pass
             synthetic = synthetic_step_batch(self.features, model, self.device, self.dtype)
             warm_up(model, {k: v[..., : n_warm + 1] for k, v in synthetic.items()}, self.autocast)
+            if cfg.compile_strict:
+                self.compiled.check()  # graph breaks raised already; recompilations raise here
             if self.main:
-                print(f"torch.compile: {compiled} blocks compiled in {time.perf_counter() - t_compile:.1f} s "
-                      "(eager fallback on failure)", flush=True)  # fmt: skip
+                fallback = "strict" if cfg.compile_strict else "eager fallback on failure"
+                print(f"torch.compile: {self.compiled} blocks compiled in {time.perf_counter() - t_compile:.1f} s "
+                      f"({fallback})", flush=True)  # fmt: skip
         # data parallelism: DDP averages gradients, its comm hook accumulates the clipping norm
         self.clipper = GradClipper(max_norm=cfg.clip_grad_max_norm, process_group=self.parallel.train_group)
         self.net: torch.nn.Module = model
@@ -475,6 +492,8 @@ class Trainer:
         result.timings = dict(self.timings)
         if self.device.type == "cuda":  # graphed / eager step counts (on CPU the forward is always eager)
             result.notes.append(self.forward.summary())
+        if getattr(self, "compiled", None) is not None:  # graph breaks / recompilations of the compiled regions
+            result.notes.append(self.compiled.summary())
         if self.main and (aborted or eval_failure is not None):  # an aborted run gets its curves and breakdown too
             final_report(self.cfg.preset, self.out, self.metrics_path, result)
         return eval_failure
