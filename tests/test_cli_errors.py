@@ -73,7 +73,7 @@ def files(tmp_path_factory) -> dict[str, str]:
     return paths
 
 
-TRAIN = ["train", "--preset", "tiny", "--no-progress", "--max-steps", "1", "--out", "{root}/run"]
+TRAIN = ["train", "--preset", "tiny", "--no-progress", "--overwrite", "--max-steps", "1", "--out", "{root}/run"]
 PREDICT = ["predict", "--fasta", "{fasta}", "--checkpoint", "{ckpt}", "--out", "{root}/p.pdb"]
 EVALUATE = ["evaluate", "--store", "{store}", "--checkpoint", "{ckpt}", "--no-progress"]
 PREPROCESS = ["preprocess", "--out", "{root}/pre.h5", "--no-progress"]
