@@ -291,6 +291,8 @@ def compile_blocks(
     from torch import _dynamo
 
     _dynamo.config.suppress_errors = not strict
+    if strict:  # a clean baseline: code compiled earlier in this process (another backend) is not a recompile
+        _dynamo.reset()
     counts: dict[str, int] = {}
     codes: dict[str, object] = {}
     for name in regions:

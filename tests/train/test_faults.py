@@ -252,7 +252,7 @@ def test_preemption_with_an_eval_rank_checkpoints_and_both_ranks_exit_0(tmp_path
                 p.communicate()
     train_out, eval_out = outputs
     assert [p.returncode for p in procs] == [0, 0], f"{train_out[-4000:]}\n---\n{eval_out[-4000:]}"
-    assert "stop requested (signal)" in train_out and "aborted" not in train_out
+    assert "stop requested (signal)" in train_out and "scalefold train: aborted" not in train_out
     # the loader's forkserver, resource tracker and workers ignored the signal: no worker "died"
     assert "restarting it" not in train_out and "died unexpectedly" not in train_out + eval_out
     assert "evaluation rank 1: SIGUSR1 received; served evaluations until training ended" in eval_out
