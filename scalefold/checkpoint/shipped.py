@@ -23,8 +23,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
-import torch
-
 from scalefold.errors import UserError
 
 PathLike = Union[str, os.PathLike]
@@ -162,14 +160,7 @@ def export_init_checkpoint(
     return manifest
 
 
-def state_dict_equal(a: PathLike, b: PathLike) -> bool:
-    """Whether two checkpoints hold the same ``alphafold_state_dict`` (bitwise)."""
-    sa = torch.load(a, map_location="cpu", weights_only=True)["alphafold_state_dict"]
-    sb = torch.load(b, map_location="cpu", weights_only=True)["alphafold_state_dict"]
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
-
-
 __all__ = [
     "ASSET_DIR", "Manifest", "ShippedCheckpointError", "export_init_checkpoint", "manifest_path",
-    "regenerate_hint", "shipped_demo_checkpoint", "state_dict_equal", "verify_shipped",
+    "regenerate_hint", "shipped_demo_checkpoint", "verify_shipped",
 ]  # fmt: skip

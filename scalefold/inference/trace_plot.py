@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Union
 
 import numpy as np
-import torch
 
 PathLike = Union[str, os.PathLike]
 
@@ -56,13 +55,11 @@ class Trace:
 def predict_ca_trace(checkpoint: PathLike, store: PathLike, chain_id: str, weights: str = "auto"):
     """``(Trace, true Cα [N, 3], Cα mask [N])`` of ``checkpoint``'s prediction of ``chain_id`` (the
     evaluation features of the store, as validation builds them)."""
+    from scalefold.data.dataset import StoreSample
     from scalefold.data.pipeline import FeatureConfig
-    from scalefold.inference.evaluate import score_target  # noqa: F401  (same model call as evaluation)
     from scalefold.inference.predict import run_model
     from scalefold.inference.weights import load_model
     from scalefold.metrics import validation_lddt_ca
-
-    from scalefold.data.dataset import StoreSample
 
     loaded = load_model(checkpoint, weights=weights)
     features = FeatureConfig.from_reference_config(loaded.config.to_dict())
@@ -123,8 +120,7 @@ def plot_checkpoints_on_chain(
         trace, true_ca, ca_mask = predict_ca_trace(path, store, chain_id, (weights or ["auto"] * len(checkpoints))[i])
         trace.label = label
         traces.append(trace)
-    with torch.no_grad():
-        out = plot_ca_traces(true_ca, ca_mask, traces, out_png, title=f"validation chain {chain_id}: Cα trace")
+    out = plot_ca_traces(true_ca, ca_mask, traces, out_png, title=f"validation chain {chain_id}: Cα trace")
     return out, traces
 
 

@@ -29,13 +29,13 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
 def _run_train(args: argparse.Namespace) -> int:
     from scalefold.checkpoint.adapters import CheckpointError as ReferenceCheckpointError
     from scalefold.distributed.layout import LayoutError
+    from scalefold.distributed.runtime import LaunchError
     from scalefold.train.checkpoint_io import CheckpointError
     from scalefold.train.graphed_step import CudaGraphsUnavailable
     from scalefold.train.loop import train
     from scalefold.train.run_data import StoreNotFoundError
     from scalefold.train.run_log import print_run_files
     from scalefold.train.stopping import TrainingAborted
-    from scalefold.distributed.runtime import LaunchError
 
     overrides = overrides_from_args(args, TrainConfig)
     overrides.pop("preset")  # chosen first, below

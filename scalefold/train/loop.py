@@ -56,7 +56,13 @@ from scalefold.train.checkpointing import (
     save_checkpoint,
 )
 from scalefold.train.config import TrainConfig
-from scalefold.train.evaluation import AsyncEvaluation, EvalContext, EvaluationRanksFailed, SyncEvaluation, serve_evaluations
+from scalefold.train.evaluation import (
+    AsyncEvaluation,
+    EvalContext,
+    EvaluationRanksFailed,
+    SyncEvaluation,
+    serve_evaluations,
+)
 from scalefold.train.flat_optimizer import FlatAdamSWA
 from scalefold.train.grad_clipping import GradClipper
 from scalefold.train.graphed_step import PARALLEL_EVOFORMER_UNCAPTURABLE, setup_graphed_step, synthetic_step_batch
@@ -65,8 +71,8 @@ from scalefold.train.lr_schedule import WarmupConstantLR
 from scalefold.train.mlperf_run import MLPerfCycles, mlperf_log_path, run_info
 from scalefold.train.run_data import (
     TrainingData,
-    check_starting_point,
     check_out,
+    check_starting_point,
     check_store,
     clear_previous_run,
     day_before,
