@@ -31,6 +31,7 @@ _SUBCOMMAND_PROVIDERS: tuple[tuple[str, str], ...] = (
     ("scalefold.model.cli", "add_parsers"),
     ("scalefold.inference.cli", "add_parsers"),
     ("scalefold.perf.cli", "add_parsers"),
+    ("scalefold.checkpoint.cli", "add_parsers"),
 )
 
 

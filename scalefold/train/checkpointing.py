@@ -78,15 +78,54 @@ def init_from_checkpoint(path: str, model: AlphaFold, opt: FlatAdamSWA, hash_fil
 
 
 def save_checkpoint(
-    checkpoints: CheckpointManager, model: AlphaFold, opt: FlatAdamSWA, step: int, model_preset: str | None = None
+    checkpoints: CheckpointManager, model: AlphaFold, opt: FlatAdamSWA, step: int, model_preset: str | None = None,
+    run_clock: RunClock | None = None,
 ) -> Path:
-    """Reference keys (weights, Adam state, iteration) plus SWA state, RNG state, data position and
-    the model preset name."""
+    """Reference keys (weights, Adam state, iteration) plus SWA state, RNG state, data position, the
+    model preset name and the time to train so far (``run_clock``: a resumed run carries it on)."""
     ckpt = build_checkpoint(
         model.state_dict(), opt.state_dict(), step, swa_state=opt.swa_state_dict(),
         rng_state=capture_rng_state(), data_position={"samples_consumed": step}, model_preset=model_preset,
     )  # fmt: skip
+    if run_clock is not None and run_clock.running:
+        ckpt["time_to_train"] = run_clock.state()
     return checkpoints.save(ckpt)
+
+
+class RunClock:
+    """MLPerf's time to train (``run_start`` to ``run_stop``) summed over the segments of a run that
+    was interrupted and resumed: every checkpoint records the time so far (``state``), a resumed run
+    starts from the one it loads (``carry``). Work after the newest checkpoint of an interrupted
+    segment is redone by the next one and counted there (wall time of the redone steps is not added
+    twice)."""
+
+    def __init__(self) -> None:
+        self.before_s, self.segments_before, self.resumed_step = 0.0, 0, 0
+        self._t0: float | None = None
+
+    def carry(self, ckpt: dict[str, Any], step: int) -> None:
+        """Continue the clock of the checkpoint ``ckpt`` (of step ``step``) a resumed run loaded."""
+        state = ckpt.get("time_to_train")
+        if isinstance(state, dict):
+            self.before_s = float(state.get("seconds", 0.0))
+            self.segments_before = int(state.get("segments", 1))
+            self.resumed_step = step
+
+    def start(self) -> None:
+        self._t0 = time.time()
+
+    @property
+    def running(self) -> bool:
+        return self._t0 is not None
+
+    def segment_s(self) -> float:
+        return time.time() - self._t0 if self._t0 is not None else 0.0
+
+    def total_s(self) -> float:
+        return self.before_s + self.segment_s()
+
+    def state(self) -> dict[str, Any]:
+        return {"seconds": self.total_s(), "segments": self.segments_before + 1}
 
 
 def resume_from_checkpoint(ckpt: dict[str, Any], cfg: TrainConfig, model: AlphaFold, opt: FlatAdamSWA,
@@ -176,13 +215,14 @@ class CheckpointPolicy:
         at a requested stop."""
         return bool(self.every and (step % self.every == 0 or last)) or stop
 
-    def save(self, model: AlphaFold, opt: FlatAdamSWA, step: int, timings: dict[str, float]) -> None:
+    def save(self, model: AlphaFold, opt: FlatAdamSWA, step: int, timings: dict[str, float],
+             run_clock: RunClock | None = None) -> None:  # fmt: skip
         t_ckpt = time.perf_counter()
         if self.main:
-            save_checkpoint(self.manager, model, opt, step, model_preset=self.model_preset)
+            save_checkpoint(self.manager, model, opt, step, model_preset=self.model_preset, run_clock=run_clock)
         timings["checkpoint"] += time.perf_counter() - t_ckpt
 
 
 __all__ = [
-    "CheckpointPolicy", "choose_resume_checkpoint", "init_from_checkpoint", "resume_from_checkpoint", "save_checkpoint",
+    "CheckpointPolicy", "RunClock", "choose_resume_checkpoint", "init_from_checkpoint", "resume_from_checkpoint", "save_checkpoint",
 ]  # fmt: skip

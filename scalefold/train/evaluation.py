@@ -76,9 +76,10 @@ class SyncEvaluation:
         self.collective = runtime.distributed and runtime.parallel.num_train_ranks > 1
         self.cache: EvalCache | None = None
 
-    def prepare(self, baseline: bool) -> None:
-        """Build the validation cache (after run_start: timed) and, with ``baseline``, score the untrained
-        model (step 0; for the curves, not in the MLPerf log)."""
+    def prepare(self, baseline: bool, what: str = "untrained model") -> None:
+        """Build the validation cache (after run_start: timed) and, with ``baseline``, score the starting
+        weights (``what``: the untrained model or the initial checkpoint; step 0, for the curves and the
+        lDDT-Cα before training, not in the MLPerf log)."""
         if not (self.main and self.enabled):
             return
         self.cache = self.make_cache()
@@ -87,7 +88,7 @@ class SyncEvaluation:
             self.ctx.metrics.write({"step": 0, "eval_lddt_ca": score, "epoch_num": 0})
             self.ctx.metrics.flush()
             self.ctx.result.eval_history.append((0, score))
-            print(f"step 0: eval lDDT-Cα {score:.4f} (untrained model; not in the MLPerf log)", flush=True)
+            print(f"step 0: eval lDDT-Cα {score:.4f} ({what}; not in the MLPerf log)", flush=True)
 
     def _score(self) -> float:
         return evaluate(self.eval_model, self.cache.batches(self.ctx.device, self.ctx.dtype), self.ctx.autocast)
@@ -134,7 +135,7 @@ class AsyncEvaluation:
         self.swa_flat = swa_flat_buffer(opt)  # sent as is: the evaluation model's layout
         self.client = AsyncEvalClient(runtime, self.swa_flat.numel(), self.swa_flat.dtype, timeout_s=timeout_s)
 
-    def prepare(self, baseline: bool) -> None:
+    def prepare(self, baseline: bool, what: str = "") -> None:
         """Nothing to build here: the evaluation ranks cache their share of the validation set."""
 
     def after_cycle(self, step: int, epoch: int) -> bool:

@@ -50,6 +50,7 @@ from scalefold.train.build import build_model, build_model_config
 from scalefold.train.checkpoint_io import CheckpointManager
 from scalefold.train.checkpointing import (
     CheckpointPolicy,
+    RunClock,
     choose_resume_checkpoint,
     init_from_checkpoint,
     resume_from_checkpoint,
@@ -69,6 +70,7 @@ from scalefold.train.graphed_step import PARALLEL_EVOFORMER_UNCAPTURABLE, setup_
 from scalefold.train.graphed_step import resolve_mode as resolve_graph_mode
 from scalefold.train.lr_schedule import WarmupConstantLR
 from scalefold.train.mlperf_run import MLPerfCycles, mlperf_log_path, run_info
+from scalefold.train.plots import read_metrics
 from scalefold.train.run_data import (
     TrainingData,
     check_out,
@@ -201,6 +203,7 @@ class Trainer:
         self.eval_every = cfg.eval_every or cfg.max_steps or 1
         self.ddp_world = self.parallel.num_train_ranks if runtime.distributed else 1
         self.timings: dict[str, float] = defaultdict(float)
+        self.clock = RunClock()  # time to train, carried across --resume
 
     def run(self) -> TrainResult:
         self.build()
@@ -278,6 +281,7 @@ class Trainer:
                 self.metrics_path.unlink()
             return 0
         step = resume_from_checkpoint(ckpt, self.cfg, self.model, self.opt, source=path)
+        self.clock.carry(ckpt, step)
         if self.main:
             truncate_metrics(self.metrics_path, step)
             print(f"resumed from step {step} ({path})", flush=True)
@@ -322,6 +326,8 @@ class Trainer:
         cfg, main = self.cfg, self.main
         self.result = TrainResult(out=self.out if main else None, steps=self.start_step, final_loss=float("nan"),
                                   start_step=self.start_step)  # fmt: skip
+        if main and self.start_step and self.metrics_path.exists():  # a resumed run: the curve so far
+            self.result.eval_history = [(r["step"], r["eval_lddt_ca"]) for r in read_metrics(self.metrics_path)[1]]
         self.metrics = MetricsLog(self.metrics_path, enabled=main)
         self.progress = progress_bar(cfg.max_steps, self.start_step, enabled=cfg.progress and main)
         ctx = EvalContext(self.metrics, self.result, self.progress, self.mllog, self.device, self.dtype,
@@ -335,7 +341,7 @@ class Trainer:
         if self.runtime.distributed:  # every rank is ready: the clock starts (evaluation ranks wait for it too)
             dist.barrier()
         self.mllog.init_stop_run_start()
-        self.t_run_start = time.time()  # time to train (MLPerf): run_start to run_stop
+        self.clock.start()  # time to train (MLPerf): run_start to run_stop
         self.cycles = MLPerfCycles(self.mllog, self.eval_every, self.parallel.dp_size, self.start_step)
         with Store.open(Path(cfg.store)) as store:
             self.train_ids, weights, self.val_ids = split_chains(store, cfg)
@@ -347,7 +353,8 @@ class Trainer:
         # the compliance checker accepts the reference loaders' names only (PT: in order, PQ: priority queue)
         self.mllog.dataset_info(len(self.train_ids), len(self.val_ids), dataloader_type="InitialTrainingDataloaderPQ")
         t_val = time.perf_counter()
-        self.evaluation.prepare(baseline=cfg.eval_baseline and not cfg.init_from and self.start_step == 0)
+        self.evaluation.prepare(baseline=cfg.eval_baseline and self.start_step == 0,
+                                what="initial checkpoint" if cfg.init_from else "untrained model")
         self.timings["eval"] += time.perf_counter() - t_val
 
     def _eval_cache(self):
@@ -376,8 +383,8 @@ class Trainer:
                     due_eval = self.cfg.eval_every and (step % self.eval_every == 0 or last)
                     done = self.after_cycle(step, stop) if due_eval else False
                     self.metrics.flush()
-                    if self.checkpoints.due(step, stop, last):
-                        self.checkpoints.save(self.model, self.opt, step, self.timings)
+                    if self.checkpoints.due(step, stop, last or done):  # the trained model is kept
+                        self.checkpoints.save(self.model, self.opt, step, self.timings, self.clock)
                     if stop:
                         self._stopped_by_signal(step)
                         break
@@ -395,8 +402,33 @@ class Trainer:
         announce(f"scalefold train: rank {self.runtime.rank} finished at step {self.result.steps} "
                  f"({len(self.result.skipped_samples)} sample(s) skipped and replaced by its loader)")  # fmt: skip
         if self.main:
-            final_report(self.cfg.preset, self.out, self.metrics_path, self.result)
+            self._report(self.result)
+            if self.cfg.trace_plot:
+                self._trace_picture()
         return self.result
+
+    def _report(self, result: TrainResult) -> None:
+        final_report(self.cfg.preset, self.out, self.metrics_path, result, target=self.cfg.target_lddt,
+                     start_label="initial checkpoint" if self.cfg.init_from else "untrained model")  # fmt: skip
+
+    def _trace_picture(self) -> None:
+        """``trace.png``: the first validation chain predicted by the starting checkpoint and by the newest
+        checkpoint of this run (SWA weights), superposed on the true Cα trace. Drawn after run_stop."""
+        from scalefold.inference.trace_plot import plot_checkpoints_on_chain
+
+        newest = self.checkpoints.manager.latest()
+        if newest is None or not self.val_ids:
+            return
+        panels = [("initial checkpoint", self.cfg.init_from)] if self.cfg.init_from else []
+        panels.append((f"after training (step {self.result.steps}, SWA)", newest))
+        chain = self.val_ids[0]
+        try:
+            path, traces = plot_checkpoints_on_chain(self.cfg.store, chain, panels, self.out / "trace.png")
+        except Exception as exc:  # noqa: BLE001 -- a picture never fails a finished run
+            print(f"scalefold train: could not draw the Cα trace: {type(exc).__name__}: {exc}", flush=True)
+            return
+        scores = " -> ".join(f"{t.lddt_ca:.3f}" for t in traces)
+        print(f"Cα trace of validation chain {chain} (lDDT-Cα {scores}): {path}", flush=True)
 
     def train_step(self, step: int, batch: dict[str, torch.Tensor] | None, new_skips: list[dict[str, Any]]) -> bool:
         """Forward, backward, clip, Adam + SWA (or skip); writes the step's record. Returns whether any
@@ -461,7 +493,7 @@ class Trainer:
         except EvaluationRanksFailed as exc:
             if self.main and (stop or self.stop_request.requested):  # pre-empted: keep the step first
                 ckpt_path = save_checkpoint(self.checkpoints.manager, self.model, self.opt, step,
-                                            model_preset=self.cfg.model_preset)  # fmt: skip
+                                            model_preset=self.cfg.model_preset, run_clock=self.clock)  # fmt: skip
                 self.progress.write(f"scalefold train: stop requested (signal); checkpoint of step {step} "
                                     f"written to {ckpt_path} before aborting (continue with --resume)")  # fmt: skip
             raise TrainingAborted(str(exc)) from exc
@@ -493,15 +525,17 @@ class Trainer:
         if not self.evaluation.run_stop_logged:  # the main evaluation rank logs run_stop success itself
             mllog.run_stop(mll.STATUS_ABORTED if eval_failure is not None else result.status)
         mllog.close()
-        if self.main and hasattr(self, "t_run_start"):
-            print(time_to_train_line(time.time() - self.t_run_start, result), flush=True)
+        if self.clock.running:
+            result.time_to_train_s = self.clock.total_s()
+            if self.main:
+                print(time_to_train_line(self.clock, result), flush=True)
         result.timings = dict(self.timings)
         if self.device.type == "cuda":  # graphed / eager step counts (on CPU the forward is always eager)
             result.notes.append(self.forward.summary())
         if getattr(self, "compiled", None) is not None:  # graph breaks / recompilations of the compiled regions
             result.notes.append(self.compiled.summary())
         if self.main and (aborted or eval_failure is not None):  # an aborted run gets its curves and breakdown too
-            final_report(self.cfg.preset, self.out, self.metrics_path, result)
+            self._report(result)
         return eval_failure
 
 

@@ -22,7 +22,7 @@ from scalefold.data.loader import SEED_HIGH, PriorityQueueLoader, group_batches
 from scalefold.data.pipeline import FeatureConfig, TrainingChainFilter, sampling_weights
 from scalefold.data.store import Store
 from scalefold.distributed.context import ParallelContext
-from scalefold.train.config import TrainConfig
+from scalefold.train.config import DEMO_INIT_CHECKPOINT, TrainConfig
 from scalefold.train.run_log import announce
 from scalefold.train.steps import sample_pairs
 from scalefold.train.stopping import ignore_stop_signals
@@ -79,7 +79,8 @@ def check_starting_point(cfg: TrainConfig) -> None:
     from scalefold.checkpoint.shipped import manifest_path, verify_shipped
     from scalefold.errors import UserError
 
-    if not manifest_path(cfg.init_from).exists():
+    shipped = Path(cfg.init_from).resolve() == DEMO_INIT_CHECKPOINT.resolve()
+    if not shipped and not manifest_path(cfg.init_from).exists():
         return  # e.g. the MLPerf reference checkpoint: checked when it is loaded
     manifest = verify_shipped(cfg.init_from)
     if cfg.target_lddt <= manifest.eval_lddt_ca:

@@ -54,6 +54,7 @@ class TrainResult:
     skipped_samples: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # extra end-of-run lines (e.g. the CUDA-graph summary)
     start_step: int = 0  # the step this process started from (a resumed run's checkpoint)
+    time_to_train_s: float | None = None  # run_start to run_stop, summed over resumed segments
 
 
 class MetricsLog:
@@ -128,20 +129,28 @@ def print_breakdown(result: TrainResult, file: Any = None) -> None:
     print("\n".join(lines), file=file, flush=True)
 
 
-def final_report(preset: str, out: Path, metrics_path: Path, result: TrainResult) -> None:
-    """``curves.png`` and the step-time breakdown (main training rank; also after an abort, where a
-    failure to plot is reported and never hides the abort's own error)."""
+def final_report(preset: str, out: Path, metrics_path: Path, result: TrainResult, target: float | None = None,
+                 start_label: str = "untrained model") -> None:  # fmt: skip
+    """``curves.png`` (with the ``target`` line and the starting point) and the step-time breakdown (main
+    training rank; also after an abort, where a failure to plot is reported and never hides the abort's
+    own error)."""
     try:
         if metrics_path.exists():
-            plot_metrics(metrics_path, out / "curves.png", title=f"scalefold train --preset {preset}")
+            plot_metrics(metrics_path, out / "curves.png", title=f"scalefold train --preset {preset}",
+                         target=target, start_label=start_label)  # fmt: skip
     except Exception as exc:  # noqa: BLE001 -- the breakdown still follows
         print(f"scalefold train: could not plot {metrics_path}: {type(exc).__name__}: {exc}", flush=True)
     print_breakdown(result)
 
 
-def time_to_train_line(seconds: float, result: TrainResult) -> str:
-    """MLPerf's time to train (``run_start`` to ``run_stop``) with the status and the lDDT-Cα before/after."""
-    line = f"time to train: {seconds:.1f} s (run_start to run_stop, status {result.status}"
+def time_to_train_line(clock: Any, result: TrainResult) -> str:
+    """MLPerf's time to train (``run_start`` to ``run_stop``, summed over the segments of a resumed run:
+    ``clock`` is the run's :class:`~.checkpointing.RunClock`) with the status and the lDDT-Cα before/after."""
+    line = f"time to train: {clock.total_s():.1f} s (run_start to run_stop"
+    if clock.segments_before:
+        line += (f", {clock.segments_before + 1} segments: {clock.before_s:.1f} s up to the checkpoint of step "
+                 f"{clock.resumed_step} + {clock.segment_s():.1f} s after resuming")  # fmt: skip
+    line += f", status {result.status}"
     if result.eval_history:
         first, last = result.eval_history[0], result.eval_history[-1]
         line += f"; eval lDDT-Cα {first[1]:.4f} at step {first[0]} -> {last[1]:.4f} at step {last[0]}"

@@ -30,14 +30,27 @@ def _cfg(out, store, **kw):
     return TrainConfig.from_preset("tiny", overrides=overrides, env={})
 
 
-def test_resume_is_bit_for_bit(tmp_path, store):
-    """Per-step losses (exact float equality), eval scores and the final weights, SWA and Adam state agree."""
+def test_resume_is_bit_for_bit(tmp_path, store, capsys):
+    """Per-step losses (exact float equality), eval scores and the final weights, SWA and Adam state agree;
+    the time to train of the resumed run is summed over both segments."""
     straight = train(_cfg(tmp_path / "straight", store, max_steps=4))
     assert straight.steps == 4
     first = train(_cfg(tmp_path / "split", store, max_steps=2))
     assert first.steps == 2
+    carried = load_checkpoint(tmp_path / "split" / "checkpoints" / "checkpoint_00000002.pt")["time_to_train"]
+    assert carried["segments"] == 1 and 0 < carried["seconds"] <= first.time_to_train_s
+    capsys.readouterr()
     resumed = train(_cfg(tmp_path / "split", store, max_steps=4, resume=True))
     assert resumed.steps == 4
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("time to train:"))
+    assert f"2 segments: {carried['seconds']:.1f} s up to the checkpoint of step 2 + " in line
+    assert resumed.time_to_train_s > carried["seconds"]
+    total, segment = float(line.split()[3]), float(line.split(" + ")[1].split()[0])
+    assert total == pytest.approx(carried["seconds"] + segment, abs=0.11)  # printed to 0.1 s
+    # the "before" of the resumed run's lDDT-Cα is the run's first evaluation, not the segment's
+    assert "eval lDDT-Cα" in line and "at step 0 ->" in line
+    final = load_checkpoint(tmp_path / "split" / "checkpoints" / "checkpoint_00000004.pt")["time_to_train"]
+    assert final["segments"] == 2 and final["seconds"] > carried["seconds"]
 
     losses_a, evals_a = _losses(tmp_path / "straight" / "metrics.jsonl")
     losses_b, evals_b = _losses(tmp_path / "split" / "metrics.jsonl")
