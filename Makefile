@@ -7,6 +7,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+# extra `scalefold train` arguments of `make demo` (e.g. DEMO_ARGS=--overwrite to run it again afresh)
+DEMO_ARGS ?=
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
@@ -28,7 +30,7 @@ $(VENV)/.installed-test: $(VENV)/.installed
 venv: $(VENV)/.installed
 
 demo: venv
-	$(VENV)/bin/scalefold train
+	$(VENV)/bin/scalefold train $(DEMO_ARGS)
 
 # pytest's exit code 5 means "no tests collected": not a failure for a fresh checkout.
 test: $(VENV)/.installed-test
