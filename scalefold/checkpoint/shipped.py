@@ -145,8 +145,9 @@ def export_init_checkpoint(
         "optimizer_state_dict": ckpt["optimizer_state_dict"],
         "iteration": int(ckpt["iteration"]),
     }
-    if "model_preset" in ckpt:
-        shipped["model_preset"] = ckpt["model_preset"]
+    for key in ("model_preset", "model_options"):  # which model the weights belong to
+        if key in ckpt:
+            shipped[key] = ckpt[key]
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     save_atomic(shipped, out)

@@ -74,8 +74,10 @@ class LoadedModel:
         )
 
 
-def inference_config(preset: str, num_recycling: int | None = None, precision: str = "fp32") -> AlphaFoldConfig:
-    """The model config the training preset of ``preset`` builds (data sizes, recycling), fp32."""
+def inference_config(preset: str, num_recycling: int | None = None, precision: str = "fp32",
+                     model_options: Mapping[str, int] | None = None) -> AlphaFoldConfig:  # fmt: skip
+    """The model config the training preset of ``preset`` builds (data sizes, recycling), fp32, with the
+    training run's ``model_options`` (recorded in its checkpoints) and ``num_recycling`` over them."""
     from scalefold.train.config import TrainConfig
     from scalefold.train.build import build_model_config
 
@@ -83,8 +85,11 @@ def inference_config(preset: str, num_recycling: int | None = None, precision: s
         raise InferenceError(f"unknown model preset {preset!r}; expected one of {sorted(TRAINING_PRESET_OF)}")
     if num_recycling is not None and num_recycling < 0:
         raise InferenceError(f"the number of recycling iterations must be >= 0, got {num_recycling}")
+    from scalefold.train.build import MODEL_OPTIONS
+
+    options = {k: v for k, v in (model_options or {}).items() if k in MODEL_OPTIONS}
     train_cfg = TrainConfig.from_preset(
-        TRAINING_PRESET_OF[preset], overrides={"num_recycling_iters": num_recycling, "precision": precision}
+        TRAINING_PRESET_OF[preset], overrides={**options, "num_recycling_iters": num_recycling, "precision": precision}
     )
     return build_model_config(train_cfg)
 
@@ -166,7 +171,8 @@ def load_model(
         report = adapters.compare_state_dict(_meta_model(preset), state)
         if not report.ok:
             raise InferenceError(f"{os.fspath(path)} does not fit the {preset!r} preset: {report.describe()}")
-    config = inference_config(preset, num_recycling)
+    options = checkpoint.get("model_options") if isinstance(checkpoint.get("model_options"), Mapping) else None
+    config = inference_config(preset, num_recycling, model_options=options)
     model = AlphaFold(config, activation_checkpointing=False)
     adapters.load_reference_state_dict(model, state, strict=True)
     model.to(device=device, dtype=torch.float32).eval()

@@ -12,6 +12,17 @@ from scalefold.model import AlphaFold, AlphaFoldConfig
 from scalefold.train.config import TrainConfig
 
 
+#: Training options that change the model or its inputs without changing a parameter shape: a
+#: checkpoint records the run's values (``model_options``) so that evaluation and prediction rebuild
+#: the model the run trained (its preset's defaults otherwise).
+MODEL_OPTIONS = ("structure_module_iterations", "num_recycling_iters", "max_msa_clusters", "max_extra_msa")
+
+
+def model_options(cfg: TrainConfig) -> dict[str, int]:
+    """The run's :data:`MODEL_OPTIONS` set by its training preset, config or flags (unset: the model preset's)."""
+    return {name: int(getattr(cfg, name)) for name in MODEL_OPTIONS if getattr(cfg, name) is not None}
+
+
 def build_model_config(cfg: TrainConfig) -> AlphaFoldConfig:
     """The model preset with the run's overrides (crop, MSA sizes, recycling, structure-module iterations)."""
     overrides = {

@@ -27,6 +27,7 @@ from scalefold.train.checkpoint_io import (
     restore_rng_state,
     sha256sum,
 )
+from scalefold.train.build import model_options
 from scalefold.train.config import TrainConfig
 from scalefold.train.flat_optimizer import FlatAdamSWA
 from scalefold.train.mlperf_run import mlperf_log_path
@@ -79,14 +80,18 @@ def init_from_checkpoint(path: str, model: AlphaFold, opt: FlatAdamSWA, hash_fil
 
 def save_checkpoint(
     checkpoints: CheckpointManager, model: AlphaFold, opt: FlatAdamSWA, step: int, model_preset: str | None = None,
-    run_clock: RunClock | None = None,
+    run_clock: RunClock | None = None, model_options: dict[str, int] | None = None,
 ) -> Path:
     """Reference keys (weights, Adam state, iteration) plus SWA state, RNG state, data position, the
-    model preset name and the time to train so far (``run_clock``: a resumed run carries it on)."""
+    model preset name, the run's model options that no parameter shape shows (``model_options``, e.g. the
+    structure-module iterations: inference rebuilds that model) and the time to train so far
+    (``run_clock``: a resumed run carries it on)."""
     ckpt = build_checkpoint(
         model.state_dict(), opt.state_dict(), step, swa_state=opt.swa_state_dict(),
         rng_state=capture_rng_state(), data_position={"samples_consumed": step}, model_preset=model_preset,
     )  # fmt: skip
+    if model_options:
+        ckpt["model_options"] = dict(model_options)
     if run_clock is not None and run_clock.running:
         ckpt["time_to_train"] = run_clock.state()
     return checkpoints.save(ckpt)
@@ -143,6 +148,11 @@ def resume_from_checkpoint(ckpt: dict[str, Any], cfg: TrainConfig, model: AlphaF
         raise CheckpointError(
             f"{source}: checkpoint of model preset {preset!r}, this run builds {cfg.model_preset!r}"
         )
+    saved, run = ckpt.get("model_options"), model_options(cfg)
+    if saved is not None and dict(saved) != run:  # e.g. another --structure-module-iterations (same shapes);
+        # checkpoints written before the options were recorded carry none and are taken as they are
+        raise CheckpointError(f"{source}: checkpoint trained with model options {saved or 'the preset defaults'}, "
+                              f"this run has {run or 'the preset defaults'}")  # fmt: skip
     missing = [k for k in ("alphafold_state_dict", "optimizer_state_dict", "iteration", "swa_state_dict",
                            "rng_state") if k not in ckpt]  # fmt: skip
     if missing:
@@ -207,6 +217,7 @@ class CheckpointPolicy:
 
     def __init__(self, cfg: TrainConfig, runtime: Runtime, out: Path) -> None:
         self.every, self.model_preset = cfg.checkpoint_every, cfg.model_preset
+        self.model_options = model_options(cfg)
         self.main = runtime.parallel.is_main_train_rank
         self.manager = CheckpointManager(out / "checkpoints", keep_last=cfg.keep_last)
 
@@ -219,7 +230,8 @@ class CheckpointPolicy:
              run_clock: RunClock | None = None) -> None:  # fmt: skip
         t_ckpt = time.perf_counter()
         if self.main:
-            save_checkpoint(self.manager, model, opt, step, model_preset=self.model_preset, run_clock=run_clock)
+            save_checkpoint(self.manager, model, opt, step, model_preset=self.model_preset, run_clock=run_clock,
+                            model_options=self.model_options)  # fmt: skip
         timings["checkpoint"] += time.perf_counter() - t_ckpt
 
 

@@ -493,7 +493,8 @@ class Trainer:
         except EvaluationRanksFailed as exc:
             if self.main and (stop or self.stop_request.requested):  # pre-empted: keep the step first
                 ckpt_path = save_checkpoint(self.checkpoints.manager, self.model, self.opt, step,
-                                            model_preset=self.cfg.model_preset, run_clock=self.clock)  # fmt: skip
+                                            model_preset=self.cfg.model_preset, run_clock=self.clock,
+                                            model_options=self.checkpoints.model_options)  # fmt: skip
                 self.progress.write(f"scalefold train: stop requested (signal); checkpoint of step {step} "
                                     f"written to {ckpt_path} before aborting (continue with --resume)")  # fmt: skip
             raise TrainingAborted(str(exc)) from exc

@@ -82,3 +82,21 @@ def test_sample_stream_does_not_depend_on_max_steps():
     assert sample_pairs(weights, 8, 0, 50) != sample_pairs(weights, 7, 0, 50)
     with pytest.raises(ValueError):
         sample_pairs(weights, 7, 5, 3)
+
+
+def test_model_options_travel_with_the_checkpoint(tmp_path, store):
+    """A run's structure-module iterations (no parameter shape shows them) are recorded in its checkpoints:
+    inference rebuilds that model, an export keeps them, and a resume with other options is refused."""
+    from scalefold.checkpoint.shipped import export_init_checkpoint
+    from scalefold.inference.weights import load_model
+    from scalefold.checkpoint.adapters import CheckpointError
+
+    train(_cfg(tmp_path / "sm3", store, max_steps=2, structure_module_iterations=3))
+    path = tmp_path / "sm3" / "checkpoints" / "checkpoint_00000002.pt"
+    assert load_checkpoint(path)["model_options"]["structure_module_iterations"] == 3
+    assert load_model(path).config.structure_module_config.num_blocks == 3
+    exported = tmp_path / "init.pt"
+    export_init_checkpoint(path, exported, eval_lddt_ca=0.1, eval_chains=[])
+    assert load_model(exported).config.structure_module_config.num_blocks == 3
+    with pytest.raises(CheckpointError, match="model options"):
+        train(_cfg(tmp_path / "sm3", store, max_steps=4, resume=True))  # the preset's 2 iterations
