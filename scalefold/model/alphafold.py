@@ -116,8 +116,10 @@ class AlphaFold(nn.Module):
         for it in range(num_iters):
             is_last = it == num_iters - 1
             feats = {name: batch[name][..., it] for name in self._model_features}
-            if is_last and torch.is_autocast_enabled():
-                # Weight casts cached under no_grad would carry no grad (pytorch/pytorch#65766).
+            if is_last and torch.is_autocast_enabled(batch["aatype"].device.type):
+                # Weight casts cached under no_grad would carry no grad (pytorch/pytorch#65766); and the
+                # cache would keep the no-grad passes' casts for the grad pass. On the batch's device
+                # (the no-argument form asks about CUDA only: CPU autocast kept them).
                 torch.clear_autocast_cache()
             with torch.set_grad_enabled(grad_enabled and is_last):
                 outputs, recycled = self.iteration(
@@ -126,7 +128,10 @@ class AlphaFold(nn.Module):
                     gradient_checkpointing=self.training and self.activation_checkpointing and is_last,
                 )
             if not is_last:
-                recycled = tuple(t.detach() for t in recycled)  # type: ignore[assignment]
+                # m0_prev is a view of the pass's whole final MSA: copy the row out, so that the next pass
+                # does not hold N_seq rows for one (the values are the same)
+                m0_prev, z_prev, x_prev = recycled
+                recycled = (m0_prev.detach().clone(), z_prev.detach(), x_prev.detach())
         outputs.update(self.auxiliary_heads(outputs))
         return outputs
 

@@ -33,6 +33,9 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                    help="also check the prediction against a device of this size (names a DAP size that fits)")  # fmt: skip
     p.add_argument("--table", action="store_true",
                    help="the README table instead: crop 256 and 384 x DAP 1/2/4/8 x bf16/fp32 (slow)")  # fmt: skip
+    p.add_argument("--origins", action="store_true",
+                   help="also list what is live at the peak by category, module and the operator that created it "
+                   "(debugging)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=_run)
 
@@ -59,7 +62,8 @@ def _run(args: argparse.Namespace) -> int:
         return _table(args)
     try:
         cfg = _config(args)
-        est = memory.estimate_memory(cfg, target=args.target, kernels=args.kernels, recycling=args.recycling)
+        est = memory.estimate_memory(cfg, target=args.target, kernels=args.kernels, recycling=args.recycling,
+                                     origins=args.origins)  # fmt: skip
     except ValueError as exc:  # a layout DAP cannot take (crop not divisible, ...), a bad option value
         return _bad(str(exc))
     out = est.to_json()

@@ -94,6 +94,7 @@ class MemoryEstimate:
     phase_peaks: dict[str, int]  # peak live bytes in each phase of the step
     settings: dict[str, Any] = field(default_factory=dict)  # what was estimated (preset, crop, dap, ...)
     seconds: float = 0.0  # how long the estimate took
+    origins: dict[str, int] = field(default_factory=dict)  # origins=True: live at the peak by kind/module/op
 
     @property
     def peak_gib(self) -> float:
@@ -117,31 +118,41 @@ class StorageTracker(TorchDispatchMode):
     peak of their sum, and what was live at the peak by ``category`` and top-level module.
 
     Categories of new storages follow the step's phase (:meth:`phase`): ``activations`` (grad pass),
-    ``recycling`` (no-grad passes), ``loss``, ``backward``, ``optimizer_temp``. ``block`` rounds every
-    storage up (512 on CUDA). ``cuda_autocast``: the operators CUDA autocasts to fp32 get fp32 inputs
+    ``recycling`` (no-grad passes), ``loss``, ``backward``, ``optimizer_temp``. A forward pass is a
+    recycling pass by the grad mode it *starts* in (:meth:`passes`: each call of the model's one-pass
+    method), not by the grad mode of each operator: inside a custom ``autograd.Function``'s forward
+    grad mode is off, and the grad pass's DAP collectives (scatter, gather, all_to_all) and Triton
+    kernels allocate there -- counted by the operator's grad mode they looked like recycling storages
+    live at the grad pass's peak (1 GiB at MLPerf crop 256 DAP 2) and raised the recycling phase's
+    peak, hence the CUDA-graph pool, to the grad pass's. Without :meth:`passes` the operator's grad
+    mode decides. ``origins``: also keep the live bytes by creating operator (debugging). ``block``
+    rounds every storage up (512 on CUDA). ``cuda_autocast``: the operators CUDA autocasts to fp32 get fp32 inputs
     where CUDA bf16 autocast would be on (the casts counted), at the dispatch level, so that activation
     checkpointing's recomputation in backward sees the same rule as the forward. Works on real and on
     fake tensors alike.
     """
 
-    def __init__(self, block: int = 1, cuda_autocast: bool = False) -> None:
+    def __init__(self, block: int = 1, cuda_autocast: bool = False, origins: bool = False) -> None:
         super().__init__()
         self.block = block
         self.cuda_autocast = cuda_autocast
+        self.origins = origins
+        self.grad_pass: bool | None = None  # the grad mode the current forward pass started in (passes())
         self.current = 0
         self.peak = 0
-        self.live: dict[tuple[str, str], int] = defaultdict(int)
-        self.peak_live: dict[tuple[str, str], int] = {}
+        self.live: dict[tuple[str, ...], int] = defaultdict(int)  # (category, module[, op]) -> bytes
+        self.peak_live: dict[tuple[str, ...], int] = {}
         self.phase_name = "setup"
         self.phase_peaks: dict[str, int] = defaultdict(int)
         self.phase_start: dict[str, int] = {}  # live bytes when each phase was first entered
-        self._refs: dict[int, tuple[weakref.ref, int, tuple[str, str]]] = {}
+        self._refs: dict[int, tuple[weakref.ref, int, tuple[str, ...]]] = {}
         self._stack: list[str] = []  # the attributed modules whose forward is running
         self._hooks: list[Any] = []
+        self._undo: list[Any] = []
 
     # -- bookkeeping --------------------------------------------------------------------------------
 
-    def _add(self, storage: torch.UntypedStorage, tag: tuple[str, str]) -> None:
+    def _add(self, storage: torch.UntypedStorage, tag: tuple[str, ...]) -> None:
         key = id(storage)
         if key in self._refs:
             return
@@ -155,7 +166,7 @@ class StorageTracker(TorchDispatchMode):
         if self.current > self.peak:
             self.peak = self.current
             self.peak_live = dict(self.live)
-        phase = "recycling" if self.phase_name == "forward" and not torch.is_grad_enabled() else self.phase_name
+        phase = "recycling" if self._recycling() else self.phase_name
         if self.current > self.phase_peaks[phase]:
             self.phase_peaks[phase] = self.current
 
@@ -176,6 +187,26 @@ class StorageTracker(TorchDispatchMode):
         self.phase_name = name
         self.phase_start.setdefault(name, self.current)
         self.phase_peaks[name] = max(self.phase_peaks[name], self.current)
+
+    def passes(self, model: torch.nn.Module, method: str = "iteration") -> None:
+        """Tell the forward passes apart by the grad mode each call of ``model.<method>`` (AlphaFold's
+        one recycling iteration) starts in: no grad, a recycling pass; else the grad pass. Holds
+        until the next call (the auxiliary heads after the last iteration belong to the grad pass).
+        Undone at exit."""
+        inner = getattr(model, method)
+
+        def one_pass(*args: Any, **kwargs: Any) -> Any:
+            self.grad_pass = torch.is_grad_enabled()
+            return inner(*args, **kwargs)
+
+        setattr(model, method, one_pass)
+        self._undo.append(lambda: delattr(model, method) if method in vars(model) else None)
+
+    def _recycling(self) -> bool:
+        if self.phase_name != "forward":
+            return False
+        grad = torch.is_grad_enabled() if self.grad_pass is None else self.grad_pass
+        return not grad
 
     def attribute(self, modules: dict[str, torch.nn.Module]) -> None:
         """Attribute new storages to these (top-level) modules while their forward runs -- in the grad
@@ -209,7 +240,7 @@ class StorageTracker(TorchDispatchMode):
 
     def _category(self) -> str:
         if self.phase_name == "forward":
-            return "activations" if torch.is_grad_enabled() else "recycling"
+            return "recycling" if self._recycling() else "activations"
         return {"optimizer": "optimizer_temp"}.get(self.phase_name, self.phase_name)
 
     # -- modes -------------------------------------------------------------------------------------
@@ -219,6 +250,9 @@ class StorageTracker(TorchDispatchMode):
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        for undo in self._undo:
+            undo()
+        self._undo.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default and _is_fake(args[0]):
@@ -232,7 +266,7 @@ class StorageTracker(TorchDispatchMode):
         out = func(*args, **kwargs)
         tensors = casts + [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if tensors:
-            tag = (self._category(), self._module())
+            tag = (self._category(), self._module()) + ((func.overloadpacket.__name__,) if self.origins else ())
             for t in tensors:
                 self._add(t.untyped_storage(), tag)
         return out
@@ -243,11 +277,19 @@ class StorageTracker(TorchDispatchMode):
         """(bytes live at the peak by category, activation/backward bytes by top-level module)."""
         by_cat: dict[str, int] = defaultdict(int)
         by_mod: dict[str, int] = defaultdict(int)
-        for (cat, mod), n in self.peak_live.items():
+        for (cat, mod, *_), n in self.peak_live.items():
             by_cat[cat] += n
             if mod and n:
                 by_mod[mod] += n
         return _nonzero(by_cat), _nonzero(by_mod)
+
+    def origins_at_peak(self, top: int = 40) -> dict[str, int]:
+        """``origins=True``: the ``top`` largest live groups at the peak, ``"category/module/op"`` ->
+        bytes (op: the operator that created the storage; module empty outside the attributed ones)."""
+        by_origin: dict[str, int] = defaultdict(int)
+        for tag, n in self.peak_live.items():
+            by_origin["/".join(tag)] += n
+        return dict(list(_nonzero(by_origin).items())[:top])
 
 
 _FAKE_SCALARS = {torch.bool: True, torch.float32: 1.0, torch.float64: 1.0, torch.bfloat16: 1.0, torch.float16: 1.0}
@@ -321,6 +363,7 @@ def estimate_memory(
     kernels: str | None = None,
     recycling: int | None = None,
     cuda_graphs: bool | None = None,
+    origins: bool = False,
 ) -> MemoryEstimate:
     """Predicted peak memory per rank of one training step of ``cfg`` (DAP size ``cfg.dap``).
 
@@ -330,6 +373,8 @@ def estimate_memory(
     recycled outputs, so one stands for all; ``tests/perf/test_memory.py`` checks that two give the same
     peak within 1 %: 0.14 % on ``tiny``, the batch slices copied differ by one recycling slice). ``cuda_graphs``: add the graph pool (default: as
     ``--cuda-graphs`` resolves on the target: CUDA without DAP/BP, unless ``cfg.cuda_graphs`` is off).
+    ``origins``: also report what was live at the peak by category, module and creating operator
+    (``MemoryEstimate.origins``; debugging).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -353,7 +398,7 @@ def estimate_memory(
     _fake_module_(model, mode)
     batch = {k: mode.from_tensor(v) for k, v in real_batch.items()}
     tracker = StorageTracker(block=CUDA_BLOCK_BYTES if target == "cuda" else 1,
-                             cuda_autocast=target == "cuda" and cfg.precision == "bf16")  # fmt: skip
+                             cuda_autocast=target == "cuda" and cfg.precision == "bf16", origins=origins)  # fmt: skip
     with fake_process_group(cfg.dap), _env("SCALEFOLD_KERNELS", kernels), warnings.catch_warnings(), mode:
         warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")  # the optimizer's view check
         _wrap_parallel(cfg, model, model_cfg)
@@ -366,6 +411,7 @@ def estimate_memory(
             tracker.register([t for t in (g.exp_avg, g.exp_avg_sq, g.swa, g.compute) if t is not None], "optimizer_state")
         tracker.register(batch.values(), "batch")
         tracker.attribute({**dict(model.named_children()), "loss": step.loss_fn})
+        tracker.passes(model)  # recycling vs grad pass by the pass's grad mode, not the operator's
         with tracker:
             step.run(n, phase=tracker.phase)
     by_cat, by_mod = tracker.breakdown()
@@ -384,7 +430,8 @@ def estimate_memory(
     }  # fmt: skip
     return MemoryEstimate(
         peak_bytes=int(peak), step_peak_bytes=int(step_peak), cuda_graph_pool_bytes=int(pool), breakdown=by_cat,
-        modules=by_mod, phase_peaks=dict(tracker.phase_peaks), settings=settings, seconds=time.perf_counter() - t0,
+        modules=by_mod, phase_peaks=dict(tracker.phase_peaks), origins=tracker.origins_at_peak() if origins else {},
+        settings=settings, seconds=time.perf_counter() - t0,
     )  # fmt: skip
 
 
@@ -418,6 +465,9 @@ def format_estimate(est: MemoryEstimate) -> str:
     lines.append("  live at the peak: " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in est.breakdown.items()) + " GiB")
     top = list(est.modules.items())[:6]
     lines.append("  by module (activations/backward): " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in top) + " GiB")
+    if est.origins:
+        lines.append("  by origin (category/module/op), largest first:")
+        lines += [f"    {v / 2**20:10.2f} MiB  {k}" for k, v in list(est.origins.items())[:20]]
     return "\n".join(lines)
 
 
