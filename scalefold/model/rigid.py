@@ -345,10 +345,15 @@ class Rigid:
             batch_dims, dtype, device, requires_grad = rots.shape, rots.dtype, rots.device, rots.requires_grad
         else:
             raise ValueError("At least one of rots and trans must be specified")
+        # The missing half is a constant identity. The reference makes it a leaf that requires grad when
+        # the other half does; nothing reads that leaf's gradient, and torch.compile cannot trace a
+        # factory call with requires_grad=True (a graph break): created without it, values and the
+        # gradients of everything upstream are the same.
+        del requires_grad
         if rots is None:
-            rots = Rotation.identity(batch_dims, dtype, device, requires_grad)
+            rots = Rotation.identity(batch_dims, dtype, device, requires_grad=False)
         elif trans is None:
-            trans = identity_trans(batch_dims, dtype, device, requires_grad)
+            trans = identity_trans(batch_dims, dtype, device, requires_grad=False)
         if rots.shape != trans.shape[:-1] or rots.device != trans.device:
             raise ValueError("Rots and trans incompatible")
         self._rots = rots

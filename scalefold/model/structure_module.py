@@ -307,7 +307,10 @@ class StructureModule(nn.Module):
         s = self.linear_in(s)
 
         # Black-hole initialisation: identity frames (quaternion format), translations in nm.
-        rigids = Rigid.identity(s.shape[:-1], dtype=s.dtype, device=s.device, requires_grad=self.training, fmt="quat")
+        # A constant: the reference makes it a leaf that requires grad in training, but nothing reads that
+        # gradient (it is not a parameter), and torch.compile cannot trace a factory call with
+        # requires_grad=True (a graph break); without it outputs and parameter gradients are the same.
+        rigids = Rigid.identity(s.shape[:-1], dtype=s.dtype, device=s.device, requires_grad=False, fmt="quat")
 
         outputs: list[dict[str, torch.Tensor]] = []
         for _ in range(self.num_blocks):

@@ -2,11 +2,11 @@
 
 The same :class:`~scalefold.perf.step.TrainingStep` (model seeded as the run seeds it, synthetic batch
 of the preset's training shapes, loss, backward, clipping, Adam + SWA) is timed eager, then with
-:func:`~scalefold.train.steps.compile_blocks` applied (strict: a graph break or recompilation makes the
-compiled figure invalid, so it is reported and, with ``--strict``, fatal). The recycling count cycles
-through ``0 .. R-1`` so every configuration sees the step mix training draws (uniform); warm-up steps
-(one per recycling count at least: compilation for both grad modes happens there) are not timed; the
-figures are medians over ``repeats`` cycles. ``--per-region`` adds one compiled configuration per
+:func:`~scalefold.train.steps.compile_blocks` applied to the model and the loss (strict: a graph break or
+recompilation makes the compiled figure invalid, so it is reported and, with ``--strict``, fatal). The
+recycling count cycles through ``0 .. R-1`` so every configuration sees the step mix training draws
+(uniform); warm-up steps (one per recycling count at least: compilation for both grad modes happens
+there) are not timed; the figures are medians over ``repeats`` cycles. ``--per-region`` adds one compiled configuration per
 region alone, each on a freshly built model, to show which regions gain.
 
 Timings of a shared machine vary: the JSON carries the load average before and after, the core count,
@@ -63,7 +63,7 @@ def _compiled_times(cfg: TrainConfig, regions: Sequence[str], backend: str, stri
 
     torch._dynamo.reset()
     step = TrainingStep.build(cfg)
-    report = compile_blocks(step.model, regions=regions, backend=backend, strict=strict)
+    report = compile_blocks(step.model, regions=regions, backend=backend, strict=strict, loss_fn=step.loss_fn)
     t0 = time.perf_counter()
     for n in range(step.num_ensembles):  # compilation happens here (both grad modes)
         step.run(n)
@@ -176,8 +176,8 @@ def add_bench_step_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--preset", default="demo", help="training preset (demo, tiny, mlperf; default demo)")
     p.add_argument("--compile", action="store_true", help="also time the step with compile_blocks applied")
-    p.add_argument("--regions", help="comma-separated regions to compile (default: the stacks --compile compiles; "
-                   "also structure_module, auxiliary_heads)")  # fmt: skip
+    p.add_argument("--regions", help="comma-separated regions to compile (default: those --compile compiles, "
+                   "COMPILE_REGIONS: the three stacks, structure_module, loss; also e.g. auxiliary_heads)")  # fmt: skip
     p.add_argument("--per-region", action="store_true", help="also time each region compiled alone")
     p.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
     p.add_argument("--strict", action="store_true", help="fail on any graph break or recompilation")

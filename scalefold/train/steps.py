@@ -164,10 +164,13 @@ def keep_fp32_regions(model: torch.nn.Module, regions: Sequence[str] = FP32_REGI
     return done
 
 
-#: Regions ``--compile`` compiles: the blocks of these stacks (each block's ``forward`` separately,
-#: so one compiled graph serves all blocks of a stack with equal shapes). :func:`compile_blocks` also
-#: takes module regions without blocks (``structure_module``, ``auxiliary_heads``): their whole forward.
-COMPILE_REGIONS = ("evoformer_stack", "extra_msa_stack", "template_pair_stack")
+#: Regions ``--compile`` compiles: the blocks of the three stacks (each block's ``forward`` separately,
+#: so one compiled graph serves all blocks of a stack with equal shapes), the structure module (its whole
+#: forward, fp32 under bf16) and the loss (:data:`LOSS_REGION`, when :func:`compile_blocks` is given the
+#: loss module). :func:`compile_blocks` also takes other module regions without blocks
+#: (``auxiliary_heads``, the embedders): their whole forward.
+LOSS_REGION = "loss"
+COMPILE_REGIONS = ("evoformer_stack", "extra_msa_stack", "template_pair_stack", "structure_module", LOSS_REGION)
 #: A guard failure that only says the grad mode changed: the second, expected compilation of a region
 #: (no-grad recycling passes, then the grad pass). Any other guard failure is a recompilation.
 _GRAD_MODE_ONLY = "GLOBAL_STATE changed: grad_mode"
@@ -247,14 +250,19 @@ class CompileReport(int):
 
 
 def _contiguous(x: object) -> object:
-    return x.contiguous() if isinstance(x, torch.Tensor) else x
+    if isinstance(x, torch.Tensor):
+        return x.contiguous()
+    if isinstance(x, Mapping):  # the loss region's (outputs, batch) dicts
+        return {k: _contiguous(v) for k, v in x.items()}
+    return x
 
 
 def _with_contiguous_inputs(fn):
     """``fn`` called with contiguous tensor arguments. Dynamo guards on strides (``dynamic=False``), and
     a region's inputs change strides with the step's recycling count (slices ``[..., it]`` of a batch
-    ``[..., n + 1]``: the masks, the template features) -- one recompilation per recycling count
-    without this (found by the strict test on the bf16 step). A contiguous input passes as it is."""
+    ``[..., n + 1]``: the masks, the template features; the loss's batch ``[..., -1]``) -- one
+    recompilation per recycling count without this (found by the strict test on the bf16 step). A
+    contiguous input passes as it is."""
 
     def forward(*args: object, **kwargs: object) -> object:
         return fn(*(_contiguous(a) for a in args), **{k: _contiguous(v) for k, v in kwargs.items()})
@@ -262,10 +270,13 @@ def _with_contiguous_inputs(fn):
     return forward
 
 
-def _compile_target(module: torch.nn.Module) -> tuple[object, object]:
-    """(the function to compile in place of ``module.forward``, the code object dynamo caches it
+def _compile_target(module: torch.nn.Module, method: str = "forward") -> tuple[object, object]:
+    """(the function to compile in place of ``module.<method>``, the code object dynamo caches it
     under). A :func:`run_in_fp32` region compiles its inner forward (autocast is switched off outside
     the graph), so two fp32 regions do not share the wrapper's code (and its compile cache)."""
+    if method != "forward":
+        target = getattr(module, method)
+        return target, getattr(target, "__func__", target).__code__
     forward = module.forward
     inner = getattr(forward, "__wrapped__", None) if getattr(module, "_scalefold_fp32", False) else None
     target = inner if inner is not None else forward
@@ -273,10 +284,16 @@ def _compile_target(module: torch.nn.Module) -> tuple[object, object]:
 
 
 def compile_blocks(
-    model: torch.nn.Module, regions: Sequence[str] = COMPILE_REGIONS, backend: str = "inductor", strict: bool = False
+    model: torch.nn.Module, regions: Sequence[str] = COMPILE_REGIONS, backend: str = "inductor", strict: bool = False,
+    loss_fn: torch.nn.Module | None = None,
 ) -> CompileReport:
     """``torch.compile`` the forward of every block of the ``regions`` stacks (a region without
     ``blocks``: its whole forward); returns a :class:`CompileReport` (an ``int``: how many forwards).
+
+    Region :data:`LOSS_REGION` is ``loss_fn`` (an :class:`~scalefold.losses.AlphaFoldLoss`), when given:
+    its ``compute_terms`` (every loss term, the violations and the renamed ground truth) is compiled;
+    its ``forward`` (weights, the non-finite-term check with its warning, the length scale) stays eager.
+    Without ``loss_fn`` the region is skipped, as is any region ``model`` lacks.
 
     The eager module stays the reference (the compiled forward computes the same function, equal up to
     rounding; ``tests/train/test_precision_compile.py`` compares them). Default: a block whose
@@ -296,16 +313,19 @@ def compile_blocks(
     counts: dict[str, int] = {}
     codes: dict[str, object] = {}
     for name in regions:
-        region = getattr(model, name, None)
+        region = loss_fn if name == LOSS_REGION else getattr(model, name, None)
         if region is None:
             continue
         modules = list(getattr(region, "blocks", None) or []) if hasattr(region, "blocks") else [region]
         for module in modules:
             if getattr(module, "_scalefold_compiled", False):
                 continue
-            target, code = _compile_target(module)
+            method = "compute_terms" if name == LOSS_REGION else "forward"
+            target, code = _compile_target(module, method)
             compiled = _with_contiguous_inputs(torch.compile(target, dynamic=False, backend=backend, fullgraph=strict))
-            if target is module.forward:
+            if method != "forward":
+                setattr(module, method, compiled)
+            elif target is module.forward:
                 module.forward = compiled
             else:  # an fp32 region: the compiled inner forward, wrapped in fp32 again
                 module.forward = compiled
@@ -379,7 +399,7 @@ def broadcast_float(value: float, src: int, group: dist.ProcessGroup | None, dev
 
 __all__ = [
     "sample_pairs", "recycling_count", "forward_seed", "to_device", "step_batch", "setup_precision",
-    "float_outputs", "run_in_fp32", "keep_fp32_regions", "FP32_REGIONS", "COMPILE_REGIONS", "compile_blocks",
+    "float_outputs", "run_in_fp32", "keep_fp32_regions", "FP32_REGIONS", "COMPILE_REGIONS", "LOSS_REGION", "compile_blocks",
     "CompileReport", "CompileCheckError", "warm_up", "nonfinite_terms_to_nan", "allreduce_step_stats",
     "broadcast_float", "deterministic_environment", "CUBLAS_WORKSPACE_CONFIG",
 ]  # fmt: skip

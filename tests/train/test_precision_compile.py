@@ -64,15 +64,16 @@ def test_nonfinite_terms_make_the_step_loss_nan():
 
 
 def test_compiled_blocks_equal_eager():
-    """torch.compile of the Evoformer / extra-MSA / template-pair blocks (dynamo + AOTAutograd, the
-    ``aot_eager`` backend: fast on CPU) traces every block without falling back, and forward outputs
-    and parameter gradients equal the eager model's."""
+    """torch.compile of the Evoformer / extra-MSA / template-pair blocks and the structure module (dynamo +
+    AOTAutograd, the ``aot_eager`` backend: fast on CPU) traces every block without falling back, and
+    forward outputs and parameter gradients equal the eager model's."""
     from torch import _dynamo
 
     eager, compiled = _tiny(), _tiny()
     eager.eval(), compiled.eval()  # no dropout: same function
     n_blocks = sum(len(getattr(compiled, s).blocks) for s in ("evoformer_stack", "extra_msa_stack",
                                                               "template_pair_stack"))  # fmt: skip
+    n_blocks += 1  # the structure module, compiled whole (the loss region needs loss_fn: not given here)
     _dynamo.reset()
     _dynamo.utils.counters.clear()
     assert compile_blocks(compiled, backend="aot_eager") == n_blocks
@@ -101,6 +102,45 @@ def test_compiled_blocks_equal_eager():
     out = compiled(batch)
     out["final_atom_positions"].sum().backward()
     assert frames["ok"] == compiled_frames == frames["total"]
+    _dynamo.reset()
+
+
+def test_compiled_training_step_with_loss_equals_eager():
+    """Every region ``--compile`` compiles, the loss included (``compile_blocks(..., loss_fn=...)``: the
+    loss's ``compute_terms``), on the tiny training step's batch (``aot_eager``: dynamo + AOTAutograd,
+    strict): the loss, every reported term and every parameter gradient equal the eager step's."""
+    from torch import _dynamo
+
+    from scalefold.perf.step import TrainingStep
+    from scalefold.train.config import TrainConfig
+    from scalefold.train.steps import COMPILE_REGIONS, LOSS_REGION
+
+    cfg = TrainConfig.from_preset("tiny", overrides={"precision": "fp32"}, env={})
+    eager, compiled = TrainingStep.build(cfg), TrainingStep.build(cfg)  # same seed: same weights and batch
+    _dynamo.reset()
+    report = compile_blocks(compiled.model, backend="aot_eager", strict=True, loss_fn=compiled.loss_fn)
+    assert set(report.regions) == set(COMPILE_REGIONS) and report.regions[LOSS_REGION] == 1
+    assert compile_blocks(compiled.model, backend="aot_eager", loss_fn=compiled.loss_fn) == 0  # idempotent
+    batch = eager.sliced(1)  # one no-grad recycling pass, then the grad pass
+    results = []
+    for step in (eager, compiled):
+        step.model.eval()  # no dropout: the same function
+        loss, terms = step.loss_fn(step.model(batch), batch)
+        loss.backward()
+        results.append((loss, terms, {n: p.grad for n, p in step.model.named_parameters()}))
+    (loss_e, terms_e, grads_e), (loss_c, terms_c, grads_c) = results
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
+    assert terms_c.keys() == terms_e.keys()
+    for key, value in terms_e.items():
+        torch.testing.assert_close(terms_c[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    assert sum(g is not None for g in grads_e.values()) > 0
+    for name, grad in grads_e.items():
+        if grad is None:
+            assert grads_c[name] is None, name
+        else:
+            torch.testing.assert_close(grads_c[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    stats = report.stats()
+    assert stats["graph_breaks"] == 0 and stats["recompiles"] == 0, report.summary()
     _dynamo.reset()
 
 
