@@ -67,7 +67,7 @@ def run_config(name: str, args: argparse.Namespace) -> dict:
     cfg = TrainConfig.from_preset(args.preset, overrides={"precision": args.precision, "cuda_graphs": "on" if graphs else "off"},
                                   env={})  # fmt: skip
     step = TrainingStep.build(cfg, "cuda")
-    report = compile_blocks(step.model, backend="inductor") if compiled else None
+    report = compile_blocks(step.model, backend="inductor", loss_fn=step.loss_fn) if compiled else None
     forward = None
     if graphs:
         graphed = GraphedStep(step.model, enabled=True, log=None)

@@ -293,10 +293,11 @@ class Trainer:
         cfg, model = self.cfg, self.model
         if cfg.compile:  # one warm-up step on a synthetic batch of the training shapes
             t_compile = time.perf_counter()
-            self.compiled = compile_blocks(model, backend=cfg.compile_backend, strict=cfg.compile_strict)
+            self.compiled = compile_blocks(model, backend=cfg.compile_backend, strict=cfg.compile_strict,
+                                           loss_fn=self.loss_fn)  # fmt: skip
             n_warm = min(1, self.features.num_ensembles - 1)  # a no-grad recycling pass and the grad pass
             synthetic = synthetic_step_batch(self.features, model, self.device, self.dtype)
-            warm_up(model, {k: v[..., : n_warm + 1] for k, v in synthetic.items()}, self.autocast)
+            warm_up(model, {k: v[..., : n_warm + 1] for k, v in synthetic.items()}, self.autocast, self.loss_fn)
             if cfg.compile_strict:
                 self.compiled.check()  # graph breaks raised already; recompilations raise here
             if self.main:

@@ -15,6 +15,7 @@ import os
 import random
 import warnings
 from collections.abc import Mapping, MutableMapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -337,17 +338,23 @@ def compile_blocks(
     return CompileReport(counts, codes, strict, backend)
 
 
-def warm_up(model: torch.nn.Module, batch: dict[str, torch.Tensor], autocast: bool = False) -> None:
+def warm_up(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], autocast: bool = False, loss_fn: Any = None
+) -> None:
     """One training forward (a no-grad recycling pass, then the grad pass) and backward on ``batch``,
     gradients discarded: ``torch.compile`` traces and compiles its regions for both grad modes here,
-    before ``run_start``, not in the timed run. ``batch`` needs >= 2 recycling slices for the no-grad
-    pass. The model's weights and the optimizer state are not touched (no step)."""
+    before ``run_start``, not in the timed run (with ``loss_fn``, the training loss too, as the loop calls
+    it). ``batch`` needs >= 2 recycling slices for the no-grad pass. The model's weights and the optimizer
+    state are not touched (no step)."""
     was_training = model.training
     model.train()
     device_type = batch["aatype"].device.type
     with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
         outputs = model(batch)
-    loss = sum(v.float().mean() for v in outputs.values() if v.is_floating_point() and v.requires_grad)
+    if loss_fn is not None:
+        loss, _ = loss_fn(float_outputs(outputs) if autocast else outputs, batch)
+    else:
+        loss = sum(v.float().mean() for v in outputs.values() if v.is_floating_point() and v.requires_grad)
     if isinstance(loss, torch.Tensor):
         loss.backward()
     for p in model.parameters():
