@@ -10,6 +10,7 @@ manifest states what the shipped weights score, not what somebody typed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 
 
@@ -33,7 +34,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
 
 def _run_export(args: argparse.Namespace) -> int:
     from scalefold.checkpoint.adapters import check_checkpoint_file
-    from scalefold.checkpoint.shipped import Manifest, export_init_checkpoint, manifest_path, shipped_demo_checkpoint
+    from scalefold.checkpoint.shipped import export_init_checkpoint, manifest_path, shipped_demo_checkpoint
     from scalefold.data.store import check_store_file
     from scalefold.inference.evaluate import evaluate
 
@@ -48,8 +49,8 @@ def _run_export(args: argparse.Namespace) -> int:
                                       weights=args.weights, source_command=args.source_command,
                                       export_command=command)  # fmt: skip
     report = evaluate(args.store, out, weights="model", max_chains=args.max_chains, progress=False)
-    manifest = Manifest(**{**manifest.__dict__, "eval_lddt_ca": report.mean_lddt_ca,
-                           "eval_chains": [t.chain_id for t in report.targets]})  # fmt: skip
+    manifest = dataclasses.replace(manifest, eval_lddt_ca=report.mean_lddt_ca,
+                                   eval_chains=[t.chain_id for t in report.targets])  # fmt: skip
     manifest.write(manifest_path(out))
     print(f"wrote {out} (sha256 {manifest.sha256}, step {manifest.step}, {args.weights} weights)")
     print(f"lDDT-Cα {manifest.eval_lddt_ca:.4f} on {len(manifest.eval_chains)} validation chains of {args.store}")

@@ -102,3 +102,22 @@ def test_training_from_a_shipped_checkpoint_checks_it_and_refuses_a_met_target(t
     assert main([*base, "--out", str(tmp_path / "bad"), "--target-lddt", "0.9"]) == 3
     err = capsys.readouterr().err
     assert "does not match the manifest's" in err and "scalefold train X" in err
+
+
+def test_export_init_checkpoint_command_measures_the_written_file(tiny_run, tmp_path, capsys):
+    """`scalefold export-init-checkpoint` (the command that regenerates the shipped checkpoint, at small
+    scale): the manifest's lDDT-Cα and chains are an evaluation of the exported file itself."""
+    from scalefold.cli import main
+    from scalefold.inference.evaluate import evaluate
+
+    cfg, source = tiny_run
+    out = tmp_path / "init.pt"
+    assert main(["export-init-checkpoint", "--from", str(source), "--store", cfg.store, "--out", str(out),
+                 "--source-command", "scalefold train --preset tiny"]) == 0  # fmt: skip
+    manifest = verify_shipped(out)
+    report = evaluate(cfg.store, out, weights="model", progress=False)
+    assert manifest.eval_lddt_ca == pytest.approx(report.mean_lddt_ca, abs=1e-12)
+    assert manifest.eval_chains == [t.chain_id for t in report.targets] and manifest.eval_chains
+    assert manifest.source_command == "scalefold train --preset tiny"
+    assert manifest.export_command.startswith(f"scalefold export-init-checkpoint --from {source} --store ")
+    assert f"lDDT-Cα {manifest.eval_lddt_ca:.4f}" in capsys.readouterr().out
