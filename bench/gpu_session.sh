@@ -5,7 +5,7 @@
 #   bash bench/gpu_session.sh                       # everything (OUT defaults to runs/gpu_session)
 #   PARTS="tests train" bash bench/gpu_session.sh   # a subset (or: bash bench/gpu_session.sh tests train)
 #   DRY_RUN=1 bash bench/gpu_session.sh             # print what would run (no CUDA needed)
-#   PARTS="tests headline" bash bench/gpu_session.sh, then PARTS="train bench" ...   # all of it, in two calls
+#   PARTS="tests train" bash bench/gpu_session.sh, then DEADLINE_S=330 PARTS="headline bench" ...   # two calls
 #
 # What runs, in this order (each part under `timeout`; per-part limits in seconds; the order puts
 # correctness first, so the global deadline, if ever reached, cuts benchmarks rather than tests):
@@ -16,29 +16,39 @@
 #   install               30  gemmi/mlperf-logging from carried wheels ($WHEELS, default .whl/) if
 #                             missing; `pip install -e '.[test]'` if scalefold is not importable
 #                             (offline: falls back to --no-deps, then to PYTHONPATH=<repo>)
-#   tests_kernels         70  pytest tests/kernels (Triton kernels compiled for the GPU, bf16 tests)
+#   tests_kernels         90  pytest tests/kernels (Triton kernels compiled for the GPU, bf16 tests)
 #   probe_attention_grid  40  Triton attention at the template-pointwise shape of crops 64/128/256
 #                             ([1, N, N] x 4 heads, 1 query, 4 templates): Z*H = N*N*4 blocks, past
 #                             CUDA's 65535 of grid axes 1/2 from crop 128 on (the launchers put Z*H on
 #                             axis 0 since d3f1b36; this checks it on a GPU); exits 1 if any size fails
-#   tests_graphs          70  pytest tests/train/test_cuda_graphs.py tests/train/test_graphed_step.py
-#                             tests/train/test_precision_compile.py (real CUDA-graph capture, bf16)
+#   tests_graphs         150  pytest tests/train/test_cuda_graphs.py tests/train/test_graphed_step.py
+#                             tests/train/test_precision_compile.py (real CUDA-graph capture, bf16;
+#                             the compile tests run inductor)
+#                             (pytest: with pytest-xdist, as the device image has, PYTEST_WORKERS
+#                             processes, default 8: Triton/inductor compiles are CPU-bound; a failing
+#                             test's traceback is printed when it fails, SCALEFOLD_EARLY_TRACEBACKS=1,
+#                             so a run cut short by its limit still says why)
 #   headline             240  bench/step_headline.py: THE figure -- the full training step at MLPerf shapes
 #                             (crop 256, 124/1024 MSA, 4 templates, recycling 0..3 in turn), bf16, five ways:
-#                             eager / --compile / Triton kernels / CUDA graphs / all together, each with
+#                             eager / Triton kernels / CUDA graphs / --compile / all together (the compiled
+#                             ones last: inductor there took > 200 s on an H200 host), each with
 #                             torch.cuda.max_memory_allocated against `scalefold estimate-memory` (computed
 #                             meanwhile on the CPUs); one JSON line per configuration as it finishes
-#   train_bf16            70  scalefold train --preset demo --precision bf16 --max-steps 20
+#   train_bf16            90  scalefold train --preset demo --precision bf16 --max-steps 20
 #                             --eval-every 10 --cuda-graphs off   (eager bf16 baseline)
 #   train_graphs          60  the same with --cuda-graphs on      (captured recycling passes)
+#                             (both with SCALEFOLD_AUTOTUNE=0: each kernel's default launch config; with
+#                             autotuning on, timing every candidate at each new shape class took the
+#                             whole 70 s before the first step on an H200 -- bench_* parts autotune)
 #   bench_attention       55  bench/kernels.py --kernel attention --shape mlperf --dtype bf16
 #   bench_layernorm       30  bench/kernels.py --kernel layernorm --shape mlperf --dtype bf16
 #   bench_adam            30  bench/kernels.py --kernel adam --shape mlperf --dtype bf16
 #   bench_cuda_graphs     35  bench/cuda_graphs.py --preset demo --precision bf16 --steps 3
 #   bench_dap             30  bench/dap.py --cuda --dap 1 [2 4 8: as many GPUs as there are]
-#                   total 780 s: more than one call's 9 minutes. The global deadline cuts the tail
-#                   (SKIPPED lines in SUMMARY.txt), so run it as two calls: PARTS="tests headline"
-#                   (~470 s) and PARTS="train bench" (~360 s).
+#                   total 880 s: more than one call's 9 minutes, and a session's device time is 15
+#                   minutes, machine start (~30 s) included. So run two calls: PARTS="tests train"
+#                   (<= 470 s) and DEADLINE_S=330 PARTS="headline bench" (the headline, then the benchmarks
+#                   that fit); the global deadline cuts the tail (SKIPPED lines in SUMMARY.txt).
 #
 # Groups for PARTS: env and install (always run), tests (tests_* and the probe), headline, train, bench;
 # single part names work too. A global deadline (DEADLINE_S, default 540) caps every part's limit at the
@@ -99,6 +109,7 @@ TEE_PID=$!
 trap 'exec 1>&- 2>&-; wait "$TEE_PID" 2>/dev/null' EXIT  # session.log complete before we return
 
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
+export SCALEFOLD_EARLY_TRACEBACKS=1               # tests/conftest.py: a failing test's traceback at once
 export SCALEFOLD_AUTOTUNE_DIR="$WORK/autotune"   # tuned launch configs come back in the tarball
 export MPLBACKEND=Agg
 unset TRITON_INTERPRET                            # the kernels must compile for the GPU here
@@ -167,6 +178,9 @@ part() {
 
 pytest_args() {  # pytest_args NAME: junit XML + per-test and per-session timeouts when available
     PYTEST_ARGS=(-v -rfEs --junitxml="$WORK/junit_$1.xml" -o junit_family=xunit2)
+    if "$PY" -c 'import xdist' 2>/dev/null; then
+        PYTEST_ARGS+=(-n "${PYTEST_WORKERS:-8}")  # compiles are CPU-bound; the GPU has room for all
+    fi
     if "$PY" -c 'import pytest_timeout' 2>/dev/null; then
         PYTEST_ARGS+=(--timeout=60)  # one hung test fails, the others still run
         # >= 2.3: no new test starts after the session limit, so the junit XML is still written
@@ -257,7 +271,7 @@ part install always 30 bash "$WORK/install.sh"
 
 # 3. tests that exercise CUDA (all skip-on-CPU tests live in these files)
 pytest_args tests_kernels
-part tests_kernels tests 70 "$PY" -m pytest "${PYTEST_ARGS[@]}" tests/kernels
+part tests_kernels tests 90 "$PY" -m pytest "${PYTEST_ARGS[@]}" tests/kernels
 cat >"$WORK/probe_attention_grid.py" <<'EOF'
 """Triton attention at the template-pointwise shape (TemplatePointwiseAttention: batch [1, N, N],
 4 heads, 1 query, 4 templates, c_hidden 16), forward + backward vs the PyTorch reference, bf16.
@@ -302,7 +316,7 @@ sys.exit(0 if ok else 1)
 EOF
 part probe_attention_grid tests 40 "$PY" "$WORK/probe_attention_grid.py"
 pytest_args tests_graphs
-part tests_graphs tests 70 "$PY" -m pytest "${PYTEST_ARGS[@]}" \
+part tests_graphs tests 150 "$PY" -m pytest "${PYTEST_ARGS[@]}" \
     tests/train/test_cuda_graphs.py tests/train/test_graphed_step.py tests/train/test_precision_compile.py
 
 # 3b. the headline: the MLPerf-shape training step, eager / compile / triton / graphs / all, peak memory vs
@@ -313,8 +327,8 @@ part headline headline 240 "$PY" bench/step_headline.py --preset mlperf --precis
 # 4. short GPU training runs: bf16 eager, then bf16 with CUDA graphs (one synthetic store for both)
 TRAIN=(-m scalefold train --preset demo --precision bf16 --max-steps 20 --eval-every 10
        --checkpoint-every 10 --store "$WORK/demo-store.h5" --no-progress)
-part train_bf16 train 70 "$PY" "${TRAIN[@]}" --out "$WORK/train_bf16" --cuda-graphs off
-part train_graphs train 60 "$PY" "${TRAIN[@]}" --out "$WORK/train_bf16_graphs" --cuda-graphs on
+part train_bf16 train 90 env SCALEFOLD_AUTOTUNE=0 "$PY" "${TRAIN[@]}" --out "$WORK/train_bf16" --cuda-graphs off
+part train_graphs train 60 env SCALEFOLD_AUTOTUNE=0 "$PY" "${TRAIN[@]}" --out "$WORK/train_bf16_graphs" --cuda-graphs on
 
 # 5. benchmarks (stdout is the result; each is tee'd to $WORK/<part>.log)
 part bench_attention bench 55 "$PY" bench/kernels.py --kernel attention --shape mlperf --dtype bf16 --iters 50

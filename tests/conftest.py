@@ -59,3 +59,11 @@ def data_dir(shared_dir: Path) -> Path:
     if not path.is_dir():
         pytest.skip(f"shared PDB/alignment test data not found at {path}")
     return path
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """``SCALEFOLD_EARLY_TRACEBACKS=1``: print a failing test's traceback as soon as it fails, not in the
+    end-of-session summary -- a run cut short by a wall-clock limit (a lent GPU machine's command
+    limit, ``bench/gpu_session.sh``) still shows why each finished test failed."""
+    if report.failed and os.environ.get("SCALEFOLD_EARLY_TRACEBACKS", "0") not in ("", "0"):
+        print(f"\n----- {report.nodeid} ({report.when}) failed -----\n{report.longreprtext}\n-----", flush=True)

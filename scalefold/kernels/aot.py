@@ -257,7 +257,7 @@ def attention_sites() -> dict[str, Callable[[torch.dtype], None]]:
 
     def template_pointwise(dtype):
         with torch.device("meta"):
-            module = TemplatePointwiseAttention(tpa.c_t, tpa.c_z, tpa.c_hidden, tpa.num_heads, inf=tpa.inf).to(dtype)
+            module = TemplatePointwiseAttention(tpa).to(dtype)
             t = torch.empty((n_templ, n, n, tpa.c_t), dtype=dtype, requires_grad=True)
             z = torch.empty((n, n, tpa.c_z), dtype=dtype, requires_grad=True)
             mask = torch.ones(n_templ, dtype=dtype)

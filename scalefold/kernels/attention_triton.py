@@ -631,11 +631,14 @@ def _block_d(d: int) -> int:
 # autotune.Tuner's list, the first is the default (used without autotuning); a dict may map a
 # compute capability to its own list. Checked ahead of time for sm_90 and sm_80 at every MLPerf
 # call site by ``python -m scalefold.kernels.aot`` (bench/RESULTS.md): each compiles and fits
-# shared memory, the defaults do not spill registers. The dQ/dbias kernel holds the most tiles
-# (S, P, dP, dS, the dbias accumulator): BLOCK_N 64 spilled there, so its default is 64 x 32 on 8
-# warps; the forward's 64 x 64 spilled 16 B with TF32 on sm_80 (head size 8), so it is 64 x 32.
+# shared memory, the defaults do not spill registers -- with Triton 3.9 (here) and 3.6 (the lent
+# H100/H200 image), both checked. The dQ/dbias kernel holds the most tiles (S, P, dP, dS, the dbias
+# accumulator): BLOCK_N 64 spilled there, so its default is 64 x 32 on 8 warps; the forward's 64 x 64
+# spilled 16 B with TF32 on sm_80 (head size 8) and its 64 x 32 with 3 stages 4 B in bf16/fp16 on
+# sm_80 under Triton 3.6, so it is 64 x 32 with 2 stages.
 ATTENTION_CONFIGS = {
     "attention_fwd": [
+        {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
         {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3},
         {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
         {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
@@ -659,20 +662,24 @@ ATTENTION_CONFIGS = {
 }
 # Exact fp32/fp64 dots run on CUDA cores with a whole K extent of each operand tile in every
 # thread's registers: 64 x 64 tiles spilled kilobytes; 32 x 32 ones do not, except in the dQ/dbias
-# kernel at head size 8 (32-132 B), whose default is therefore 16 x 32.
+# kernel at head size 8 (32-132 B). Under Triton 3.6 (the lent H100/H200 image) 32 x 32 also spilled
+# 8 B in the forward (sm_90) and the dK/dV kernel (sm_80), and the dQ/dbias kernel's 16 x 32 8 B
+# (sm_80, head size 32); so the defaults are 16 x 32 (forward, dK/dV) and 16 x 16 (dQ/dbias), which
+# spill with neither version.
 ATTENTION_EXACT_CONFIGS = {
     "attention_fwd": [
+        {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
         {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
         {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
-        {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
         {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
     ],
     "attention_bwd_dkdv": [
+        {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
         {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
         {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
-        {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
     ],
     "attention_bwd_dq": [
+        {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
         {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
         {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
         {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
