@@ -25,7 +25,9 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -43,6 +45,7 @@ BENCH_REP_MS = 40
 _lock = threading.Lock()
 _tuners: dict[str, Tuner] = {}
 _received: dict[str, dict] = {}  # tables broadcast for kernels this rank has not used yet
+_reported_first = False  # the first tuning report names the cache and the switch
 
 
 def interpreting() -> bool:
@@ -151,10 +154,12 @@ class Tuner:
                 self.load()
             if key in self.table:
                 return self.table[key]
+        t0 = time.perf_counter()
         best = self._benchmark(launch, capability)
         with _lock:
             self.table[key] = best
             self.save()
+        _report(self.name, key, len(self.candidates(capability)), time.perf_counter() - t0, best, self.path)
         return best
 
     def _benchmark(self, launch: Callable[[dict], None], capability: int | None = None) -> dict:
@@ -172,6 +177,19 @@ class Tuner:
         if not timings:  # every candidate failed: say why (a bad launch, not only a too-small device)
             raise RuntimeError(f"no launch config of {self.name} runs on this device:\n  " + "\n  ".join(errors))
         return min(timings, key=lambda t: t[0])[1]
+
+
+def _report(name: str, key: str, candidates: int, seconds: float, best: dict, path: Path) -> None:
+    """One line on stderr per tuning (a new kernel x shape class): on a GPU the first steps of a run
+    spend their time here (each candidate compiled and timed; the first GPU session's demo run did not
+    reach step 1 in 70 s), so say so; the result is cached in ``path``."""
+    global _reported_first
+    hint = ""
+    if not _reported_first:
+        _reported_first = True
+        hint = f" [results cached in {path.parent}; {ENABLE_ENV}=0 launches each kernel's default config untimed]"
+    print(f"autotune: {name} {key}: {candidates} configs timed in {seconds:.1f} s -> {best}{hint}",
+          file=sys.stderr, flush=True)  # fmt: skip
 
 
 def _capability() -> int:

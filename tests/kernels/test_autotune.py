@@ -96,3 +96,24 @@ def test_autotune_off_launches_the_default_without_timing(monkeypatch):
         raise AssertionError("benchmarked with autotuning off")
 
     assert tuner.pick("k", never) == {"B": 3}
+
+
+def test_each_tuning_is_reported_once_with_the_cache_and_the_switch(tmp_path, monkeypatch, capsys):
+    """A tuning (new kernel x key) prints one stderr line with its time and winner; the first also names
+    the cache directory and SCALEFOLD_AUTOTUNE=0; a cached key prints nothing."""
+    import triton.testing
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(autotune, "_capability", lambda: 90)
+    monkeypatch.setattr(autotune, "_reported_first", False)
+    monkeypatch.setenv(autotune.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 1.0)[1])
+    tuner = autotune.Tuner("t", [{"B": 1}, {"B": 2}], {"B": 64})
+    assert tuner.pick("k1", lambda cfg: None) == {"B": 1}
+    tuner.pick("k2", lambda cfg: None)
+    tuner.pick("k1", lambda cfg: None)  # cached
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and all(line.startswith("autotune: t k") for line in lines)
+    assert "2 configs timed" in lines[0] and "-> {'B': 1}" in lines[0]
+    assert str(tmp_path) in lines[0] and "SCALEFOLD_AUTOTUNE=0" in lines[0] and "SCALEFOLD_AUTOTUNE" not in lines[1]
