@@ -134,6 +134,23 @@ def main(argv: list[str] | None = None) -> int:
                                  env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # fmt: skip
              for k, cmd in estimates.items()}
     rows = []
+    predicted: dict[str, dict] = {}
+
+    def collect(wait: bool) -> None:
+        """Print each memory-model prediction as soon as it is in (a time limit that cuts the run keeps it)."""
+        for kernels, proc in list(procs.items()):
+            if not wait and proc.poll() is None:
+                continue
+            del procs[kernels]
+            try:
+                out, _ = proc.communicate(timeout=60)
+                predicted[kernels] = json.loads(out)
+                keep = ("peak_bytes", "step_peak_bytes")
+                print(json.dumps({"memory_model": kernels, **{k: predicted[kernels][k] for k in keep}}), flush=True)
+            except Exception as exc:  # noqa: BLE001
+                proc.kill()
+                print(f"memory model ({kernels}) gave no result: {type(exc).__name__}", flush=True)
+
     for name in args.configs:
         try:
             row = run_config(name, args)
@@ -141,14 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             row = {"config": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    predicted = {}
-    for kernels, proc in procs.items():
-        try:
-            out, _ = proc.communicate(timeout=60)
-            predicted[kernels] = json.loads(out)
-        except Exception as exc:  # noqa: BLE001
-            proc.kill()
-            print(f"memory model ({kernels}) gave no result: {type(exc).__name__}", flush=True)
+        collect(wait=False)
+    collect(wait=True)
     eager = next((r["step_s"] for r in rows if r.get("config") == "eager" and "step_s" in r), None)
     print(f"\n{'config':<8} {'s/step':>8} {'vs eager':>9} {'peak GiB':>9} {'predicted':>10} {'error':>7}  notes")
     for r in rows:
