@@ -33,7 +33,10 @@
 #                             eager / Triton kernels / CUDA graphs / --compile / all together (the compiled
 #                             ones last: inductor there took > 200 s on an H200 host), each with
 #                             torch.cuda.max_memory_allocated against `scalefold estimate-memory` (computed
-#                             meanwhile on the CPUs); one JSON line per configuration as it finishes
+#                             meanwhile on the CPUs); one JSON line per configuration as it finishes;
+#                             the eager configuration's allocator trace ($WORK/memory/, in the tarball)
+#                             and what is live at its peak by allocating line: the first GPU run measured
+#                             11.6 GiB where the memory model predicts 6.0
 #   train_bf16            90  scalefold train --preset demo --precision bf16 --max-steps 20
 #                             --eval-every 10 --cuda-graphs off   (eager bf16 baseline)
 #   train_graphs          60  the same with --cuda-graphs on      (captured recycling passes)
@@ -322,7 +325,8 @@ part tests_graphs tests 150 "$PY" -m pytest "${PYTEST_ARGS[@]}" \
 # 3b. the headline: the MLPerf-shape training step, eager / compile / triton / graphs / all, peak memory vs
 # the memory model (its dry run lists the configurations; on a machine without CUDA it refuses, exit 2)
 if [ "$DRY_RUN" = 1 ] && selected headline headline; then "$PY" bench/step_headline.py --dry-run; fi
-part headline headline 240 "$PY" bench/step_headline.py --preset mlperf --precision bf16 --cycles 1
+part headline headline 240 "$PY" bench/step_headline.py --preset mlperf --precision bf16 --cycles 1 \
+    --memory-snapshot "$WORK/memory"
 
 # 4. short GPU training runs: bf16 eager, then bf16 with CUDA graphs (one synthetic store for both)
 TRAIN=(-m scalefold train --preset demo --precision bf16 --max-steps 20 --eval-every 10

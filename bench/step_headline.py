@@ -52,7 +52,7 @@ def estimate_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     return {kernels: base + ["--kernels", kernels] for kernels in ("torch", "triton")}
 
 
-def run_config(name: str, args: argparse.Namespace) -> dict:
+def run_config(name: str, args: argparse.Namespace, after_warm_up=None) -> dict:
     import torch
 
     from scalefold.perf.step import TrainingStep
@@ -82,6 +82,8 @@ def run_config(name: str, args: argparse.Namespace) -> dict:
         step.run(n, forward=forward)
     torch.cuda.synchronize()
     setup_s = time.perf_counter() - t_build
+    if after_warm_up is not None:  # e.g. stop the allocator trace: the timed steps run without it
+        after_warm_up()
     times: dict[int, list[float]] = {n: [] for n in counts}
     for _ in range(args.cycles):
         for n in counts:
@@ -113,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cycles", type=int, default=1, help="timed cycles of recycling counts 0..R-1 (default 1)")
     ap.add_argument("--no-estimate", action="store_true", help="skip the memory-model comparison")
     ap.add_argument("--dry-run", action="store_true", help="list what would run (no CUDA needed)")
+    ap.add_argument("--memory-snapshot", metavar="DIR", help="record the allocator's trace of the first "
+                    "configuration, write it to DIR/<config>_memory.pickle.gz and print what is live at its peak, "
+                    "by allocating line (scalefold.perf.cuda_snapshot)")  # fmt: skip
     args = ap.parse_args(argv)
     estimates = {} if args.no_estimate else estimate_commands(args)
     if args.dry_run:
@@ -151,11 +156,28 @@ def main(argv: list[str] | None = None) -> int:
                 proc.kill()
                 print(f"memory model ({kernels}) gave no result: {type(exc).__name__}", flush=True)
 
-    for name in args.configs:
+    snaps: list = []  # the first configuration's allocator trace, taken after its warm-up
+    for i, name in enumerate(args.configs):
+        snapshot = args.memory_snapshot and i == 0
         try:
-            row = run_config(name, args)
+            if snapshot:  # the warm-up (every recycling count, same shapes) is traced, the timed steps not
+                from scalefold.perf import cuda_snapshot
+
+                cuda_snapshot.record_history()
+                row = run_config(name, args, after_warm_up=lambda: snaps.append(cuda_snapshot.take_snapshot()))
+            else:
+                row = run_config(name, args)
         except Exception as exc:  # noqa: BLE001 -- one configuration failing must not hide the others
             row = {"config": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"}
+        if snapshot:
+            try:
+                snap = snaps[0] if snaps else cuda_snapshot.take_snapshot()
+                Path(args.memory_snapshot).mkdir(parents=True, exist_ok=True)
+                path = cuda_snapshot.dump_snapshot(snap, Path(args.memory_snapshot) / f"{name}_memory.pickle.gz")
+                print(f"{name}: allocator trace in {path}\n{cuda_snapshot.format_peak(cuda_snapshot.peak_allocations(snap))}",
+                      flush=True)  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 -- the figures above stand without it
+                print(f"{name}: no allocator trace: {type(exc).__name__}: {exc}", flush=True)
         rows.append(row)
         print(json.dumps(row), flush=True)
         collect(wait=False)
