@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from scalefold import residue_constants as rc
+from scalefold.data.eval_cache import EvalCache
 from scalefold.data.pipeline import (
     FeatureConfig,
     process_training_features,
@@ -29,7 +30,6 @@ from scalefold.data.pipeline import (
     validation_seed,
 )
 from scalefold.data.raw_features import make_sequence_features
-from scalefold.data.eval_cache import EvalCache
 from scalefold.data.store import Store
 from scalefold.data.templates import empty_template_features, select_templates
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import re
 
-MODEL_PRESETS = ("mlperf", "initial_training", "demo", "tiny")  # = weights.MODEL_PRESETS (no heavy import here)
+MODEL_PRESETS = ("mlperf", "initial_training", "demo", "demo-wide", "tiny")  # = weights.MODEL_PRESETS (no heavy import here)
 WEIGHT_CHOICES = ("auto", "swa", "model")
 
 

@@ -148,8 +148,8 @@ def evaluate(
     device: Union[str, torch.device, None] = None,
 ) -> EvaluationReport:
     """Score ``checkpoint`` on ``chains`` of ``store`` (default: the training validation split)."""
-    from scalefold.data.pipeline import FeatureConfig
     from scalefold.data.dataset import StoreSample
+    from scalefold.data.pipeline import FeatureConfig
 
     if not Path(store).is_file():
         raise InferenceError(f"store not found: {store}")

@@ -121,9 +121,9 @@ def build_features(
     record: FastaRecord, msas: Sequence[Msa], config: AlphaFoldConfig, seed: int = 0
 ) -> dict[str, torch.Tensor]:
     """The model batch ``[1, ..., R]`` of one target (validation pipeline, no templates)."""
+    from scalefold.data.dataset import add_batch_dim
     from scalefold.data.pipeline import FeatureConfig, process_validation_features
     from scalefold.data.raw_features import build_raw_features
-    from scalefold.data.dataset import add_batch_dim
 
     # Alignment query rows may spell unknown residues differently: the FASTA sequence is row 0.
     rows = [Msa([record.sequence] + m.sequences[1:], m.deletion_matrix, m.descriptions) for m in msas]

@@ -38,9 +38,11 @@ PathLike = Union[str, os.PathLike]
 
 WEIGHT_CHOICES = ("auto", "swa", "model")
 #: Model presets tried, cheapest first, when the checkpoint's preset is not given.
-DETECTABLE_PRESETS = ("tiny", "demo", "mlperf")
-#: Model preset -> the training preset that trains it (``initial_training`` is ``mlperf``'s model).
-TRAINING_PRESET_OF = {"tiny": "tiny", "demo": "demo", "mlperf": "mlperf", "initial_training": "mlperf"}
+DETECTABLE_PRESETS = ("tiny", "demo", "demo-wide", "mlperf")
+#: Model preset -> the training preset that trains it (``initial_training`` is ``mlperf``'s model;
+#: ``demo-wide`` is trained by the demo presets with SCALEFOLD_MODEL_PRESET=demo-wide).
+TRAINING_PRESET_OF = {"tiny": "tiny", "demo": "demo", "demo-wide": "demo", "mlperf": "mlperf",
+                      "initial_training": "mlperf"}  # fmt: skip
 MODEL_PRESETS = tuple(TRAINING_PRESET_OF)
 
 
@@ -78,8 +80,8 @@ def inference_config(preset: str, num_recycling: int | None = None, precision: s
                      model_options: Mapping[str, int] | None = None) -> AlphaFoldConfig:  # fmt: skip
     """The model config the training preset of ``preset`` builds (data sizes, recycling), fp32, with the
     training run's ``model_options`` (recorded in its checkpoints) and ``num_recycling`` over them."""
-    from scalefold.train.config import TrainConfig
     from scalefold.train.build import build_model_config
+    from scalefold.train.config import TrainConfig
 
     if preset not in TRAINING_PRESET_OF:
         raise InferenceError(f"unknown model preset {preset!r}; expected one of {sorted(TRAINING_PRESET_OF)}")
@@ -89,7 +91,8 @@ def inference_config(preset: str, num_recycling: int | None = None, precision: s
 
     options = {k: v for k, v in (model_options or {}).items() if k in MODEL_OPTIONS}
     train_cfg = TrainConfig.from_preset(
-        TRAINING_PRESET_OF[preset], overrides={**options, "num_recycling_iters": num_recycling, "precision": precision}
+        TRAINING_PRESET_OF[preset],
+        overrides={**options, "num_recycling_iters": num_recycling, "precision": precision, "model_preset": preset},
     )
     return build_model_config(train_cfg)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 
-MODEL_PRESETS = ("mlperf", "initial_training", "demo", "tiny")
+MODEL_PRESETS = ("mlperf", "initial_training", "demo", "demo-wide", "tiny")
 
 # In-place methods that change a tensor's shape or metadata: these must still run while building.
 _SHAPE_CHANGING = frozenset(

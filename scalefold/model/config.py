@@ -539,6 +539,18 @@ def _demo() -> dict[str, Any]:
     return cfg
 
 
+def _demo_wide() -> dict[str, Any]:
+    """The candidate demo model (bench/RESULTS.md, section 5c): the demo with c_m 64, c_z 64, c_s 128 (538 k
+    parameters, 3.5x the demo's). Per step about as fast on a CPU core (the demo's step is dispatch-bound),
+    and its from-scratch curve climbed about twice as fast per step; not the default until its curve
+    passes 0.7 and a checkpoint of it ships. Select it with ``SCALEFOLD_MODEL_PRESET=demo-wide``."""
+    cfg = _small(
+        c_m=64, c_z=64, c_s=128, c_t=16, c_e=16, evoformer_blocks=2, msa_dropout=0.15, pair_dropout=0.25, sm_dropout=0.1
+    )
+    cfg.update({"train_sequence_crop_size": 64, "max_msa_clusters": 16, "max_extra_msa": 32, "max_templates": 2})
+    return cfg
+
+
 def _tiny() -> dict[str, Any]:
     """The ``golden_small`` dimensions: crop 24, 8 clusters, 16 extra, 2 templates, no dropout."""
     cfg = _small(
@@ -566,6 +578,7 @@ PRESETS = {
     "mlperf": _mlperf,
     "initial_training": _mlperf,
     "demo": _demo,
+    "demo-wide": _demo_wide,
     "tiny": _tiny,
 }
 

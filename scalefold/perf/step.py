@@ -76,7 +76,6 @@ class TrainingStep:
         from scalefold.losses import AlphaFoldLoss
         from scalefold.train.flat_optimizer import FlatAdamSWA
         from scalefold.train.grad_clipping import GradClipper
-        from scalefold.train.steps import MASTER_DTYPES
 
         device = torch.device(device)
         model_cfg = model_config(cfg)

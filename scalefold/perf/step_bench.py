@@ -43,7 +43,7 @@ def _cycle_times(step: Any, repeats: int, warmup: int) -> dict[str, Any]:
         t_cycle = time.perf_counter()
         for n in counts:
             marks: list[tuple[str, float]] = []
-            step.run(n, phase=lambda name: marks.append((name, time.perf_counter())))
+            step.run(n, phase=lambda name, marks=marks: marks.append((name, time.perf_counter())))
             marks.append(("end", time.perf_counter()))
             for (name, t0), (_, t1) in zip(marks, marks[1:]):
                 cycle[name] += t1 - t0

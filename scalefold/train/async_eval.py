@@ -65,9 +65,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from scalefold.data.eval_cache import EvalCache, assign_lpt
+from scalefold.distributed.runtime import DEFAULT_TIMEOUT_S, Runtime
 from scalefold.train import mlperf_logging as mll
 from scalefold.train.flat_optimizer import DEFAULT_ALIGN_NUMEL, FlatAdamSWA, _align
-from scalefold.distributed.runtime import DEFAULT_TIMEOUT_S, Runtime
 
 # header kinds (training -> evaluation)
 SUBMIT, SENTINEL = 1, 2

@@ -11,7 +11,6 @@ import torch
 from scalefold.model import AlphaFold, AlphaFoldConfig
 from scalefold.train.config import TrainConfig
 
-
 #: Training options that change the model or its inputs without changing a parameter shape: a
 #: checkpoint records the run's values (``model_options``) so that evaluation and prediction rebuild
 #: the model the run trained (its preset's defaults otherwise).

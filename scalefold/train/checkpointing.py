@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from scalefold.distributed.runtime import Runtime
 from scalefold.model import AlphaFold
+from scalefold.train.build import model_options
 from scalefold.train.checkpoint_io import (
     CheckpointError,
     CheckpointManager,
@@ -27,7 +28,6 @@ from scalefold.train.checkpoint_io import (
     restore_rng_state,
     sha256sum,
 )
-from scalefold.train.build import model_options
 from scalefold.train.config import TrainConfig
 from scalefold.train.flat_optimizer import FlatAdamSWA
 from scalefold.train.mlperf_run import mlperf_log_path

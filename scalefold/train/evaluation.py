@@ -15,9 +15,10 @@ The :class:`~scalefold.train.loop.Trainer` holds one of two components with the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch

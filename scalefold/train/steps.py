@@ -198,7 +198,7 @@ class CompileReport(int):
     strict: bool
     backend: str
 
-    def __new__(cls, regions: dict[str, int], codes: dict[str, object], strict: bool, backend: str) -> "CompileReport":
+    def __new__(cls, regions: dict[str, int], codes: dict[str, object], strict: bool, backend: str) -> CompileReport:
         from torch._dynamo.utils import counters, guard_failures
 
         self = super().__new__(cls, sum(regions.values()))

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from scalefold.data.bench_cli import SimulatedSample
+from scalefold.data.dataset import StoreSample
 from scalefold.data.loader import InOrderLoader
 from scalefold.data.pipeline import FeatureConfig
-from scalefold.data.dataset import StoreSample
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))  # appended: shadows nothing
 from dali_loader import DaliLoader, dali_available  # noqa: E402

@@ -202,9 +202,9 @@ def test_templates_are_earlier_family_members(tmp_path):
     carrying that member's structure; training batches built from the store contain them."""
     import datetime
 
+    from scalefold.data.dataset import StoreSample
     from scalefold.data.pipeline import FeatureConfig
     from scalefold.data.store import Store
-    from scalefold.data.dataset import StoreSample
 
     path = tmp_path / "synth.h5"
     summary = synth.synthesize(path, num_chains=12, num_families=2, length_range=(40, 44), seed=5)

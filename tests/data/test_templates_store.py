@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from scalefold import residue_constants as rc
+from scalefold.data.dataset import StoreSample
 from scalefold.data.pipeline import FeatureConfig, process_training_features, process_validation_features
 from scalefold.data.preprocess import scan_template_entries
 from scalefold.data.raw_features import build_raw_features, read_alignment_dir
@@ -29,7 +30,6 @@ from scalefold.data.templates import (
     select_templates,
     template_cutoff,
 )
-from scalefold.data.dataset import StoreSample
 
 QUERY_CHAIN = "9qry_A"  # a made-up chain id for the real query (no PDB entry of its own)
 TEMPLATE_KEYS = ("template_aatype", "template_all_atom_positions", "template_all_atom_masks", "template_sum_probs")

@@ -12,8 +12,8 @@ import torch
 from scalefold.distributed import grad_sync
 from scalefold.distributed.group import DAPGroup
 from scalefold.distributed.launch import run_processes
-from scalefold.distributed.volume import evoformer_block_bytes
 from scalefold.distributed.parallelize import parallelize
+from scalefold.distributed.volume import evoformer_block_bytes
 from scalefold.model.config import EvoformerStackConfig, ExtraMSAStackConfig, TemplatePairStackConfig
 from scalefold.model.evoformer import EvoformerStack
 from scalefold.model.extra_msa import ExtraMSAStack

@@ -41,8 +41,8 @@ def test_evaluate_reproduces_the_training_evaluation(tiny_run):
 def test_per_target_scores_equal_the_loop_evaluator(tiny_run):
     """Every target's lDDT-Cα equals the training loop's evaluator on that target alone, and the
     mean over the whole validation window (--max-chains 0) equals the evaluator's mean."""
-    from scalefold.data.pipeline import FeatureConfig
     from scalefold.data.dataset import StoreSample
+    from scalefold.data.pipeline import FeatureConfig
 
     cfg, _, checkpoint = tiny_run
     chains = validation_chains(cfg.store, "tiny", max_chains=0)

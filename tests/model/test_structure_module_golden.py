@@ -12,8 +12,8 @@ from scalefold.model.all_atom import (
     rigid_group_constants,
     torsion_angles_to_frames,
 )
-from scalefold.model.rigid import Rigid
 from scalefold.model.config import StructureModuleConfig
+from scalefold.model.rigid import Rigid
 from scalefold.model.structure_module import InvariantPointAttention, StructureModule
 
 F64 = torch.float64

@@ -19,6 +19,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from scalefold.distributed.context import ParallelContext
+from scalefold.distributed.layout import ParallelLayout
+from scalefold.distributed.runtime import Runtime
 from scalefold.train.async_eval import (
     REPLY_BYTES,
     AsyncEvalClient,
@@ -29,9 +32,6 @@ from scalefold.train.async_eval import (
     swa_flat_buffer,
 )
 from scalefold.train.mlperf_logging import check_log
-from scalefold.distributed.context import ParallelContext
-from scalefold.distributed.layout import ParallelLayout
-from scalefold.distributed.runtime import Runtime
 
 LENGTHS = [10, 14, 8, 12, 9]  # residues of the validation targets
 STEPS_PER_CYCLE = 2  # "eval_every" of these runs

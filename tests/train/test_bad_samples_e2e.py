@@ -24,13 +24,13 @@ from pathlib import Path
 import h5py
 import pytest
 
+from scalefold.data.dataset import StoreSample
 from scalefold.data.pipeline import FeatureConfig
 from scalefold.data.store import Store
 from scalefold.data.synthetic import synthesize
-from scalefold.train.config import TrainConfig
 from scalefold.train.build import build_model_config
+from scalefold.train.config import TrainConfig
 from scalefold.train.run_data import split_chains
-from scalefold.data.dataset import StoreSample
 from scalefold.train.steps import sample_pairs
 
 STEPS = 3

@@ -19,14 +19,14 @@ import sys
 import pytest
 import torch
 
+from scalefold.data.dataset import StoreSample
 from scalefold.data.pipeline import FeatureConfig
 from scalefold.data.store import Store
 from scalefold.losses import AlphaFoldLoss
+from scalefold.train.build import build_model, build_model_config
 from scalefold.train.checkpoint_io import load_checkpoint
 from scalefold.train.config import TrainConfig
-from scalefold.train.build import build_model, build_model_config
 from scalefold.train.run_data import split_chains
-from scalefold.data.dataset import StoreSample
 from scalefold.train.steps import forward_seed, recycling_count, sample_pairs, step_batch
 
 WORLD = 2

@@ -31,10 +31,10 @@ import torch
 
 from scalefold.checkpoint.adapters import CheckpointError as ReferenceCheckpointError
 from scalefold.cli import main
+from scalefold.train.build import build_model, build_model_config
 from scalefold.train.checkpoint_io import load_checkpoint
 from scalefold.train.cli import EXIT_ABORTED, EXIT_BAD_INPUT
 from scalefold.train.config import TrainConfig
-from scalefold.train.build import build_model, build_model_config
 from scalefold.train.loop import train
 
 SIGNAL_TEST_TIMEOUT_S = 300  # generous: the machine is shared

@@ -54,10 +54,10 @@ def _worker(rank: int, port: int) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from scalefold.train.flat_optimizer import FlatAdamSWA
     from scalefold.distributed.context import build_parallel_context
     from scalefold.distributed.layout import ParallelLayout
     from scalefold.distributed.runtime import init_distributed
+    from scalefold.train.flat_optimizer import FlatAdamSWA
 
     env = {"RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(WORLD),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip

@@ -243,11 +243,11 @@ def test_parallel_evoformer_is_not_captured():
 def test_synthetic_warm_up_batch_has_the_training_shapes(tmp_path):
     """The warm-up batch has exactly the model-feature shapes/dtypes of a real tiny training batch, so
     the graphs captured before run_start are hit by the run's steps."""
-    from scalefold.data.store import Store
-    from scalefold.train.config import TrainConfig
-    from scalefold.train.build import build_model, build_model_config
-    from scalefold.train.run_data import ensure_store, split_chains
     from scalefold.data.dataset import StoreSample
+    from scalefold.data.store import Store
+    from scalefold.train.build import build_model, build_model_config
+    from scalefold.train.config import TrainConfig
+    from scalefold.train.run_data import ensure_store, split_chains
     from scalefold.train.steps import step_batch
 
     cfg = TrainConfig.from_preset("tiny", overrides={"store": str(tmp_path / "s.h5"), "synth_num_chains": 6}, env={})

@@ -20,11 +20,11 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from scalefold.checkpoint.adapters import CheckpointError
 from scalefold.cli import main
 from scalefold.model import AlphaFold, AlphaFoldConfig
+from scalefold.train.build import build_model, build_model_config
+from scalefold.train.checkpointing import init_from_checkpoint
 from scalefold.train.cli import EXIT_BAD_INPUT
 from scalefold.train.config import TrainConfig
 from scalefold.train.flat_optimizer import FlatAdamSWA
-from scalefold.train.build import build_model, build_model_config
-from scalefold.train.checkpointing import init_from_checkpoint
 from scalefold.train.loop import train
 
 ITERATION = 7

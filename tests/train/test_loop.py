@@ -13,9 +13,9 @@ import pytest
 from scalefold.cli import main
 from scalefold.train.config import TrainConfig
 from scalefold.train.loop import train
+from scalefold.train.mlperf_logging import INIT_BLOCK_KEYS, check_log
 from scalefold.train.run_log import BREAKDOWN_KEYS, print_breakdown
 from scalefold.train.steps import recycling_count
-from scalefold.train.mlperf_logging import INIT_BLOCK_KEYS, check_log
 
 # What the official checker (hpc 3.0.0) rejects in a tiny CPU run's log, and why: dataset counts
 # (594,595 / 180), the 93,229,082-parameter model, the reference checkpoint's sha256 (a run from scratch

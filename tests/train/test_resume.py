@@ -87,9 +87,9 @@ def test_sample_stream_does_not_depend_on_max_steps():
 def test_model_options_travel_with_the_checkpoint(tmp_path, store):
     """A run's structure-module iterations (no parameter shape shows them) are recorded in its checkpoints:
     inference rebuilds that model, an export keeps them, and a resume with other options is refused."""
+    from scalefold.checkpoint.adapters import CheckpointError
     from scalefold.checkpoint.shipped import export_init_checkpoint
     from scalefold.inference.weights import load_model
-    from scalefold.checkpoint.adapters import CheckpointError
 
     train(_cfg(tmp_path / "sm3", store, max_steps=2, structure_module_iterations=3))
     path = tmp_path / "sm3" / "checkpoints" / "checkpoint_00000002.pt"
