@@ -28,6 +28,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
 
 def _run_train(args: argparse.Namespace) -> int:
     from scalefold.checkpoint.adapters import CheckpointError as ReferenceCheckpointError
+    from scalefold.checkpoint.adapters import StateDictMismatchError
     from scalefold.distributed.layout import LayoutError
     from scalefold.distributed.runtime import LaunchError
     from scalefold.train.checkpoint_io import CheckpointError
@@ -65,6 +66,10 @@ def _run_train(args: argparse.Namespace) -> int:
         from scalefold.errors import shorten  # without PyTorch's weights_only advice; --resume lists every file
 
         print(f"scalefold train: checkpoint error: {shorten(str(exc), None)}", file=sys.stderr, flush=True)
+        if isinstance(exc, StateDictMismatchError) and exc.report.mismatched:  # other widths: another model
+            print(f"scalefold train: this run builds the {cfg.model_preset!r} model preset; a checkpoint of "
+                  "another one (e.g. demo-wide) needs SCALEFOLD_MODEL_PRESET set as for the run that wrote it",
+                  file=sys.stderr, flush=True)  # fmt: skip
         return EXIT_BAD_INPUT
     except StoreNotFoundError as exc:  # --store absent and not to be synthesised
         print(f"scalefold train: {exc}", file=sys.stderr, flush=True)

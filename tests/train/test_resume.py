@@ -100,3 +100,27 @@ def test_model_options_travel_with_the_checkpoint(tmp_path, store):
     assert load_model(exported).config.structure_module_config.num_blocks == 3
     with pytest.raises(CheckpointError, match="model options"):
         train(_cfg(tmp_path / "sm3", store, max_steps=4, resume=True))  # the preset's 2 iterations
+
+
+def test_resume_with_another_model_preset_is_refused_with_a_hint(tmp_path, store, capsys, monkeypatch):
+    """A checkpoint of other widths (another model preset) is refused (exit 3): a checkpoint that records its
+    model preset by name, and one that does not (written before the record existed) with the mismatching
+    shapes and a line naming the model preset this run builds and SCALEFOLD_MODEL_PRESET."""
+    from scalefold.cli import main
+    from scalefold.train.checkpoint_io import save_atomic
+
+    train(_cfg(tmp_path / "run", store, max_steps=2))
+    capsys.readouterr()
+    argv = ["train", "--preset", "tiny", "--no-progress", "--store", str(store), "--out", str(tmp_path / "run"),
+            "--max-steps", "4", "--resume"]  # fmt: skip
+    monkeypatch.setenv("SCALEFOLD_MODEL_PRESET", "demo")
+    assert main(argv) == 3
+    assert "checkpoint of model preset 'tiny', this run builds 'demo'" in capsys.readouterr().err
+    path = tmp_path / "run" / "checkpoints" / "checkpoint_00000002.pt"
+    ckpt = load_checkpoint(path)
+    del ckpt["model_preset"]
+    save_atomic(ckpt, path)
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 3 and "mis-shaped" in err
+    assert "this run builds the 'demo' model preset" in err and "SCALEFOLD_MODEL_PRESET" in err
