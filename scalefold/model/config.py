@@ -530,10 +530,10 @@ def _small(
     }
 
 
-def _demo() -> dict[str, Any]:
+def _demo(c_m: int = 32, c_z: int = 16, c_s: int = 64) -> dict[str, Any]:
     """CPU-trainable: c_m 32, c_z 16, 2 Evoformer blocks, crop 64, reference dropout rates."""
     cfg = _small(
-        c_m=32, c_z=16, c_s=64, c_t=16, c_e=16, evoformer_blocks=2, msa_dropout=0.15, pair_dropout=0.25, sm_dropout=0.1
+        c_m=c_m, c_z=c_z, c_s=c_s, c_t=16, c_e=16, evoformer_blocks=2, msa_dropout=0.15, pair_dropout=0.25, sm_dropout=0.1
     )
     cfg.update({"train_sequence_crop_size": 64, "max_msa_clusters": 16, "max_extra_msa": 32, "max_templates": 2})
     return cfg
@@ -541,14 +541,10 @@ def _demo() -> dict[str, Any]:
 
 def _demo_wide() -> dict[str, Any]:
     """The candidate demo model (bench/RESULTS.md, section 5c): the demo with c_m 64, c_z 64, c_s 128 (538 k
-    parameters, 3.5x the demo's). Per step about as fast on a CPU core (the demo's step is dispatch-bound),
-    and its from-scratch curve climbed about twice as fast per step; not the default until its curve
-    passes 0.7 and a checkpoint of it ships. Select it with ``SCALEFOLD_MODEL_PRESET=demo-wide``."""
-    cfg = _small(
-        c_m=64, c_z=64, c_s=128, c_t=16, c_e=16, evoformer_blocks=2, msa_dropout=0.15, pair_dropout=0.25, sm_dropout=0.1
-    )
-    cfg.update({"train_sequence_crop_size": 64, "max_msa_clusters": 16, "max_extra_msa": 32, "max_templates": 2})
-    return cfg
+    parameters, 3.5x the demo's; 1.26x its step time on one CPU core in one measurement, the demo's step
+    being dispatch-bound), whose from-scratch curve climbed about twice as fast per step; not the default
+    until its curve passes 0.7 and a checkpoint of it ships. Select it with ``SCALEFOLD_MODEL_PRESET=demo-wide``."""
+    return _demo(c_m=64, c_z=64, c_s=128)
 
 
 def _tiny() -> dict[str, Any]:

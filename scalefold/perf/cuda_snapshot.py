@@ -81,22 +81,27 @@ def peak_allocations(snap: dict[str, Any], device: int = 0, prefix: str = "scale
     """Replay ``snap['device_traces'][device]`` and report what is live at the largest live total."""
     traces = snap.get("device_traces") or []
     events = traces[device] if device < len(traces) else []
-    live: dict[int, tuple[int, str]] = {}
-    total = peak = peak_index = 0
-    peak_live: dict[int, tuple[int, str]] = {}
-    for i, ev in enumerate(events):
-        action, addr, size = ev.get("action"), ev.get("addr"), int(ev.get("size", 0))
-        if action == "alloc":
-            live[addr] = (size, _site(ev.get("frames") or [], prefix))
-            total += size
-            if total > peak:
-                peak, peak_index = total, i
-                peak_live = dict(live)
-        elif action in ("free_completed",) and addr in live:
-            total -= live.pop(addr)[0]
+    def replay(upto: int) -> tuple[dict[int, tuple[int, dict]], int, int]:
+        """Live allocations after events ``0 .. upto`` (address -> (size, event)), the peak total, its index."""
+        live: dict[int, tuple[int, dict]] = {}
+        total = peak = peak_index = 0
+        for i, ev in enumerate(events[: upto + 1]):
+            action, addr = ev.get("action"), ev.get("addr")
+            if action == "alloc":
+                live[addr] = (int(ev.get("size", 0)), ev)
+                total += live[addr][0]
+                if total > peak:
+                    peak, peak_index = total, i
+            elif action == "free_completed" and addr in live:  # frees of blocks from before recording: ignored
+                total -= live.pop(addr)[0]
+        return live, peak, peak_index
+
+    _, peak, peak_index = replay(len(events) - 1)  # two linear passes: find the peak, then what is live there
+    peak_live, _, _ = replay(peak_index) if events else ({}, 0, 0)
     by_site: dict[str, int] = defaultdict(int)
     counts: dict[str, int] = defaultdict(int)
-    for size, site in peak_live.values():
+    for size, ev in peak_live.values():
+        site = _site(ev.get("frames") or [], prefix)
         by_site[site] += size
         counts[site] += 1
     # blocks allocated before recording began: in the segments but never in the trace

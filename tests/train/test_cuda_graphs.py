@@ -186,8 +186,9 @@ def test_real_backend_restores_the_stream_after_a_failed_capture():
     runs on the caller's stream again (torch.cuda.graph leaves its capture stream current otherwise).
 
     In a process of its own: on the first GPU run (H200, torch 2.11) every real capture test that ran
-    after this one in the same process failed, and passed when run alone -- a broken capture leaves
-    process-wide CUDA state (the RNG generator's capture registration, the invalidated capture) behind.
+    after this one in the same process failed, and passed when run alone: the broken capture leaves some
+    process-wide CUDA state behind (which -- the RNG generator's capture registration, the invalidated
+    capture -- is not established yet; the failures' tracebacks were lost with that run).
     """
     import os
     import subprocess
