@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import re
 
-MODEL_PRESETS = ("mlperf", "initial_training", "demo", "demo-wide", "tiny")  # = weights.MODEL_PRESETS (no heavy import here)
+from scalefold.model.config import PRESETS as _MODEL_PRESET_BUILDERS  # torch-free
+
+MODEL_PRESETS = tuple(_MODEL_PRESET_BUILDERS)  # = weights.MODEL_PRESETS
 WEIGHT_CHOICES = ("auto", "swa", "model")
 
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 
-MODEL_PRESETS = ("mlperf", "initial_training", "demo", "demo-wide", "tiny")
+from scalefold.model.config import PRESETS as _MODEL_PRESET_BUILDERS  # torch-free: --help stays fast
+
+MODEL_PRESETS = tuple(_MODEL_PRESET_BUILDERS)
 
 # In-place methods that change a tensor's shape or metadata: these must still run while building.
 _SHAPE_CHANGING = frozenset(
