@@ -1,5 +1,6 @@
-"""The candidate demo model ``demo-wide``: trained by the demo presets with SCALEFOLD_MODEL_PRESET=demo-wide,
-recognised by evaluate/predict from its parameter shapes, rebuilt with its own widths."""
+"""The demo model ``demo-wide``: what the demo presets train (the narrow ``demo`` model stays available with
+SCALEFOLD_MODEL_PRESET=demo), recognised by evaluate/predict from its parameter shapes, rebuilt with its own
+widths; the ``demo`` preset (stage 2 of the recipe) runs it with 4 structure-module iterations."""
 
 from __future__ import annotations
 
@@ -9,17 +10,21 @@ from scalefold.inference.weights import detect_preset, inference_config
 from scalefold.model.alphafold import AlphaFold
 from scalefold.model.config import AlphaFoldConfig
 from scalefold.train.build import build_model_config
-from scalefold.train.config import TrainConfig
+from scalefold.train.config import DEMO_STRUCTURE_MODULE_ITERATIONS, TrainConfig
 
 
-def test_the_demo_presets_train_it_when_the_environment_says_so():
-    cfg = TrainConfig.from_preset("demo-scratch", env={"SCALEFOLD_MODEL_PRESET": "demo-wide"})
-    model_cfg = build_model_config(cfg)
-    assert cfg.model_preset == "demo-wide" and cfg.store.endswith("demo-wide-store.h5")
-    assert model_cfg.evoformer_stack_config.c_z == 64 and model_cfg.evoformer_stack_config.c_m == 64
-    demo = build_model_config(TrainConfig.from_preset("demo-scratch", env={}))
-    assert demo.evoformer_stack_config.c_z == 16  # the default demo model is unchanged
-    assert model_cfg.train_sequence_crop_size == demo.train_sequence_crop_size == 48  # same data sizes
+def test_the_demo_presets_train_it_and_share_one_store():
+    scratch, demo = (TrainConfig.from_preset(name, env={}) for name in ("demo-scratch", "demo"))
+    assert scratch.model_preset == demo.model_preset == "demo-wide"
+    assert scratch.store == demo.store == "runs/demo-store.h5"  # one synthetic store for both stages
+    stage1, stage2 = build_model_config(scratch), build_model_config(demo)
+    assert stage1.evoformer_stack_config.c_z == stage2.evoformer_stack_config.c_z == 64
+    assert stage1.evoformer_stack_config.c_m == 64
+    assert stage1.structure_module_config.num_blocks == 2  # stage 1: the model preset's iterations
+    assert stage2.structure_module_config.num_blocks == DEMO_STRUCTURE_MODULE_ITERATIONS == 4
+    assert stage1.train_sequence_crop_size == stage2.train_sequence_crop_size == 48  # same data sizes
+    narrow = build_model_config(TrainConfig.from_preset("demo-scratch", env={"SCALEFOLD_MODEL_PRESET": "demo"}))
+    assert narrow.evoformer_stack_config.c_z == 16  # the narrow demo model, on request
 
 
 def test_its_checkpoints_are_recognised_and_rebuilt_wide():

@@ -111,9 +111,9 @@ def test_sourced_config_sh_reaches_the_config():
 def test_structure_module_iterations_override_reaches_the_model_config():
     from scalefold.train.build import build_model_config
 
-    default = build_model_config(TrainConfig.from_preset("demo", env={}))
-    assert default.structure_module_config.num_blocks == 2
-    cfg = TrainConfig.from_preset("demo", env={"SCALEFOLD_STRUCTURE_MODULE_ITERATIONS": "8"})
+    default = build_model_config(TrainConfig.from_preset("demo-scratch", env={}))
+    assert default.structure_module_config.num_blocks == 2  # the demo-wide model preset's
+    cfg = TrainConfig.from_preset("demo-scratch", env={"SCALEFOLD_STRUCTURE_MODULE_ITERATIONS": "8"})
     model_cfg = build_model_config(cfg)
     assert model_cfg.structure_module_config.num_blocks == 8
     assert model_cfg.structure_module_config.c_s == default.structure_module_config.c_s  # the rest is the preset's
