@@ -40,7 +40,7 @@ WEIGHT_CHOICES = ("auto", "swa", "model")
 #: Model presets tried, cheapest first, when the checkpoint's preset is not given.
 DETECTABLE_PRESETS = ("tiny", "demo", "demo-wide", "mlperf")
 #: Model preset -> the training preset that trains it (``initial_training`` is ``mlperf``'s model;
-#: ``demo-wide`` is trained by the demo presets with SCALEFOLD_MODEL_PRESET=demo-wide).
+#: ``demo-wide`` is what the demo presets train; the narrow ``demo`` needs SCALEFOLD_MODEL_PRESET=demo).
 TRAINING_PRESET_OF = {"tiny": "tiny", "demo": "demo", "demo-wide": "demo", "mlperf": "mlperf",
                       "initial_training": "mlperf"}  # fmt: skip
 MODEL_PRESETS = tuple(TRAINING_PRESET_OF)

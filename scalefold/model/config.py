@@ -540,10 +540,10 @@ def _demo(c_m: int = 32, c_z: int = 16, c_s: int = 64) -> dict[str, Any]:
 
 
 def _demo_wide() -> dict[str, Any]:
-    """The candidate demo model (bench/RESULTS.md, section 5c): the demo with c_m 64, c_z 64, c_s 128 (538 k
-    parameters, 3.5x the demo's; 1.26x its step time on one CPU core in one measurement, the demo's step
-    being dispatch-bound), whose from-scratch curve climbed about twice as fast per step; not the default
-    until its curve passes 0.7 and a checkpoint of it ships. Select it with ``SCALEFOLD_MODEL_PRESET=demo-wide``."""
+    """The model the demo presets train (bench/RESULTS.md, sections 5c-5d): the narrow ``demo`` model with
+    c_m 64, c_z 64, c_s 128 (538 k parameters, 3.5x; 1.26x its step time on one CPU core in one measurement,
+    the step being dispatch-bound), whose from-scratch curve climbed about twice as fast per step and did
+    not flatten at 0.4. 2 structure-module iterations here; the ``demo`` training preset runs 4."""
     return _demo(c_m=64, c_z=64, c_s=128)
 
 

@@ -68,7 +68,7 @@ def _run_train(args: argparse.Namespace) -> int:
         print(f"scalefold train: checkpoint error: {shorten(str(exc), None)}", file=sys.stderr, flush=True)
         if isinstance(exc, StateDictMismatchError) and exc.report.mismatched:  # other widths: another model
             print(f"scalefold train: this run builds the {cfg.model_preset!r} model preset; a checkpoint of "
-                  "another one (e.g. demo-wide) needs SCALEFOLD_MODEL_PRESET set as for the run that wrote it",
+                  "another one (e.g. the narrow demo) needs SCALEFOLD_MODEL_PRESET set as for the run that wrote it",
                   file=sys.stderr, flush=True)  # fmt: skip
         return EXIT_BAD_INPUT
     except StoreNotFoundError as exc:  # --store absent and not to be synthesised
