@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         others = [c for c in store.chain_ids if c not in set(chains)]
     step = max(1, len(others) // max(1, args.train_sample))
     for name, ids in (("validation", chains), ("training sample", others[::step][: args.train_sample])):
+        if not ids:  # --train-sample 0
+            continue
         counts, best = template_stats(args.store, ids, features)
         print(f"{name}: {len(ids)} chains, templates per chain {counts}; best template's lDDT-Cα against the truth: "
               f"median {statistics.median(best):.2f}, mean {statistics.mean(best):.2f}")  # fmt: skip

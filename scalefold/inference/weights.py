@@ -94,6 +94,10 @@ def inference_config(preset: str, num_recycling: int | None = None, precision: s
         TRAINING_PRESET_OF[preset],
         overrides={**options, "num_recycling_iters": num_recycling, "precision": precision, "model_preset": preset},
     )
+    # Structure-module iterations are a run's choice, recorded in its checkpoints when it made one: absent,
+    # the run used the model preset's, whatever the training preset sets today (the demo preset's 4 is
+    # stage 2 of its recipe; stage-1 and narrow-demo checkpoints ran the model preset's 2).
+    train_cfg = train_cfg.replace(structure_module_iterations=options.get("structure_module_iterations"))
     return build_model_config(train_cfg)
 
 

@@ -34,3 +34,12 @@ def test_its_checkpoints_are_recognised_and_rebuilt_wide():
     cfg = inference_config("demo-wide")
     assert cfg.evoformer_stack_config.c_z == 64 and cfg.structure_module_config.c_s == 128
     assert inference_config("demo").evoformer_stack_config.c_z == 16
+
+
+def test_inference_takes_structure_module_iterations_from_the_checkpoint_not_the_training_preset():
+    """A checkpoint that recorded no iteration count (stage 1, the narrow demo, older runs) ran the model
+    preset's 2, although the ``demo`` training preset now sets 4; one that recorded 4 (stage 2) gets 4."""
+    assert inference_config("demo-wide").structure_module_config.num_blocks == 2
+    assert inference_config("demo").structure_module_config.num_blocks == 2
+    stage2 = inference_config("demo-wide", model_options={"structure_module_iterations": 4, "num_recycling_iters": 1})
+    assert stage2.structure_module_config.num_blocks == 4
