@@ -12,26 +12,22 @@ initial checkpoint (its manifest), the demo's target and 0.7.
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 CURVES = ROOT / "bench" / "curves"
 STAGE2_START = 26000  # stage 1's step whose export starts stage 2
 
 
 def eval_points(path: Path, offset: int = 0, upto: int | None = None) -> list[tuple[int, float]]:
-    """(step + offset, eval lDDT-Cα) of every evaluation record in a metrics file (plain or gzip)."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    points = {}
-    with opener(path, "rt") as fh:
-        for line in fh:
-            rec = json.loads(line)
-            if "eval_lddt_ca" in rec and (upto is None or rec["step"] <= upto):
-                points[rec["step"] + offset] = float(rec["eval_lddt_ca"])  # a resumed run's repeat wins
-    return sorted(points.items())
+    """(step + offset, eval lDDT-Cα) of every evaluation in a committed ``metrics.jsonl.gz``."""
+    from scalefold.train.plots import read_metrics
+
+    evals = read_metrics(path)[1]
+    points = {r["step"] + offset: float(r["eval_lddt_ca"]) for r in evals if upto is None or r["step"] <= upto}
+    return sorted(points.items())  # a step evaluated twice (a resumed run's repeat): the later record
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,14 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(CURVES / "demo_curve.png"))
     args = p.parse_args(argv)
 
-    sys.path.insert(0, str(ROOT))
-    from scalefold.checkpoint.shipped import manifest_path, shipped_demo_checkpoint
+    from scalefold.checkpoint.shipped import Manifest, manifest_path, shipped_demo_checkpoint
     from scalefold.train.config import DEMO_TARGET_LDDT
 
     stage1 = eval_points(CURVES / "demo-wide" / "metrics.jsonl.gz", upto=STAGE2_START)
     stage2 = eval_points(CURVES / "demo-stage2" / "metrics.jsonl.gz", offset=STAGE2_START)
     narrow = eval_points(CURVES / "demo-from-scratch" / "sm2" / "metrics.jsonl.gz")
-    manifest = json.loads(manifest_path(shipped_demo_checkpoint()).read_text())
+    manifest = Manifest.read(manifest_path(shipped_demo_checkpoint()))
 
     import matplotlib
 
@@ -57,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     ax.plot(*zip(*narrow), color="0.6", lw=1, label="narrow demo model (152 k), 2 SM iterations")
     ax.plot(*zip(*stage1), color="tab:blue", lw=1.4, label="demo-wide (538 k), stage 1: 2 SM iterations")
     ax.plot(*zip(*stage2), color="tab:red", lw=1.4, label="stage 2: 4 SM iterations (the demo preset)")
-    ax.plot([STAGE2_START + manifest["step"]], [manifest["eval_lddt_ca"]], "k*", ms=11,
-            label=f"shipped checkpoint (stage 2, step {manifest['step']}: {manifest['eval_lddt_ca']:.3f})")
+    ax.plot([STAGE2_START + manifest.step], [manifest.eval_lddt_ca], "k*", ms=11,
+            label=f"shipped checkpoint (stage 2, step {manifest.step}: {manifest.eval_lddt_ca:.3f})")
     ax.axhline(DEMO_TARGET_LDDT, color="tab:green", ls="--", lw=1, label=f"demo target {DEMO_TARGET_LDDT}")
     ax.axhline(0.7, color="k", ls=":", lw=1, label="0.7")
     ax.axvline(STAGE2_START, color="0.3", lw=0.6)

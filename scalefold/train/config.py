@@ -300,9 +300,9 @@ def _demo_data() -> dict[str, Any]:
     }  # fmt: skip
 
 
-#: Default synthetic store name (``STEM-store.h5`` beside --out) of the presets that share one store;
-#: other presets with --synthesize-missing-store use their model preset's name.
-_SYNTH_STORE_STEM = {"demo": "demo", "demo-scratch": "demo", "tiny": "tiny"}
+#: Default synthetic store name (``STEM-store.h5`` beside --out) of the two demo presets, which share one
+#: store; other presets with --synthesize-missing-store (tiny, ...) use their model preset's name.
+_SYNTH_STORE_STEM = {"demo": "demo", "demo-scratch": "demo"}
 
 
 def _demo() -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 from typing import Union
@@ -10,9 +11,12 @@ PathLike = Union[str, Path]
 
 
 def read_metrics(path: PathLike) -> tuple[list[dict], list[dict]]:
-    """(training records, evaluation records) of a ``metrics.jsonl``."""
+    """(training records, evaluation records) of a ``metrics.jsonl`` (or of its gzip, ``metrics.jsonl.gz``,
+    as the curves under ``bench/curves/`` are committed)."""
+    path = Path(path)
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
     train, evals = [], []
-    for line in Path(path).read_text().splitlines():
+    for line in text.splitlines():
         if not line.strip():
             continue
         record = json.loads(line)
