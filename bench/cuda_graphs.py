@@ -2,7 +2,7 @@
 
 For each recycling count ``n`` (``0 .. R-1``) times forward (``n`` no-grad passes + the grad pass) +
 loss + backward of one synthetic training-shaped batch, through the plain model and through
-:class:`scalefold.train.graphed_step.GraphedStep` (graphs captured first, as before ``run_start``), and
+:class:`scalefold.compilation.graphed_step.GraphedStep` (graphs captured first, as before ``run_start``), and
 the no-grad passes alone (eager vs replay). Needs a CUDA device; on CPU it says so and exits 0.
 
     python bench/cuda_graphs.py [--preset mlperf|demo|tiny] [--crop 256] [--precision bf16] [--steps 5]
@@ -24,11 +24,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from scalefold.compilation.graphed_step import GraphedStep, synthetic_step_batch  # noqa: E402
 from scalefold.data.pipeline import FeatureConfig  # noqa: E402
 from scalefold.losses import AlphaFoldLoss  # noqa: E402
 from scalefold.model import AlphaFold, AlphaFoldConfig  # noqa: E402
-from scalefold.train.graphed_step import GraphedStep, synthetic_step_batch  # noqa: E402
-from scalefold.train.steps import float_outputs, keep_fp32_regions  # noqa: E402
+from scalefold.model.precision import float_outputs, keep_fp32_regions  # noqa: E402
 
 
 def timed(fn, steps: int, warmup: int = 2) -> float:

@@ -263,12 +263,12 @@ if ! "$PY" -c 'import gemmi, mlperf_logging' 2>/dev/null; then
         echo "gemmi/mlperf_logging missing and no wheels in $WHEELS (see bench/RESULTS.md, GPU validation)"
     fi
 fi
-if ! "$PY" -c 'import scalefold.train.loop' 2>/dev/null; then
+if ! "$PY" -c 'import scalefold.train.trainer' 2>/dev/null; then
     "$PY" -m pip install -q --retries 0 --timeout 5 -e '.[test]' ||
         "$PY" -m pip install -q --no-deps --no-build-isolation -e . ||
         echo "pip install failed: using PYTHONPATH=$PYTHONPATH"
 fi
-"$PY" -c 'import scalefold, scalefold.train.loop, gemmi, mlperf_logging
+"$PY" -c 'import scalefold, scalefold.train.trainer, gemmi, mlperf_logging
 print("scalefold", scalefold.__version__, "from", scalefold.__file__)'
 EOF
 export PY WHEELS

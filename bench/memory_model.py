@@ -24,8 +24,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from scalefold.config.training import TrainConfig  # noqa: E402
 from scalefold.perf.memory import estimate_memory, measure_cpu_peak  # noqa: E402
-from scalefold.train.config import TrainConfig  # noqa: E402
 
 
 def measure_cuda_peak(cfg: TrainConfig) -> dict[str, int]:
@@ -33,7 +33,7 @@ def measure_cuda_peak(cfg: TrainConfig) -> dict[str, int]:
     the GPU first; the peak counter reset after the build, so it covers what the step adds on top)."""
     import torch
 
-    from scalefold.perf.step import TrainingStep
+    from scalefold.train.step import TrainingStep
 
     step = TrainingStep.build(cfg, "cuda")
     torch.cuda.synchronize()

@@ -39,8 +39,8 @@ import torch.nn as nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from scalefold.train.flat_optimizer import FlatAdamSWA  # noqa: E402
-from scalefold.train.grad_clipping import GradClipper  # noqa: E402
+from scalefold.optim.adam_swa import FlatAdamSWA  # noqa: E402
+from scalefold.optim.clipping import GradClipper  # noqa: E402
 
 DEFAULT_SHAPES = REPO.parent / "shared" / "reference" / "state_dict_initial_training.tsv"
 MLPERF_NUM_TENSORS = 5044

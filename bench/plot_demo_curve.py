@@ -23,7 +23,7 @@ STAGE2_START = 26000  # stage 1's step whose export starts stage 2
 
 def eval_points(path: Path, offset: int = 0, upto: int | None = None) -> list[tuple[int, float]]:
     """(step + offset, eval lDDT-Cα) of every evaluation in a committed ``metrics.jsonl.gz``."""
-    from scalefold.train.plots import read_metrics
+    from scalefold.train.curves import read_metrics
 
     evals = read_metrics(path)[1]
     points = {r["step"] + offset: float(r["eval_lddt_ca"]) for r in evals if upto is None or r["step"] <= upto}
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from scalefold.checkpoint.shipped import Manifest, manifest_path, shipped_demo_checkpoint
-    from scalefold.train.config import DEMO_TARGET_LDDT
+    from scalefold.config.training import DEMO_TARGET_LDDT
 
     stage1 = eval_points(CURVES / "demo-wide" / "metrics.jsonl.gz", upto=STAGE2_START)
     stage2 = eval_points(CURVES / "demo-stage2" / "metrics.jsonl.gz", offset=STAGE2_START)

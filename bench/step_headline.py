@@ -55,10 +55,10 @@ def estimate_commands(args: argparse.Namespace) -> dict[str, list[str]]:
 def run_config(name: str, args: argparse.Namespace, after_warm_up=None) -> dict:
     import torch
 
-    from scalefold.perf.step import TrainingStep
-    from scalefold.train.config import TrainConfig
-    from scalefold.train.graphed_step import GraphedStep
-    from scalefold.train.steps import compile_blocks
+    from scalefold.compilation.graphed_step import GraphedStep
+    from scalefold.compilation.regions import compile_blocks
+    from scalefold.config.training import TrainConfig
+    from scalefold.train.step import TrainingStep
 
     kernels, compiled, graphs = CONFIGS[name]
     os.environ["SCALEFOLD_KERNELS"] = kernels

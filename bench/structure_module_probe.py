@@ -29,17 +29,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from scalefold.config.training import TrainConfig
+from scalefold.data.dataset import StoreSample
 from scalefold.data.pipeline import FeatureConfig
 from scalefold.data.store import Store
+from scalefold.lddt import validation_lddt_ca
 from scalefold.losses.distogram import distogram_bin_index
 from scalefold.losses.fape import backbone_fape_loss
-from scalefold.metrics import validation_lddt_ca
 from scalefold.model.config import StructureModuleConfig
+from scalefold.model.factory import build_model_config
 from scalefold.model.structure_module import StructureModule
-from scalefold.train.config import TrainConfig
-from scalefold.train.build import build_model_config
-from scalefold.train.run_data import ensure_store, split_chains
-from scalefold.data.dataset import StoreSample
+from scalefold.train.training_data import ensure_store, split_chains
 
 DISTANCE_BINS = (3.25, 50.75, 40)  # 39 evenly spaced edges (the template distogram's), 40 bins
 MAX_RELPOS = 32

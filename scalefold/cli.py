@@ -26,12 +26,12 @@ DEBUG_ENV = "SCALEFOLD_DEBUG"
 # (module, function) pairs that add subcommands to the parser. A module that fails to import
 # (e.g. an optional dependency missing) is reported when its subcommand would be registered.
 _SUBCOMMAND_PROVIDERS: tuple[tuple[str, str], ...] = (
-    ("scalefold.train.cli", "add_parsers"),
-    ("scalefold.data.cli", "add_parsers"),
-    ("scalefold.model.cli", "add_parsers"),
-    ("scalefold.inference.cli", "add_parsers"),
-    ("scalefold.perf.cli", "add_parsers"),
-    ("scalefold.checkpoint.cli", "add_parsers"),
+    ("scalefold.commands.train", "add_parsers"),
+    ("scalefold.commands.data", "add_parsers"),
+    ("scalefold.commands.model_info", "add_parsers"),
+    ("scalefold.commands.inference", "add_parsers"),
+    ("scalefold.commands.perf", "add_parsers"),
+    ("scalefold.commands.checkpoint", "add_parsers"),
 )
 
 

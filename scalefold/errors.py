@@ -33,9 +33,8 @@ class UserError(Exception):
 _KNOWN_INPUT_ERRORS: tuple[tuple[str, str], ...] = (
     ("scalefold.data.parsers", "ParseError"),
     ("scalefold.data.store", "StoreSchemaError"),
-    ("scalefold.checkpoint.adapters", "CheckpointError"),
-    ("scalefold.train.checkpoint_io", "CheckpointError"),
-    ("scalefold.train.run_data", "StoreNotFoundError"),
+    ("scalefold.checkpoint.files", "CheckpointError"),
+    ("scalefold.train.training_data", "StoreNotFoundError"),
     ("scalefold.distributed.runtime", "LaunchError"),
     ("scalefold.distributed.layout", "LayoutError"),
     ("scalefold.inference.weights", "InferenceError"),

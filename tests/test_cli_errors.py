@@ -29,9 +29,9 @@ def files(tmp_path_factory) -> dict[str, str]:
     import h5py
     import torch
 
+    from scalefold.checkpoint.files import build_checkpoint, save_atomic
     from scalefold.data.synthetic import synthesize
     from scalefold.model import AlphaFold, AlphaFoldConfig
-    from scalefold.train.checkpoint_io import build_checkpoint, save_atomic
 
     root = tmp_path_factory.mktemp("cli_errors")
     store = root / "store.h5"
@@ -247,7 +247,7 @@ def test_debug_shows_the_traceback_and_still_exits_3(files, how, capsys, monkeyp
 
 def test_a_bug_is_not_hidden(monkeypatch):
     """Errors that are not the user's (here: a TypeError inside a handler) keep their traceback."""
-    import scalefold.data.cli as data_cli
+    import scalefold.commands.data as data_cli
 
     def broken(path):
         raise TypeError("a bug")

@@ -360,7 +360,7 @@ def test_run_and_time_prints_result_and_keeps_the_exit_status(tmp_path):
 
 def test_throughput_instance_id_reaches_the_mlperf_logger():
     """run.sub's SCALEFOLD_MLPERF_INSTANCE is what `scalefold train` tags its MLPerf events with."""
-    from scalefold.train.mlperf_logging import throughput_instance
+    from scalefold.mlperf.logger import throughput_instance
 
     assert throughput_instance({}) is None and throughput_instance({"SCALEFOLD_MLPERF_INSTANCE": ""}) is None
     assert throughput_instance({"SCALEFOLD_MLPERF_INSTANCE": "3"}) == 3

@@ -1,11 +1,11 @@
-"""lDDT / lDDT-Cα metric (scalefold.metrics) against the MLPerf reference golden and its
+"""lDDT / lDDT-Cα metric (scalefold.lddt) against the MLPerf reference golden and its
 defining properties."""
 
 from __future__ import annotations
 
 import torch
 
-from scalefold.metrics import lddt, lddt_ca, validation_lddt_ca
+from scalefold.lddt import lddt, lddt_ca, validation_lddt_ca
 from scalefold.model.rigid import quat_to_rot
 
 RTOL = 1e-10

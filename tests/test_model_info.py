@@ -8,8 +8,8 @@ import json
 import torch
 
 from scalefold.cli import main
+from scalefold.commands.model_info import meta_model
 from scalefold.model import AlphaFold, AlphaFoldConfig
-from scalefold.model.cli import meta_model
 
 
 def test_meta_build_has_the_real_models_parameters():

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from scalefold.train.mlperf_logging import check_log
+from scalefold.distributed.launch import free_port
+from scalefold.mlperf.logger import check_log
 
 REPO = Path(__file__).resolve().parents[1]
 INSTALL_ENV = "SCALEFOLD_INSTALL_SLURM"
@@ -59,12 +60,6 @@ SUBMIT_TIMEOUT_S = 240
 
 def _which(name: str) -> str | None:
     return shutil.which(name) or next((f"{d}/{name}" for d in SBIN_DIRS if os.access(f"{d}/{name}", os.X_OK)), None)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _slurm_unavailable() -> str | None:
@@ -155,7 +150,7 @@ class LocalSlurm:
             "ClusterName=scalefoldtest",
             f"SlurmctldHost={self.node}(127.0.0.1)",
             "SlurmUser=root", "SlurmdUser=root",
-            f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
+            f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",
             "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={self.munge_socket}",
             f"StateSaveLocation={d / 'state'}", f"SlurmdSpoolDir={d / 'spool'}",
             f"SlurmctldPidFile={d / 'slurmctld.pid'}", f"SlurmdPidFile={d / 'slurmd.pid'}",

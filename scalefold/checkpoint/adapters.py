@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import os
 import re
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
 import torch
 import torch.nn as nn
+
+from scalefold.checkpoint.files import CheckpointError, check_checkpoint_file, load_checkpoint
 
 StateDict = dict[str, torch.Tensor]
 PathOrObj = Union[str, "os.PathLike[str]", Mapping[str, Any]]
@@ -39,10 +40,6 @@ SWA_MODULE_PREFIX = "averaged_model.module."
 DDP_PREFIX = "module."
 
 MAX_LISTED_NAMES = 10  # names shown per category in a mismatch error
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file or state dict that cannot be loaded."""
 
 
 class StateDictMismatchError(CheckpointError):
@@ -141,57 +138,12 @@ def load_reference_state_dict(model: nn.Module, state_dict: Mapping[str, Any], s
 
 
 # torch.save writes a zip archive (PyTorch >= 1.6) or, in the legacy format, a pickle (protocol 2+).
-_ZIP_MAGIC = b"PK\x03\x04"
-_PICKLE_MAGIC = b"\x80"
-CHECKPOINT_EXPECTED = "a PyTorch checkpoint (.pt) written by torch.save, e.g. by `scalefold train`"
-
-
-def check_checkpoint_file(path: Union[str, os.PathLike]) -> str:
-    """``path`` if it looks like a ``torch.save`` file, else :class:`CheckpointError` saying what it is
-    instead (missing, a directory, empty, another format): checked before ``torch.load``, whose errors
-    for such files are long and suggest loading with ``weights_only=False`` -- never the remedy for a
-    wrong file."""
-    path = os.fspath(path)
-    if not os.path.exists(path):
-        raise CheckpointError(f"checkpoint {path} not found (expected {CHECKPOINT_EXPECTED})")
-    if os.path.isdir(path):
-        raise CheckpointError(f"checkpoint {path} is a directory (expected {CHECKPOINT_EXPECTED})")
-    try:
-        with open(path, "rb") as f:
-            head = f.read(64)
-    except OSError as exc:
-        raise CheckpointError(f"checkpoint {path} cannot be read ({exc.strerror})") from exc
-    if not head:
-        raise CheckpointError(f"checkpoint {path} is empty (0 bytes; expected {CHECKPOINT_EXPECTED})")
-    if not (head.startswith(_ZIP_MAGIC) or head.startswith(_PICKLE_MAGIC)):
-        text = head[:24].decode("latin-1").splitlines()[0] if head[:1].isascii() else ""
-        starts = f"it starts with {text!r}" if text and text.isprintable() else "an unknown binary format"
-        raise CheckpointError(f"checkpoint {path} is not a PyTorch checkpoint ({starts}; expected {CHECKPOINT_EXPECTED})")
-    return path
-
-
 def read_checkpoint(path_or_obj: PathOrObj, map_location: Union[str, torch.device] = "cpu") -> Mapping[str, Any]:
-    """``torch.load`` a checkpoint file (tensors and plain containers only), or pass a dict through.
-
-    Raises :class:`CheckpointError` with the file name for missing, unreadable or non-dict files.
-    """
+    """A checkpoint dict: a dict passes through, a path is read by the one loader,
+    :func:`scalefold.checkpoint.files.load_checkpoint` (:class:`CheckpointError` naming the file)."""
     if isinstance(path_or_obj, Mapping):
         return path_or_obj
-    path = check_checkpoint_file(path_or_obj)
-    try:
-        with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4": the error below says it all
-            warnings.simplefilter("ignore")
-            obj = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as exc:  # torch raises RuntimeError / UnpicklingError / EOFError / ...
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        if "Weights only load failed" in reason:  # a pickle of arbitrary objects: not a checkpoint of ours
-            reason = "it holds objects other than tensors and plain containers"
-        raise CheckpointError(
-            f"checkpoint {path} cannot be loaded: truncated or not a checkpoint ({type(exc).__name__}: {reason})"
-        ) from exc
-    if not isinstance(obj, Mapping):
-        raise CheckpointError(f"checkpoint {path} holds a {type(obj).__name__}, not a checkpoint dict")
-    return obj
+    return load_checkpoint(path_or_obj, map_location=map_location)
 
 
 def load_reference_checkpoint(

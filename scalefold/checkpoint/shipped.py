@@ -88,7 +88,7 @@ def regenerate_hint(manifest: Manifest | None) -> str:
 
 def verify_shipped(checkpoint: PathLike) -> Manifest:
     """The manifest of ``checkpoint`` after checking that the file exists and has its sha256."""
-    from scalefold.train.checkpoint_io import sha256sum
+    from scalefold.checkpoint.files import sha256sum
 
     checkpoint = Path(checkpoint)
     manifest = Manifest.read(manifest_path(checkpoint))
@@ -127,7 +127,7 @@ def export_init_checkpoint(
     """Write ``out`` (reference layout: weights + Adam state + iteration) from the training checkpoint
     ``source`` and its manifest beside it. ``weights="swa"`` ships the SWA average of the source
     run (what its evaluation scored), ``"model"`` the raw weights; the Adam moments are the run's."""
-    from scalefold.train.checkpoint_io import load_checkpoint, save_atomic, sha256sum
+    from scalefold.checkpoint.files import load_checkpoint, save_atomic, sha256sum
 
     ckpt = load_checkpoint(source, map_location="cpu")
     if weights == "swa":

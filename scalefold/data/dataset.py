@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from scalefold import residue_constants as rc
-from scalefold.data.eval_cache import EvalCache
 from scalefold.data.pipeline import (
     FeatureConfig,
     process_training_features,
@@ -114,25 +113,4 @@ class StoreSample:
         return add_batch_dim(sample)
 
 
-def validation_cache(
-    store_path: str, chain_ids: list[str], features: FeatureConfig, rank: int = 0, num_ranks: int = 1,
-    num_workers: int = 0, pin_memory: bool = False,
-) -> EvalCache:
-    """The :class:`~scalefold.data.eval_cache.EvalCache` of rank ``rank`` of ``num_ranks`` for the
-    validation chains ``chain_ids`` of a store: targets spread by LPT with cost L² (residue counts from
-    the store's chain table), each with the reference's fixed validation seed (``"eval"`` mode).
-    Nothing is computed until the cache is filled."""
-    with Store.open(store_path) as store:
-        table = store.chain_table()
-    length_of = dict(zip((str(c) for c in table["chain_id"]), (int(n) for n in table["length"])))
-    missing = [c for c in chain_ids if c not in length_of]
-    if missing:
-        raise KeyError(f"{store_path}: validation chains {missing[:10]} are not in the store")
-    return EvalCache(
-        StoreSample(str(store_path), list(chain_ids), features, mode="eval"),
-        [(i, 0) for i in range(len(chain_ids))], [length_of[c] for c in chain_ids],
-        rank=rank, num_ranks=num_ranks, num_workers=num_workers, pin_memory=pin_memory,
-    )  # fmt: skip
-
-
-__all__ = ["StoreSample", "add_batch_dim", "chain_raw_features", "validation_cache"]
+__all__ = ["StoreSample", "add_batch_dim", "chain_raw_features"]

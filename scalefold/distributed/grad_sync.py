@@ -10,7 +10,7 @@ After backward, a parameter's gradient on one rank is
   outer product mean): identical on the ranks of a DAP group / BP pair, **not** summed.
 
 Then data-parallel replicas are averaged. Both rules fold into one mean over all training ranks
-(what DDP and the bucket-clipping hook of ``scalefold.train.grad_clipping`` do) once every
+(what DDP and the bucket-clipping hook of ``scalefold.optim.clipping`` do) once every
 gradient is multiplied by ``grad_scale(p) = (dap if sharded) * (bp if branch-owned)``:
 ``mean_{dp,bp,dap}(g * scale) = mean_dp(sum_{sharded axes} g)``. The model's parallel stacks
 (:mod:`scalefold.distributed.parallelize`) name which parameters are sharded or branch-owned;
@@ -22,14 +22,22 @@ gradient); :func:`all_reduce_mean` is the explicit, DDP-free reduction.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-if TYPE_CHECKING:
-    from scalefold.distributed.parallelize import ParallelStack
+
+class ParallelStack(Protocol):
+    """What gradient synchronisation reads of a parallel stack (the protocol of the same name in
+    :mod:`scalefold.distributed.parallelize`, which implements the stacks; repeated here so that this
+    module, which :mod:`~scalefold.distributed.parallelize` imports, imports nothing back)."""
+
+    def sharded_parameters(self) -> Iterable[nn.Parameter]: ...
+
+    def branch_parameters(self) -> Iterable[nn.Parameter]: ...
+
 
 def grad_scales(stacks: Sequence[ParallelStack], dap_size: int, bp_size: int) -> dict[nn.Parameter, float]:
     """``{param: factor}`` for every parameter of ``stacks`` whose factor is not 1: ``dap_size``

@@ -13,9 +13,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (the OS picks it): ScaleFold's one free-port helper, for a local
+    launch's rendezvous (loopback) and an MPI launch's master (``""``: every interface)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from scalefold.distributed.context import ParallelContext, build_parallel_context
+from scalefold.distributed.launch import free_port
 from scalefold.distributed.layout import ParallelLayout
 from scalefold.errors import exception_summary
 
@@ -175,12 +176,6 @@ def resolve_slurm_master(nodelist: str, run: Callable[..., subprocess.CompletedP
     return expand_slurm_nodelist(nodelist)[0]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def complete_with_mpi(info: RankInfo) -> RankInfo:
     """Fill what MPI variables lack (master address/port, local rank) with mpi4py collectives.
 
@@ -200,7 +195,7 @@ def complete_with_mpi(info: RankInfo) -> RankInfo:
     comm = MPI.COMM_WORLD
     master_addr, master_port = info.master_addr, info.master_port
     if master_addr is None or master_port is None:
-        master = (socket.gethostname(), _free_port()) if comm.Get_rank() == 0 else None
+        master = (socket.gethostname(), free_port("")) if comm.Get_rank() == 0 else None
         master_addr, master_port = comm.bcast(master, root=0)
     local_rank, local_world, nodes = info.local_rank, info.local_world_size, info.num_nodes
     if local_rank < 0 or local_world < 0:

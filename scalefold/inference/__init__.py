@@ -5,7 +5,7 @@
 * :mod:`scalefold.inference.predict` -- FASTA and alignment reading, features, one prediction;
 * :mod:`scalefold.inference.evaluate` -- the validation split of a store, scores, reports;
 * :mod:`scalefold.inference.structure_io` -- PDB (fixed columns) and mmCIF (gemmi) writers;
-* :mod:`scalefold.inference.cli` -- the two subcommands.
+* :mod:`scalefold.commands.inference` -- the two subcommands.
 
 Submodules are imported on use, so ``scalefold --help`` stays cheap.
 """

@@ -122,7 +122,7 @@ def lddt_ca_against(predicted_ca: np.ndarray, true_ca: np.ndarray, true_mask: np
     """The MLPerf lDDT-Cα of one prediction against the true Cα positions (masked residues left out)."""
     import torch
 
-    from scalefold.metrics import CA_ATOM37_INDEX, validation_lddt_ca
+    from scalefold.lddt import CA_ATOM37_INDEX, validation_lddt_ca
 
     n = len(predicted_ca)
     pred = torch.zeros(n, 37, 3, dtype=torch.float64)

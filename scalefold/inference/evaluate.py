@@ -1,12 +1,12 @@
 """``scalefold evaluate``: per-target and mean lDDT-Cα of a checkpoint on a store's validation chains.
 
-The targets are the validation split training uses (:func:`scalefold.train.run_data.validation_chain_ids`:
+The targets are the validation split training uses (:func:`scalefold.train.training_data.validation_chain_ids`:
 chains released in the CAMEO window, at most ``val_max_sequence_length`` residues, the training
 preset's ``eval_max_chains``) or an explicit list of chain ids. Each target goes through the
 validation data pipeline with the reference's per-target seed
 (:class:`scalefold.data.dataset.StoreSample` in ``eval`` mode), the model runs all recycling
 passes without autograd and the score is the MLPerf metric
-(:func:`scalefold.metrics.validation_lddt_ca`). With the training preset's settings and the SWA
+(:func:`scalefold.lddt.validation_lddt_ca`). With the training preset's settings and the SWA
 weights of a checkpoint this reproduces the training run's ``eval_lddt_ca`` at that step.
 """
 
@@ -25,9 +25,9 @@ from typing import Any, Union
 
 import torch
 
+from scalefold.evaluation.scoring import target_lddt_ca
 from scalefold.inference.predict import run_model
 from scalefold.inference.weights import InferenceError, LoadedModel, default_device, load_model
-from scalefold.metrics import validation_lddt_ca
 
 PathLike = Union[str, os.PathLike]
 REPORT_SUFFIXES = (".json", ".csv")
@@ -96,10 +96,10 @@ class EvaluationReport:
 
 def validation_chains(store_path: PathLike, preset: str, max_chains: int | None = None) -> list[str]:
     """The validation chains training with ``preset`` uses (``max_chains``: 0 = all, None = the preset's)."""
+    from scalefold.config.training import TrainConfig
     from scalefold.data.store import Store
     from scalefold.inference.weights import TRAINING_PRESET_OF
-    from scalefold.train.config import TrainConfig
-    from scalefold.train.run_data import validation_chain_ids
+    from scalefold.train.training_data import validation_chain_ids
 
     cfg = TrainConfig.from_preset(TRAINING_PRESET_OF[preset], overrides={"eval_max_chains": max_chains})
     with Store.open(store_path) as store:
@@ -128,12 +128,7 @@ def _check_chains(store_path: PathLike, chains: Sequence[str]) -> list[str]:
 def score_target(loaded: LoadedModel, batch: dict[str, torch.Tensor]) -> tuple[float, float]:
     """``(lDDT-Cα, mean pLDDT)`` of one validation batch ``[1, ..., R]``."""
     outputs = run_model(loaded, batch)
-    score = validation_lddt_ca(
-        outputs["final_atom_positions"],  # [1, N_res, 37, 3]
-        batch["all_atom_positions"][..., -1].float(),
-        batch["all_atom_mask"][..., -1].float(),
-    )
-    return float(score.mean()), float(outputs["plddt"].mean())
+    return target_lddt_ca(outputs, batch), float(outputs["plddt"].mean())
 
 
 def evaluate(

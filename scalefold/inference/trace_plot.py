@@ -59,7 +59,7 @@ def predict_ca_trace(checkpoint: PathLike, store: PathLike, chain_id: str, weigh
     from scalefold.data.pipeline import FeatureConfig
     from scalefold.inference.predict import run_model
     from scalefold.inference.weights import load_model
-    from scalefold.metrics import validation_lddt_ca
+    from scalefold.lddt import validation_lddt_ca
 
     loaded = load_model(checkpoint, weights=weights)
     features = FeatureConfig.from_reference_config(loaded.config.to_dict())

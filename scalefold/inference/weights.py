@@ -2,7 +2,7 @@
 
 Accepted files (all read with ``torch.load(weights_only=True)``):
 
-* ScaleFold's own checkpoints (:mod:`scalefold.train.checkpoint_io`): ``alphafold_state_dict`` and,
+* ScaleFold's own checkpoints (:mod:`scalefold.checkpoint.files`): ``alphafold_state_dict`` and,
   when SWA ran, ``swa_state_dict`` (``averaged_model.n_averaged`` + ``averaged_model.module.<name>``);
 * the MLPerf reference's resumable checkpoint (``alphafold_state_dict``, ``optimizer_state_dict``,
   ``iteration``) and its SWA file (the ``averaged_model.*`` entries at top level);
@@ -17,7 +17,7 @@ checkpoint's parameter names and shapes with each preset built on the meta devic
 time). A checkpoint that matches no preset is refused with the list of mismatched names.
 
 The data-pipeline sizes and the recycling count are those the training preset uses
-(:func:`scalefold.train.build.build_model_config`), so that ``scalefold evaluate`` reproduces the
+(:func:`scalefold.model.factory.build_model_config`), so that ``scalefold evaluate`` reproduces the
 training run's evaluation; ``num_recycling`` overrides the recycling count.
 """
 
@@ -31,8 +31,8 @@ from typing import Any, Union
 import torch
 
 from scalefold.checkpoint import adapters
+from scalefold.checkpoint import files as checkpoint_io
 from scalefold.model import AlphaFold, AlphaFoldConfig
-from scalefold.train import checkpoint_io
 
 PathLike = Union[str, os.PathLike]
 
@@ -80,14 +80,14 @@ def inference_config(preset: str, num_recycling: int | None = None, precision: s
                      model_options: Mapping[str, int] | None = None) -> AlphaFoldConfig:  # fmt: skip
     """The model config the training preset of ``preset`` builds (data sizes, recycling), fp32, with the
     training run's ``model_options`` (recorded in its checkpoints) and ``num_recycling`` over them."""
-    from scalefold.train.build import build_model_config
-    from scalefold.train.config import TrainConfig
+    from scalefold.config.training import TrainConfig
+    from scalefold.model.factory import build_model_config
 
     if preset not in TRAINING_PRESET_OF:
         raise InferenceError(f"unknown model preset {preset!r}; expected one of {sorted(TRAINING_PRESET_OF)}")
     if num_recycling is not None and num_recycling < 0:
         raise InferenceError(f"the number of recycling iterations must be >= 0, got {num_recycling}")
-    from scalefold.train.build import MODEL_OPTIONS
+    from scalefold.model.factory import MODEL_OPTIONS
 
     options = {k: v for k, v in (model_options or {}).items() if k in MODEL_OPTIONS}
     train_cfg = TrainConfig.from_preset(

@@ -14,7 +14,7 @@ The environment variable ``SCALEFOLD_KERNELS`` (``auto``/``triton``/``torch``) o
 Kernels (``scalefold.kernels.triton_ops`` registers them as ``torch.ops.scalefold.*`` custom ops):
 :func:`attention` (``attention_triton``), :func:`layer_norm` (``layer_norm_triton``) and
 :func:`adam_swa_` (``adam_swa_triton``); their launch configs are tuned by ``autotune``. The flat
-optimizer (``scalefold.train.flat_optimizer``) steps through :func:`adam_swa_`: training and the
+optimizer (``scalefold.optim.adam_swa``) steps through :func:`adam_swa_`: training and the
 kernel tests share one Adam+SWA reference.
 ``python -m scalefold.kernels.aot`` compiles every one of them, for every candidate config, for
 H100 (sm_90) and A100 (sm_80) without a GPU, and reports registers, shared memory and spills.

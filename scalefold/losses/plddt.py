@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from scalefold.lddt import CA_ATOM37_INDEX, lddt
 from scalefold.losses.common import one_hot_cross_entropy, resolution_filter
-from scalefold.metrics import CA_ATOM37_INDEX, lddt
 
 
 def lddt_bin_index(score: torch.Tensor, num_bins: int) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Performance planning and measurement of the training step, runnable without a GPU.
 
-* :mod:`scalefold.perf.step`       -- one training step exactly as the loop takes it (no-grad recycling
-  passes, grad pass, loss, backward, clipping, Adam + SWA), on a synthetic batch of the run's shapes;
-  shared by the two tools below so they measure the same thing;
+Both tools below take the Trainer's own step object (:class:`scalefold.train.step.TrainingStep`: no-grad
+recycling passes, grad pass, loss, backward, clipping, Adam + SWA) on a synthetic batch of the run's
+shapes, so they measure the step the Trainer takes by construction.
+
 * :mod:`scalefold.perf.memory`     -- ``scalefold estimate-memory``: peak memory per rank predicted by
   running that step on fake tensors (shapes only), and :func:`~scalefold.perf.memory.check_fits` for
   the start-up check;

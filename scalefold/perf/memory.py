@@ -1,6 +1,6 @@
 """Peak memory per rank of one training step, predicted without a GPU (``scalefold estimate-memory``).
 
-Method: the real training step (:class:`scalefold.perf.step.TrainingStep`: every no-grad recycling
+Method: the real training step (:class:`scalefold.train.step.TrainingStep`: every no-grad recycling
 pass, the grad pass with activation checkpointing as configured, the fp32 loss, backward, clipping,
 Adam + SWA) runs on **fake tensors** (``torch._subclasses.FakeTensorMode``: shapes, dtypes and
 storages, no data, no compute), under a dispatch-level tracker that sees every storage the step
@@ -54,7 +54,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from scalefold.train.config import TrainConfig
+from scalefold.config.training import TrainConfig
 
 GiB = 2**30
 CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator rounds every block up to a multiple of this
@@ -378,7 +378,8 @@ def estimate_memory(
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from scalefold.perf.step import TrainingStep, build_model, model_config, synthetic_batch
+    from scalefold.model.factory import build_model_config
+    from scalefold.train.step import TrainingStep, synthetic_batch, training_model
 
     if target not in ("cuda", "cpu"):
         raise ValueError(f"target must be cuda or cpu, got {target!r}")
@@ -390,8 +391,8 @@ def estimate_memory(
     if cuda_graphs is None:
         cuda_graphs = target == "cuda" and cfg.dap * cfg.bp == 1 and cfg.cuda_graphs != "off"
     t0 = time.perf_counter()
-    model_cfg = model_config(cfg)
-    model = build_model(cfg, model_cfg, "cpu")  # real (small) initialisation; then swapped for fakes
+    model_cfg = build_model_config(cfg)
+    model = training_model(cfg, model_cfg, "cpu")  # real (small) initialisation; then swapped for fakes
     real_batch = synthetic_batch(cfg, model, "cpu")
     n = recycling
     mode = FakeTensorMode(allow_non_fake_inputs=True)  # cached constant tables (residue geometry) are real
@@ -515,7 +516,7 @@ def measure_cpu_peak(cfg: TrainConfig, recycling: int | None = None) -> dict[str
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
-    from scalefold.perf.step import TrainingStep
+    from scalefold.train.step import TrainingStep
 
     step = TrainingStep.build(cfg)
     n = min(1, step.num_ensembles - 1) if recycling is None else recycling

@@ -1,8 +1,8 @@
 """``scalefold bench step``: the training step timed eager and compiled, in one process.
 
-The same :class:`~scalefold.perf.step.TrainingStep` (model seeded as the run seeds it, synthetic batch
+The same :class:`~scalefold.train.step.TrainingStep` (model seeded as the run seeds it, synthetic batch
 of the preset's training shapes, loss, backward, clipping, Adam + SWA) is timed eager, then with
-:func:`~scalefold.train.steps.compile_blocks` applied to the model and the loss (strict: a graph break or
+:func:`~scalefold.train.step.compile_blocks` applied to the model and the loss (strict: a graph break or
 recompilation makes the compiled figure invalid, so it is reported and, with ``--strict``, fatal). The
 recycling count cycles through ``0 .. R-1`` so every configuration sees the step mix training draws
 (uniform); warm-up steps (one per recycling count at least: compilation for both grad modes happens
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from scalefold.train.config import TrainConfig
+from scalefold.config.training import TrainConfig
 
 
 def _cycle_times(step: Any, repeats: int, warmup: int) -> dict[str, Any]:
@@ -58,8 +58,8 @@ def _cycle_times(step: Any, repeats: int, warmup: int) -> dict[str, Any]:
 
 def _compiled_times(cfg: TrainConfig, regions: Sequence[str], backend: str, strict: bool, repeats: int,
                     warmup: int) -> dict[str, Any]:  # fmt: skip
-    from scalefold.perf.step import TrainingStep
-    from scalefold.train.steps import compile_blocks
+    from scalefold.compilation.regions import compile_blocks
+    from scalefold.train.step import TrainingStep
 
     torch._dynamo.reset()
     step = TrainingStep.build(cfg)
@@ -81,8 +81,8 @@ def run_step_benchmark(
     log: Any = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Eager (and compiled) step times of ``cfg``'s training step; the result printed as JSON."""
-    from scalefold.perf.step import TrainingStep
-    from scalefold.train.steps import COMPILE_REGIONS
+    from scalefold.compilation.regions import COMPILE_REGIONS
+    from scalefold.train.step import TrainingStep
 
     say = log or (lambda line: None)
     regions = tuple(regions or COMPILE_REGIONS)
@@ -122,9 +122,9 @@ def run_step_benchmark(
 
 def _num_ensembles(cfg: TrainConfig) -> int:
     from scalefold.data.pipeline import FeatureConfig
-    from scalefold.perf.step import model_config
+    from scalefold.model.factory import build_model_config
 
-    return FeatureConfig.from_reference_config(model_config(cfg).to_dict()).num_ensembles
+    return FeatureConfig.from_reference_config(build_model_config(cfg).to_dict()).num_ensembles
 
 
 def format_result(r: dict[str, Any]) -> str:
@@ -142,7 +142,7 @@ def format_result(r: dict[str, Any]) -> str:
 
 
 def cmd_bench_step(args: argparse.Namespace) -> int:
-    from scalefold.train.config import PRESETS
+    from scalefold.config.training import PRESETS
 
     if args.preset not in PRESETS:
         print(f"scalefold bench step: unknown preset {args.preset!r}; expected one of {sorted(PRESETS)}", file=sys.stderr)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scalefold.data.bench_cli import SimulatedSample
+from scalefold.commands.bench import SimulatedSample
 from scalefold.data.dataset import StoreSample
 from scalefold.data.loader import InOrderLoader
 from scalefold.data.pipeline import FeatureConfig

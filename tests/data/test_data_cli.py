@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scalefold.data.cli import _preprocess_summary
+from scalefold.commands.data import _preprocess_summary
 
 
 def _report(skipped: dict) -> dict:

@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import torch
 
-from scalefold.data.eval_cache import EvalCache, assign_lpt, rank_costs
+from scalefold.evaluation.cache import EvalCache, assign_lpt, rank_costs
 
 
 def test_lpt_assigns_every_target_once_and_balances():

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from scalefold.cli import main
-from scalefold.data.export import FILE_NAMES, export_chain
 from scalefold.data.store import Store
 from scalefold.data.synthetic import synthesize
 from scalefold.inference.compare import RG_EXPONENT, RG_PREFACTOR, ca_geometry, lddt_ca_against, read_reference_ca
+from scalefold.inference.export import FILE_NAMES, export_chain
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "demo_target"
@@ -34,7 +34,7 @@ def small_store(tmp_path_factory) -> Path:
 def test_shipped_example_equals_a_fresh_export_of_the_demo_store(tmp_path):
     """Synthesise the demo store as `scalefold train` does (the demo preset's synth_* options), export
     its default chain: the files equal examples/demo_target/ (regenerate them with the README's command)."""
-    from scalefold.train.config import TrainConfig
+    from scalefold.config.training import TrainConfig
 
     cfg = TrainConfig.from_preset("demo", env={})
     store = tmp_path / Path(cfg.store).name  # the file name appears in the FASTA header
@@ -44,7 +44,7 @@ def test_shipped_example_equals_a_fresh_export_of_the_demo_store(tmp_path):
     for name in FILE_NAMES.values():
         assert (tmp_path / "fresh" / name).read_text() == (EXAMPLE / name).read_text(), name
     with Store.open(store) as s:  # the default chain is held out of training by the demo's split
-        from scalefold.train.run_data import validation_chain_ids
+        from scalefold.train.training_data import validation_chain_ids
 
         chain = (EXAMPLE / "target.fasta").read_text().split()[0][1:]
         assert chain in validation_chain_ids(s, cfg)
@@ -89,8 +89,8 @@ def test_predict_with_reference_prints_lddt_and_geometry(small_store, tmp_path, 
     """The CLI path: an exported chain, a tiny checkpoint (what a tiny run writes), PDB and mmCIF references."""
     import torch
 
+    from scalefold.checkpoint.files import build_checkpoint, save_atomic
     from scalefold.model import AlphaFold, AlphaFoldConfig
-    from scalefold.train.checkpoint_io import build_checkpoint, save_atomic
 
     torch.manual_seed(0)
     ckpt = save_atomic(build_checkpoint(AlphaFold(AlphaFoldConfig.from_preset("tiny")).state_dict(), {}, 0),

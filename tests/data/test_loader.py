@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from scalefold.data.bench_cli import SimulatedSample
+from scalefold.commands.bench import SimulatedSample
 from scalefold.data.loader import InOrderLoader, PriorityQueueLoader, Sampler
 
 FAST = 0.01  # seconds per ordinary sample

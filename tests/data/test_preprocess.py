@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scalefold.data.cli import add_parsers, store_stats
+from scalefold.commands.data import add_parsers, store_stats
 from scalefold.data.mlperf_layout import MlperfLayout, PickleNotAllowedError, convert_to_store
 from scalefold.data.parsers.mmcif import parse_mmcif
 from scalefold.data.preprocess import preprocess, report_path

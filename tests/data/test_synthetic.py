@@ -119,7 +119,7 @@ def test_family_fold_is_the_learnable_signal(family):
     unrelated fold of the same length scores clearly lower (only the local secondary structure agrees)."""
     import torch
 
-    from scalefold.metrics import validation_lddt_ca
+    from scalefold.lddt import validation_lddt_ca
 
     def score(a, b) -> float:
         mask = torch.tensor(a.all_atom_mask * b.all_atom_mask, dtype=torch.float32)[None]

@@ -9,26 +9,20 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from scalefold.train.checkpoint_io import load_checkpoint
+from scalefold.checkpoint.files import load_checkpoint
+from scalefold.distributed.launch import free_port
 
 pytestmark = pytest.mark.distributed
 
 STEPS = 3  # the heads' "final" inits are zero: Evoformer weights move from step 2 on
 ARGS = ("--preset", "tiny", "--max-steps", str(STEPS), "--eval-every", "0", "--checkpoint-every", str(STEPS),
         "--precision", "fp64", "--deterministic", "--num-workers", "1")  # fmt: skip
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train(root, name: str, nproc: int, *extra: str, launcher: str = "torchrun") -> subprocess.CompletedProcess:
@@ -41,7 +35,7 @@ def _train(root, name: str, nproc: int, *extra: str, launcher: str = "torchrun")
         launch = [_mpirun(), "-n", str(nproc), *launch]
     elif nproc > 1:
         launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                  "--master-port", str(_free_port()), "-m", "scalefold"]  # fmt: skip
+                  "--master-port", str(free_port()), "-m", "scalefold"]  # fmt: skip
     cmd = [*launch, "train", *ARGS, "--out", str(root / name), "--store", str(root / "store.h5"), *extra]
     proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from scalefold.checkpoint.adapters import swa_state_dict
+from scalefold.checkpoint.files import build_checkpoint, save_atomic
 from scalefold.model import AlphaFold, AlphaFoldConfig
-from scalefold.train.checkpoint_io import build_checkpoint, save_atomic
 
 SWA_UPDATES = 3
 

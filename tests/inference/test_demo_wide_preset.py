@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
+from scalefold.config.training import DEMO_STRUCTURE_MODULE_ITERATIONS, TrainConfig
 from scalefold.inference.weights import detect_preset, inference_config
 from scalefold.model.alphafold import AlphaFold
 from scalefold.model.config import AlphaFoldConfig
-from scalefold.train.build import build_model_config
-from scalefold.train.config import DEMO_STRUCTURE_MODULE_ITERATIONS, TrainConfig
+from scalefold.model.factory import build_model_config
 
 
 def test_the_demo_presets_train_it_and_share_one_store():

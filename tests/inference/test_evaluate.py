@@ -8,11 +8,11 @@ import json
 import pytest
 
 from scalefold.cli import main
+from scalefold.config.training import TrainConfig
+from scalefold.evaluation.scoring import score_batches as loop_evaluate
 from scalefold.inference.evaluate import evaluate, validation_chains
 from scalefold.inference.weights import InferenceError, load_model
-from scalefold.train.config import TrainConfig
-from scalefold.train.evaluation import evaluate as loop_evaluate
-from scalefold.train.loop import train
+from scalefold.train.trainer import train
 
 
 @pytest.fixture(scope="module")

@@ -94,7 +94,7 @@ def test_checkpoint_layouts_and_weight_choice(checkpoints, tiny_models):
 
 
 def test_mismatched_or_damaged_checkpoints_are_refused(checkpoints, tmp_path):
-    from scalefold.train.checkpoint_io import CheckpointError
+    from scalefold.checkpoint.files import CheckpointError
 
     with pytest.raises(InferenceError, match=r"(?s)does not fit the 'demo' preset.*29 mis-shaped.*structure_module"):
         load_model(checkpoints["own"], preset="demo")

@@ -13,9 +13,9 @@ from scalefold.checkpoint.shipped import (
     manifest_path,
     verify_shipped,
 )
+from scalefold.config.training import TrainConfig
 from scalefold.inference.trace_plot import kabsch_superpose, plot_checkpoints_on_chain, rmsd
-from scalefold.train.config import TrainConfig
-from scalefold.train.loop import train
+from scalefold.train.trainer import train
 
 
 def _rotation(seed: int) -> np.ndarray:

@@ -61,7 +61,7 @@ def test_first_swa_update_copies_weights(device):
 
 def test_flat_optimizer_triton_backend_matches_torch(device):
     """``FlatAdamSWA(backend="triton")`` (the flat optimizer's kernel hook) tracks ``backend="torch"``."""
-    flat = pytest.importorskip("scalefold.train.flat_optimizer")
+    flat = pytest.importorskip("scalefold.optim.adam_swa")
     torch.manual_seed(0)
     shapes = [(7, 5), (13,), (3, 3, 3)]
     runs = {}

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from scalefold.train.steps import CompileCheckError, compile_blocks
+from scalefold.compilation.regions import CompileCheckError, compile_blocks
 
 
 @pytest.fixture(autouse=True)
@@ -129,7 +129,7 @@ def test_non_strict_report_never_raises():
 
 
 def test_module_region_and_fp32_region_compile_their_inner_forward():
-    from scalefold.train.steps import run_in_fp32
+    from scalefold.model.precision import run_in_fp32
 
     model = Model()
     run_in_fp32(model.head)
@@ -144,8 +144,8 @@ def test_module_region_and_fp32_region_compile_their_inner_forward():
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_tiny_training_step_compiles_without_breaks_or_recompiles(precision):
-    from scalefold.perf.step import TrainingStep
-    from scalefold.train.config import TrainConfig
+    from scalefold.config.training import TrainConfig
+    from scalefold.train.step import TrainingStep
 
     cfg = TrainConfig.from_preset("tiny", overrides={"precision": precision}, env={})
     step = TrainingStep.build(cfg)

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from scalefold.config.training import TrainConfig
 from scalefold.perf.memory import (
     CONTEXT_RESERVE_BYTES,
     FRAGMENTATION_MARGIN,
@@ -17,7 +18,6 @@ from scalefold.perf.memory import (
     estimate_memory,
     measure_cpu_peak,
 )  # fmt: skip
-from scalefold.train.config import TrainConfig
 
 
 def _cfg(**overrides) -> TrainConfig:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,18 +19,13 @@ import torch
 import torch.multiprocessing as mp
 
 from scalefold.distributed.context import ParallelContext
+from scalefold.distributed.launch import free_port
 from scalefold.distributed.layout import ParallelLayout
 from scalefold.distributed.runtime import Runtime
-from scalefold.train.async_eval import (
-    REPLY_BYTES,
-    AsyncEvalClient,
-    bind_flat_parameters,
-    decode_reply,
-    encode_reply,
-    run_eval_rank,
-    swa_flat_buffer,
-)
-from scalefold.train.mlperf_logging import check_log
+from scalefold.evaluation.client import AsyncEvalClient
+from scalefold.evaluation.protocol import REPLY_BYTES, bind_flat_parameters, decode_reply, encode_reply, swa_flat_buffer
+from scalefold.evaluation.server import run_eval_rank
+from scalefold.mlperf.logger import check_log
 
 LENGTHS = [10, 14, 8, 12, 9]  # residues of the validation targets
 STEPS_PER_CYCLE = 2  # "eval_every" of these runs
@@ -62,7 +56,7 @@ def _targets(indices: list[int]) -> list[dict[str, torch.Tensor]]:
 
 
 def _score(model, batch) -> float:
-    from scalefold.metrics import validation_lddt_ca
+    from scalefold.lddt import validation_lddt_ca
 
     out = model(batch)
     score = validation_lddt_ca(
@@ -103,8 +97,8 @@ class _Cfg:
 def _train_side(runtime, out: Path, target: float, max_cycles: int, max_pending: int = 2, timeout_s: float = 30,
                 wait_for_results: bool = False) -> dict:  # fmt: skip
     """A training rank: flat Adam + SWA steps, a submission and a stop check every cycle."""
-    from scalefold.train import mlperf_logging as mll
-    from scalefold.train.flat_optimizer import FlatAdamSWA
+    from scalefold.mlperf import logger as mll
+    from scalefold.optim.adam_swa import FlatAdamSWA
 
     model = _build_model()
     opt = FlatAdamSWA(list(model.named_parameters()), lr=1e-2)
@@ -162,8 +156,8 @@ def _train_side(runtime, out: Path, target: float, max_cycles: int, max_pending:
 def _eval_side(
     runtime, out: Path, target: float, score_fn, use_cache: bool, lengths: list[int] | None = LENGTHS
 ) -> dict:
-    from scalefold.data.eval_cache import EvalCache
-    from scalefold.train import mlperf_logging as mll
+    from scalefold.evaluation.cache import EvalCache
+    from scalefold.mlperf import logger as mll
 
     mllog = mll.MLPerfLogger.for_rank(runtime.rank, runtime.parallel.log_ranks, out / "mlperf.log")
     if use_cache:
@@ -230,17 +224,11 @@ def _rank_main(rank: int, port: int, scenario: str, out: str) -> None:
     os._exit(0)  # no teardown: a failed peer may leave gloo connections half-open
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(tmp_path: Path, scenario: str, deadline_s: float = 120, stuck: tuple[int, ...] = ()) -> dict[int, dict]:
     """Run ``scenario`` on fresh processes; the ``stuck`` ranks are expected to hang and are killed."""
     world = SCENARIOS[scenario][0]
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, port, scenario, str(tmp_path)), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
@@ -416,7 +404,7 @@ def _scalefold_train(cwd: Path, nproc: int, *args: str, timeout: float = 480, ch
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     env.update(OMP_NUM_THREADS="1", SCALEFOLD_EVAL_MAX_CHAINS="0", **(env_extra or {}))
-    launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(_free_port())]
+    launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port())]
     cmd = [sys.executable, *(launcher if nproc > 1 else []), "-m", "scalefold", "train", *args]
     proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0 or not check, f"{' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
@@ -433,8 +421,8 @@ def _run_records(out: Path) -> tuple[list[dict], list[dict], list[dict]]:
 @pytest.fixture(scope="module")
 def e2e_store(tmp_path_factory) -> Path:
     """The tiny preset's synthetic store, synthesised once for the end-to-end runs."""
+    from scalefold.config.training import TrainConfig
     from scalefold.data.synthetic import synthesize
-    from scalefold.train.config import TrainConfig
 
     cfg = TrainConfig.from_preset("tiny", env={})
     store = tmp_path_factory.mktemp("e2e_store") / "store.h5"
@@ -470,7 +458,7 @@ def test_train_cli_with_one_eval_rank_stops_at_the_target(tmp_path, e2e_store):
         assert keys.count(key) == 1, f"{key} logged {keys.count(key)} times"
     by_key = {e["key"]: e for e in events}
     for key in ("eval_start", "eval_accuracy", "eval_stop", "run_stop"):  # the evaluation rank's lines
-        assert by_key[key]["metadata"]["file"].endswith("async_eval.py"), by_key[key]
+        assert by_key[key]["metadata"]["file"].endswith("evaluation/server.py"), by_key[key]
     assert by_key["run_stop"]["metadata"]["status"] == "success"
     assert by_key["eval_accuracy"]["value"] == eval_recs[0]["eval_lddt_ca"]
     assert by_key["eval_accuracy"]["metadata"]["epoch_num"] == E2E_EVAL_EVERY  # samples: 1 training rank x 2 steps
@@ -545,7 +533,7 @@ def test_train_cli_async_eval_equals_synchronous_eval(tmp_path, e2e_store):
 def test_bound_flat_parameters_have_the_swa_buffer_layout():
     """Copying FlatAdamSWA's flat SWA buffer into bind_flat_parameters' buffer gives every parameter
     of a second model exactly the optimizer's SWA view of the same name."""
-    from scalefold.train.flat_optimizer import FlatAdamSWA
+    from scalefold.optim.adam_swa import FlatAdamSWA
 
     model = _build_model()
     opt = FlatAdamSWA(list(model.named_parameters()))

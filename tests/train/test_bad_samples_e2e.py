@@ -16,7 +16,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,26 +23,20 @@ from pathlib import Path
 import h5py
 import pytest
 
+from scalefold.config.training import TrainConfig
 from scalefold.data.dataset import StoreSample
 from scalefold.data.pipeline import FeatureConfig
 from scalefold.data.store import Store
 from scalefold.data.synthetic import synthesize
-from scalefold.train.build import build_model_config
-from scalefold.train.config import TrainConfig
-from scalefold.train.run_data import split_chains
-from scalefold.train.steps import sample_pairs
+from scalefold.distributed.launch import free_port
+from scalefold.model.factory import build_model_config
+from scalefold.train.training_data import sample_pairs, split_chains
 
 STEPS = 3
 RUN_TIMEOUT_S = 240  # a run takes well under a minute; past this it is hung
 ARGS = ("--preset", "tiny", "--max-steps", str(STEPS), "--eval-every", "0", "--checkpoint-every", "0",
         "--precision", "fp64", "--deterministic", "--num-workers", "1")  # fmt: skip
 FINISHED = re.compile(r"scalefold train: rank (\d+) finished at step (\d+) \((\d+) sample\(s\) skipped")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(cmd: list[str], cwd: Path) -> tuple[int, str, str]:
@@ -67,7 +60,7 @@ def _train(root: Path, name: str, nproc: int, *extra: str) -> tuple[str, str]:
     launch = [sys.executable, "-m", "scalefold"]
     if nproc > 1:
         launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                  "--master-port", str(_free_port()), "-m", "scalefold"]  # fmt: skip
+                  "--master-port", str(free_port()), "-m", "scalefold"]  # fmt: skip
     cmd = [*launch, "train", *ARGS, "--out", str(root / name), "--store", str(root / "store.h5"), *extra]
     rc, stdout, stderr = _run(cmd, root)
     assert rc == 0, stdout[-3000:] + stderr[-3000:]

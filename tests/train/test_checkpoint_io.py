@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from scalefold.train.checkpoint_io import (
+from scalefold.checkpoint.files import (
     CheckpointError,
     CheckpointManager,
     build_checkpoint,
@@ -20,7 +20,7 @@ from scalefold.train.checkpoint_io import (
     save_atomic,
     sha256sum,
 )
-from scalefold.train.flat_optimizer import FlatAdamSWA
+from scalefold.optim.adam_swa import FlatAdamSWA
 
 
 def _checkpoint(iteration: int) -> dict:

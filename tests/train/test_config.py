@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from scalefold.train.config import SLURM_CONFIG_ENV, TrainConfig, load_config_file, preset_from_env
+from scalefold.config.training import SLURM_CONFIG_ENV, TrainConfig, load_config_file, preset_from_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -109,7 +109,7 @@ def test_sourced_config_sh_reaches_the_config():
 
 
 def test_structure_module_iterations_override_reaches_the_model_config():
-    from scalefold.train.build import build_model_config
+    from scalefold.model.factory import build_model_config
 
     default = build_model_config(TrainConfig.from_preset("demo-scratch", env={}))
     assert default.structure_module_config.num_blocks == 2  # the demo-wide model preset's

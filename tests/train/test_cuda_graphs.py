@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from scalefold.train.cuda_graphs import (
+from scalefold.compilation.cuda_graphs import (
     CudaGraphBackend,
     CudaGraphCache,
     HostSyncInCapturedRegion,
@@ -157,7 +157,7 @@ def test_real_backend_refuses_a_host_sync_before_capturing():
 
 _FAILED_CAPTURE_SCRIPT = """
 import torch
-from scalefold.train.cuda_graphs import CudaGraphBackend
+from scalefold.compilation.cuda_graphs import CudaGraphBackend
 
 stream = torch.cuda.current_stream()
 calls = []

@@ -12,31 +12,26 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from scalefold.checkpoint.files import load_checkpoint
+from scalefold.config.training import TrainConfig
+from scalefold.data.batch import step_batch
 from scalefold.data.dataset import StoreSample
 from scalefold.data.pipeline import FeatureConfig
 from scalefold.data.store import Store
+from scalefold.distributed.launch import free_port
 from scalefold.losses import AlphaFoldLoss
-from scalefold.train.build import build_model, build_model_config
-from scalefold.train.checkpoint_io import load_checkpoint
-from scalefold.train.config import TrainConfig
-from scalefold.train.run_data import split_chains
-from scalefold.train.steps import forward_seed, recycling_count, sample_pairs, step_batch
+from scalefold.model.factory import build_model, build_model_config
+from scalefold.train.step import forward_seed, recycling_count
+from scalefold.train.training_data import sample_pairs, split_chains
 
 WORLD = 2
 ANNOUNCE = re.compile(r"scalefold: rank (\d+)/(\d+) backend (\w+) role (train|eval)\n")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(tmp_path, nproc: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -46,7 +41,7 @@ def _launch(tmp_path, nproc: int, *args: str, timeout: float = 240) -> subproces
         env.pop(key, None)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-        str(_free_port()), "-m", "scalefold", "train", *args,
+        str(free_port()), "-m", "scalefold", "train", *args,
     ]  # fmt: skip
     return subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
 

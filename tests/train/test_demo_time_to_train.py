@@ -17,8 +17,8 @@ import json
 import pytest
 
 from scalefold.checkpoint.shipped import manifest_path, shipped_demo_checkpoint, verify_shipped
-from scalefold.train.config import DEMO_TARGET_LDDT, TrainConfig
-from scalefold.train.loop import train
+from scalefold.config.training import DEMO_TARGET_LDDT, TrainConfig
+from scalefold.train.trainer import train
 
 SHIPPED = shipped_demo_checkpoint()
 

@@ -30,12 +30,13 @@ import pytest
 import torch
 
 from scalefold.checkpoint.adapters import CheckpointError as ReferenceCheckpointError
+from scalefold.checkpoint.files import load_checkpoint
 from scalefold.cli import main
-from scalefold.train.build import build_model, build_model_config
-from scalefold.train.checkpoint_io import load_checkpoint
-from scalefold.train.cli import EXIT_ABORTED, EXIT_BAD_INPUT
-from scalefold.train.config import TrainConfig
-from scalefold.train.loop import train
+from scalefold.commands.train import EXIT_ABORTED, EXIT_BAD_INPUT
+from scalefold.config.training import TrainConfig
+from scalefold.distributed.launch import free_port
+from scalefold.model.factory import build_model, build_model_config
+from scalefold.train.trainer import train
 
 SIGNAL_TEST_TIMEOUT_S = 300  # generous: the machine is shared
 
@@ -209,21 +210,13 @@ def test_resume_refuses_a_checkpoint_of_another_preset(tmp_path, store):
 # ---------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_preemption_with_an_eval_rank_checkpoints_and_both_ranks_exit_0(tmp_path, store):
     """1 training + 1 evaluation rank launched the way srun does (SLURM_PROCID / SLURM_NTASKS, no torchrun);
     Slurm pre-emption signals every process of every task, so SIGUSR1 goes to each task's whole process
     group (loader workers included): the training rank checkpoints its last step and ends its run
     (run_stop aborted, once), the evaluation rank keeps serving until training's end-of-training
     sentinel; both exit 0."""
-    out, port = tmp_path / "run", _free_port()
+    out, port = tmp_path / "run", free_port()
     cmd = [sys.executable, "-m", "scalefold", "train", "--preset", "tiny", "--out", str(out), "--store", str(store),
            "--max-steps", "100000", "--eval-every", "2", "--checkpoint-every", "0", "--num-workers", "1",
            "--num-async-eval-ranks", "1", "--process-group-timeout-s", "120", "--eval-timeout-s", "120"]  # fmt: skip
@@ -325,7 +318,7 @@ def test_resume_log_is_named_after_the_checkpoint_that_loaded(tmp_path, store, c
 def test_missing_store_is_refused_unless_the_preset_synthesises_one(tmp_path, capsys):
     """--preset mlperf with an absent --store: exit status 3, the path and how to create a store named,
     nothing created. demo / tiny (and --synthesize-missing-store) synthesise it."""
-    from scalefold.train.run_data import StoreNotFoundError, check_store
+    from scalefold.train.training_data import StoreNotFoundError, check_store
 
     missing = tmp_path / "data" / "store.h5"
     out = tmp_path / "run"

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from scalefold.kernels import adam_swa_, reference
-from scalefold.train.flat_optimizer import FlatAdamSWA
+from scalefold.optim.adam_swa import FlatAdamSWA
 
 SWA_DECAY = 0.9
 MAX_NORM = 0.1
@@ -44,7 +44,7 @@ def _reference_run(dtype: torch.dtype, steps: int, clip: bool):
 
 
 def _flat_run(dtype: torch.dtype, steps: int, clip: bool, **kwargs):
-    from scalefold.train.grad_clipping import GradClipper
+    from scalefold.optim.clipping import GradClipper
 
     model = _model(dtype)
     opt = FlatAdamSWA(list(model.named_parameters()), lr=1e-3, eps=EPS, swa_decay=SWA_DECAY, **kwargs)

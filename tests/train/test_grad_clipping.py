@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import copy
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from scalefold.train.grad_clipping import GradClipper
+from scalefold.distributed.launch import free_port
+from scalefold.optim.clipping import GradClipper
 
 MAX_NORM = 0.1
 WORLD = 2
@@ -57,7 +57,7 @@ def _worker(rank: int, port: int) -> None:
     from scalefold.distributed.context import build_parallel_context
     from scalefold.distributed.layout import ParallelLayout
     from scalefold.distributed.runtime import init_distributed
-    from scalefold.train.flat_optimizer import FlatAdamSWA
+    from scalefold.optim.adam_swa import FlatAdamSWA
 
     env = {"RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(WORLD),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
@@ -106,23 +106,17 @@ def _worker(rank: int, port: int) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.distributed
 def test_ddp_bucket_clipping_equals_clipping_the_averaged_gradient():
     """2 gloo ranks: the DDP comm hook's accumulated bucket norms give the same global norm and clip
     scale as clip_grad_norm_ on the averaged gradient, flat Adam then matches torch Adam; a non-finite
     gradient on one rank is flagged on all ranks; train/eval/bridge process groups communicate."""
-    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)
 
 
 def test_single_process_flat_path_matches_clip_grad_norm():
     """Without DDP, the clip scale from the flat gradient buffers equals clip_grad_norm_'s."""
-    from scalefold.train.flat_optimizer import FlatAdamSWA
+    from scalefold.optim.adam_swa import FlatAdamSWA
 
     model = _model()
     ref = copy.deepcopy(model)
@@ -162,7 +156,7 @@ def test_non_finite_gradient_is_detected():
 def test_squared_norm_is_accurate_for_large_fp32_buffers():
     """The sum of squares of a large fp32 buffer stays within 1e-6 of the fp64 value (a single fp32
     CPU reduction such as torch.linalg.vector_norm drifts by ~1e-4 at this size)."""
-    from scalefold.train.grad_clipping import squared_norm
+    from scalefold.optim.clipping import squared_norm
 
     g = torch.randn(1 << 22, generator=torch.Generator().manual_seed(0)) * 1e-3
     exact = torch.dot(g.double(), g.double())

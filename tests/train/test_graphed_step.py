@@ -1,4 +1,4 @@
-"""The loop's CUDA-graphed step forward (scalefold.train.graphed_step), on CPU with a fake graph backend.
+"""The loop's CUDA-graphed step forward (scalefold.compilation.graphed_step), on CPU with a fake graph backend.
 
 The fake backend's "graph" re-runs the captured function on the static input buffers, so every test
 here checks the dispatch logic (keys, warm-up capture, static-input copies, the short-circuited
@@ -15,18 +15,18 @@ from unittest import mock
 import pytest
 import torch
 
-from scalefold.data.pipeline import FeatureConfig
-from scalefold.losses import AlphaFoldLoss
-from scalefold.model import AlphaFold, AlphaFoldConfig
-from scalefold.model.features import make_synthetic_batch
-from scalefold.train.graphed_step import (
+from scalefold.compilation.graphed_step import (
     CudaGraphsUnavailable,
     GraphedStep,
     resolve_mode,
     setup_graphed_step,
     synthetic_step_batch,
 )
-from scalefold.train.steps import float_outputs
+from scalefold.data.pipeline import FeatureConfig
+from scalefold.losses import AlphaFoldLoss
+from scalefold.model import AlphaFold, AlphaFoldConfig
+from scalefold.model.features import make_synthetic_batch
+from scalefold.model.precision import float_outputs
 
 DROPOUT = {  # dropout on, so the RNG order of the graphed path is checked too
     "evoformer_stack_config": {"msa_dropout": 0.15, "pair_dropout": 0.25},
@@ -243,12 +243,12 @@ def test_parallel_evoformer_is_not_captured():
 def test_synthetic_warm_up_batch_has_the_training_shapes(tmp_path):
     """The warm-up batch has exactly the model-feature shapes/dtypes of a real tiny training batch, so
     the graphs captured before run_start are hit by the run's steps."""
+    from scalefold.config.training import TrainConfig
+    from scalefold.data.batch import step_batch
     from scalefold.data.dataset import StoreSample
     from scalefold.data.store import Store
-    from scalefold.train.build import build_model, build_model_config
-    from scalefold.train.config import TrainConfig
-    from scalefold.train.run_data import ensure_store, split_chains
-    from scalefold.train.steps import step_batch
+    from scalefold.model.factory import build_model, build_model_config
+    from scalefold.train.training_data import ensure_store, split_chains
 
     cfg = TrainConfig.from_preset("tiny", overrides={"store": str(tmp_path / "s.h5"), "synth_num_chains": 6}, env={})
     ensure_store(cfg)
@@ -280,7 +280,7 @@ def test_tiny_training_run_is_identical_with_graphs_auto_off_and_fake(tmp_path, 
     bit-identical losses; so does a run whose graphs are captured before run_start by the fake backend
     (the loop's integration: warm-up placement, keys hit by the real batches, short-circuited passes)."""
     from scalefold.cli import main
-    from scalefold.train import loop
+    from scalefold.train import trainer as loop
 
     store = tmp_path / "store.h5"
     common = ["train", "--preset", "tiny", "--max-steps", "2", "--eval-every", "0", "--checkpoint-every", "0",
@@ -330,7 +330,7 @@ def test_cuda_graphs_option_is_validated(tmp_path):
     """--cuda-graphs: an unknown mode or `on` with DAP/BP is a configuration error; `on` without CUDA is
     refused by `scalefold train` with exit status 3 before any step."""
     from scalefold.cli import main
-    from scalefold.train.config import TrainConfig
+    from scalefold.config.training import TrainConfig
 
     assert TrainConfig.from_preset("tiny", env={}).cuda_graphs == "auto"
     assert TrainConfig.from_preset("tiny", env={"SCALEFOLD_CUDA_GRAPHS": "off"}).cuda_graphs == "off"

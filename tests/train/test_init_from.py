@@ -19,13 +19,13 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from scalefold.checkpoint.adapters import CheckpointError
 from scalefold.cli import main
+from scalefold.commands.train import EXIT_BAD_INPUT
+from scalefold.config.training import TrainConfig
 from scalefold.model import AlphaFold, AlphaFoldConfig
-from scalefold.train.build import build_model, build_model_config
-from scalefold.train.checkpointing import init_from_checkpoint
-from scalefold.train.cli import EXIT_BAD_INPUT
-from scalefold.train.config import TrainConfig
-from scalefold.train.flat_optimizer import FlatAdamSWA
-from scalefold.train.loop import train
+from scalefold.model.factory import build_model, build_model_config
+from scalefold.optim.adam_swa import FlatAdamSWA
+from scalefold.train.run_checkpoints import init_from_checkpoint
+from scalefold.train.trainer import train
 
 ITERATION = 7
 
@@ -167,7 +167,7 @@ def test_corrupt_or_foreign_files_are_refused(tmp_path, tiny_store):
 def test_only_the_logging_rank_hashes_the_checkpoint(tmp_path, monkeypatch):
     """init_from_checkpoint(hash_file=False) loads without hashing (the loop hashes on the logging rank only
     and broadcasts the hash to the other training ranks)."""
-    from scalefold.train import checkpointing
+    from scalefold.train import run_checkpoints as checkpointing
 
     path = tmp_path / "ref.pt"
     _reference_checkpoint(path)

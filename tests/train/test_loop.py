@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from scalefold.cli import main
-from scalefold.train.config import TrainConfig
-from scalefold.train.loop import train
-from scalefold.train.mlperf_logging import INIT_BLOCK_KEYS, check_log
-from scalefold.train.run_log import BREAKDOWN_KEYS, print_breakdown
-from scalefold.train.steps import recycling_count
+from scalefold.config.training import TrainConfig
+from scalefold.mlperf.logger import INIT_BLOCK_KEYS, check_log
+from scalefold.train.reporting import BREAKDOWN_KEYS, print_breakdown
+from scalefold.train.step import recycling_count
+from scalefold.train.trainer import train
 
 # What the official checker (hpc 3.0.0) rejects in a tiny CPU run's log, and why: dataset counts
 # (594,595 / 180), the 93,229,082-parameter model, the reference checkpoint's sha256 (a run from scratch
@@ -142,7 +142,7 @@ def test_validation_chain_ids_is_the_split_chains_validation_set(tiny_run):
     """validation_chain_ids (used by `scalefold evaluate`) returns split_chains' validation list, and
     honours eval_max_chains (0 = all)."""
     from scalefold.data.store import Store
-    from scalefold.train.run_data import split_chains, validation_chain_ids
+    from scalefold.train.training_data import split_chains, validation_chain_ids
 
     cfg, _ = tiny_run
     with Store.open(cfg.store) as store:
@@ -213,9 +213,9 @@ def test_deterministic_run_does_not_depend_on_the_number_of_workers(tiny_run, tm
 def test_validation_set_is_built_after_run_start(tiny_run, tmp_path, monkeypatch, baseline):
     """Synchronous evaluation: the validation cache is built, and the step-0 baseline evaluated, only after
     run_start (dataset work is timed); eval_baseline off (the mlperf preset's default) skips the baseline."""
-    from scalefold.data.eval_cache import EvalCache
-    from scalefold.train import evaluation
-    from scalefold.train import mlperf_logging as mll
+    from scalefold.evaluation import service as evaluation
+    from scalefold.evaluation.cache import EvalCache
+    from scalefold.mlperf import logger as mll
 
     cfg, _ = tiny_run
     events: list[str] = []
@@ -244,8 +244,8 @@ def test_compiled_run_warms_up_on_a_synthetic_batch_before_run_start(tiny_run, t
     """--compile: the blocks are compiled and warmed up before run_start on a synthetic batch of the training
     shapes (no dataset work before the clock starts: the store's chain table is first read after
     run_start), and the compiled run's losses equal the eager run's."""
-    from scalefold.train import loop
-    from scalefold.train import mlperf_logging as mll
+    from scalefold.mlperf import logger as mll
+    from scalefold.train import trainer as loop
 
     cfg, _ = tiny_run
     events: list[str] = []

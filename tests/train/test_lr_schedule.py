@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scalefold.train.lr_schedule import WarmupConstantLR, warmup_constant_lr
+from scalefold.optim.lr_schedule import WarmupConstantLR, warmup_constant_lr
 
 
 def test_linear_warmup_then_constant():

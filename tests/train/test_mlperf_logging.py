@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from scalefold.train.mlperf_logging import (
+from scalefold.mlperf.logger import (
     INIT_BLOCK_KEYS,
     MLPerfLogger,
     MLPerfRunInfo,
@@ -174,7 +174,7 @@ def test_deferred_logger_writes_its_early_lines_once_the_file_is_named(tmp_path)
 def test_cache_clear_is_true_only_when_the_launcher_dropped_the_caches(tmp_path, monkeypatch):
     """run.sub exports SCALEFOLD_CACHE_CLEARED=1 after a successful CLEAR_CACHES=1 drop; any other
     start (the demo, a test, CLEAR_CACHES=0) logs cache_clear false rather than claiming it."""
-    from scalefold.train.mlperf_logging import caches_cleared
+    from scalefold.mlperf.logger import caches_cleared
 
     assert caches_cleared({}) is False and caches_cleared({"SCALEFOLD_CACHE_CLEARED": "0"}) is False
     assert caches_cleared({"SCALEFOLD_CACHE_CLEARED": "1"}) is True

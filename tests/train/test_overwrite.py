@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from scalefold.config.training import TrainConfig
 from scalefold.errors import UserError
-from scalefold.train.config import TrainConfig
-from scalefold.train.run_data import check_out, clear_previous_run
+from scalefold.train.training_data import check_out, clear_previous_run
 
 
 def _cfg(out, **overrides):

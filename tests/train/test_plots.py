@@ -5,7 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 
-from scalefold.train.plots import read_metrics
+from scalefold.train.curves import read_metrics
 
 
 def test_read_metrics_splits_records_and_reads_gzip_alike(tmp_path):

@@ -5,9 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from scalefold.compilation.regions import compile_blocks, warm_up
 from scalefold.model import AlphaFold, AlphaFoldConfig
 from scalefold.model.features import make_synthetic_batch
-from scalefold.train.steps import FP32_REGIONS, compile_blocks, keep_fp32_regions, nonfinite_terms_to_nan, warm_up
+from scalefold.model.precision import FP32_REGIONS, keep_fp32_regions
+from scalefold.train.step import nonfinite_terms_to_nan
 
 N_RES, N_CLUST, N_EXTRA, N_TEMPL = 12, 4, 6, 2
 
@@ -111,9 +113,9 @@ def test_compiled_training_step_with_loss_equals_eager():
     strict): the loss, every reported term and every parameter gradient equal the eager step's."""
     from torch import _dynamo
 
-    from scalefold.perf.step import TrainingStep
-    from scalefold.train.config import TrainConfig
-    from scalefold.train.steps import COMPILE_REGIONS, LOSS_REGION
+    from scalefold.compilation.regions import COMPILE_REGIONS, LOSS_REGION
+    from scalefold.config.training import TrainConfig
+    from scalefold.train.step import TrainingStep
 
     cfg = TrainConfig.from_preset("tiny", overrides={"precision": "fp32"}, env={})
     eager, compiled = TrainingStep.build(cfg), TrainingStep.build(cfg)  # same seed: same weights and batch
@@ -149,7 +151,7 @@ def test_deterministic_setup_sets_the_cublas_workspace_config(monkeypatch):
     without it), before it enables deterministic algorithms; an explicit value is kept."""
     import os
 
-    from scalefold.train.steps import CUBLAS_WORKSPACE_CONFIG, deterministic_environment, setup_precision
+    from scalefold.model.precision import CUBLAS_WORKSPACE_CONFIG, deterministic_environment, setup_precision
 
     was = torch.are_deterministic_algorithms_enabled()
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # recorded, so the value set below is undone after the test
@@ -171,8 +173,8 @@ def test_train_sets_the_cublas_workspace_config_before_the_runtime_starts(monkey
     """train(--deterministic) sets the variable before init_distributed selects (and initialises) the device."""
     import os
 
-    from scalefold.train import loop
-    from scalefold.train.config import TrainConfig
+    from scalefold.config.training import TrainConfig
+    from scalefold.train import trainer as loop
 
     class _Stop(Exception):
         pass

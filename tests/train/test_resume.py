@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from scalefold.train.checkpoint_io import load_checkpoint
-from scalefold.train.config import TrainConfig
-from scalefold.train.loop import train
+from scalefold.checkpoint.files import load_checkpoint
+from scalefold.config.training import TrainConfig
+from scalefold.train.trainer import train
 
 
 def _losses(path):
@@ -71,7 +71,7 @@ def test_resume_is_bit_for_bit(tmp_path, store, capsys):
 
 def test_sample_stream_does_not_depend_on_max_steps():
     """Position p of a rank's stream is the same whatever the run length or resume point."""
-    from scalefold.train.steps import STREAM_BLOCK, sample_pairs
+    from scalefold.train.training_data import STREAM_BLOCK, sample_pairs
 
     weights = [1.0, 2.0, 3.0, 0.5, 4.0]
     whole = sample_pairs(weights, 7, 0, STREAM_BLOCK + 10, rank=1, world_size=2)
@@ -106,8 +106,8 @@ def test_resume_with_another_model_preset_is_refused_with_a_hint(tmp_path, store
     """A checkpoint of other widths (another model preset) is refused (exit 3): a checkpoint that records its
     model preset by name, and one that does not (written before the record existed) with the mismatching
     shapes and a line naming the model preset this run builds and SCALEFOLD_MODEL_PRESET."""
+    from scalefold.checkpoint.files import save_atomic
     from scalefold.cli import main
-    from scalefold.train.checkpoint_io import save_atomic
 
     train(_cfg(tmp_path / "run", store, max_steps=2))
     capsys.readouterr()

@@ -248,9 +248,9 @@ def test_mpirun_without_mpi4py_is_a_clear_error(monkeypatch):
 def test_train_passes_the_configured_timeouts(monkeypatch):
     """process_group_timeout_s reaches init_distributed; eval_timeout_s (like it, settable by SCALEFOLD_* and
     flags) is the asynchronous-evaluation stall timeout; both must be > 0."""
-    from scalefold.train import loop
-    from scalefold.train.cli import add_parsers
-    from scalefold.train.config import TrainConfig
+    from scalefold.commands.train import add_parsers
+    from scalefold.config.training import TrainConfig
+    from scalefold.train import trainer as loop
 
     class _Stop(Exception):
         pass

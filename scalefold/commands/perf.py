@@ -41,7 +41,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _config(args: argparse.Namespace, **extra: Any) -> Any:
-    from scalefold.train.config import TrainConfig
+    from scalefold.config.training import TrainConfig
 
     overrides = {"precision": args.precision, "crop_size": args.crop, "dap": args.dap, "cuda_graphs": args.cuda_graphs}
     if args.activation_checkpointing:
@@ -51,8 +51,8 @@ def _config(args: argparse.Namespace, **extra: Any) -> Any:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from scalefold.config.training import PRESETS
     from scalefold.perf import memory
-    from scalefold.train.config import PRESETS
 
     if args.preset not in PRESETS:
         return _bad(f"unknown preset {args.preset!r}; expected one of {sorted(PRESETS)}")

@@ -144,7 +144,7 @@ def _run_predict(args: argparse.Namespace) -> int:
 def _print_quality(result, reference: str | None) -> None:
     """Cα geometry of the prediction and, with a reference, its lDDT-Cα (:mod:`scalefold.inference.compare`)."""
     from scalefold.inference.compare import ca_geometry, lddt_ca_against, read_reference_ca
-    from scalefold.metrics import CA_ATOM37_INDEX
+    from scalefold.lddt import CA_ATOM37_INDEX
 
     structure = result.structure
     ca = structure.atom_positions[:, CA_ATOM37_INDEX]  # [N_res, 3]

@@ -425,7 +425,7 @@ def add_bench_loader_parser(bench_subparsers) -> argparse.ArgumentParser:
         "loader",
         help="loader stall: priority-queue vs in-order loader",
         description="Priority-queue vs in-order loader on the same seeded heavy-tailed workload "
-        "(warm-up steps excluded; results pooled over repeats). See scalefold/data/bench_cli.py.",
+        "(warm-up steps excluded; results pooled over repeats). See scalefold/commands/bench.py.",
     )
     p.add_argument("--json", action="store_true", help="print one JSON line with the results last")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of the per-step wait")

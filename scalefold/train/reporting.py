@@ -1,6 +1,6 @@
 """What a training run tells its user: ``metrics.jsonl``, console lines, the end-of-run summary.
 
-Kept apart from the loop so that the :class:`~scalefold.train.loop.Trainer` only says *what*
+Kept apart from the loop so that the :class:`~scalefold.train.trainer.Trainer` only says *what*
 happened (a step's record, an evaluation, a skipped sample) and this module decides how it is
 written: strict JSON lines on the main training rank, one atomic ``write`` per console line (ranks
 share the launcher's pipe), the step-time breakdown and ``curves.png`` at the end.
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scalefold.train import mlperf_logging as mll
-from scalefold.train.plots import plot_metrics
+from scalefold.mlperf import logger as mll
+from scalefold.train.curves import plot_metrics
 
 
 def announce(line: str) -> None:

@@ -12,9 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from scalefold.train import mlperf_logging as mll
-from scalefold.train.checkpoint_io import CHECKPOINT_PREFIX
-from scalefold.train.config import TrainConfig
+from scalefold.checkpoint.files import CHECKPOINT_PREFIX
+from scalefold.config.training import TrainConfig
+from scalefold.mlperf import logger as mll
 
 
 def mlperf_log_path(cfg: TrainConfig, resumed_from: Path | None = None) -> Path:

@@ -16,10 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from scalefold.distributed.runtime import Runtime
-from scalefold.model import AlphaFold
-from scalefold.train.build import model_options
-from scalefold.train.checkpoint_io import (
+from scalefold.checkpoint.files import (
     CheckpointError,
     CheckpointManager,
     build_checkpoint,
@@ -28,9 +25,13 @@ from scalefold.train.checkpoint_io import (
     restore_rng_state,
     sha256sum,
 )
-from scalefold.train.config import TrainConfig
-from scalefold.train.flat_optimizer import FlatAdamSWA
-from scalefold.train.mlperf_run import mlperf_log_path
+from scalefold.config.training import TrainConfig
+from scalefold.distributed.runtime import Runtime
+from scalefold.mlperf.clock import RunClock
+from scalefold.mlperf.cycles import mlperf_log_path
+from scalefold.model import AlphaFold
+from scalefold.model.factory import model_options
+from scalefold.optim.adam_swa import FlatAdamSWA
 
 
 def init_from_checkpoint(path: str, model: AlphaFold, opt: FlatAdamSWA, hash_file: bool = True) -> tuple[int, str | None]:
@@ -95,42 +96,6 @@ def save_checkpoint(
     if run_clock is not None and run_clock.running:
         ckpt["time_to_train"] = run_clock.state()
     return checkpoints.save(ckpt)
-
-
-class RunClock:
-    """MLPerf's time to train (``run_start`` to ``run_stop``) summed over the segments of a run that
-    was interrupted and resumed: every checkpoint records the time so far (``state``), a resumed run
-    starts from the one it loads (``carry``). Work after the newest checkpoint of an interrupted
-    segment is redone by the next one and counted there (wall time of the redone steps is not added
-    twice)."""
-
-    def __init__(self) -> None:
-        self.before_s, self.segments_before, self.resumed_step = 0.0, 0, 0
-        self._t0: float | None = None
-
-    def carry(self, ckpt: dict[str, Any], step: int) -> None:
-        """Continue the clock of the checkpoint ``ckpt`` (of step ``step``) a resumed run loaded."""
-        state = ckpt.get("time_to_train")
-        if isinstance(state, dict):
-            self.before_s = float(state.get("seconds", 0.0))
-            self.segments_before = int(state.get("segments", 1))
-            self.resumed_step = step
-
-    def start(self) -> None:
-        self._t0 = time.time()
-
-    @property
-    def running(self) -> bool:
-        return self._t0 is not None
-
-    def segment_s(self) -> float:
-        return time.time() - self._t0 if self._t0 is not None else 0.0
-
-    def total_s(self) -> float:
-        return self.before_s + self.segment_s()
-
-    def state(self) -> dict[str, Any]:
-        return {"seconds": self.total_s(), "segments": self.segments_before + 1}
 
 
 def resume_from_checkpoint(ckpt: dict[str, Any], cfg: TrainConfig, model: AlphaFold, opt: FlatAdamSWA,
@@ -236,5 +201,5 @@ class CheckpointPolicy:
 
 
 __all__ = [
-    "CheckpointPolicy", "RunClock", "choose_resume_checkpoint", "init_from_checkpoint", "resume_from_checkpoint", "save_checkpoint",
+    "CheckpointPolicy", "choose_resume_checkpoint", "init_from_checkpoint", "resume_from_checkpoint", "save_checkpoint",
 ]  # fmt: skip

@@ -67,9 +67,9 @@ def add_preprocess_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     """Entry point used by ``scalefold.cli``: preprocess, data-stats, synth, export-chain and bench."""
-    from scalefold.data.bench_cli import add_bench_parser
-    from scalefold.data.export import add_export_parser
-    from scalefold.data.synth_cli import add_synth_parser
+    from scalefold.commands.bench import add_bench_parser
+    from scalefold.commands.synthesize import add_synth_parser
+    from scalefold.inference.export import add_export_parser
 
     add_preprocess_parser(subparsers)
     add_synth_parser(subparsers)

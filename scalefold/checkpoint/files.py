@@ -36,8 +36,10 @@ _TMP_MARKER = ".tmp-"
 PathLike = Union[str, os.PathLike]
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint file is missing, truncated, corrupt or not a checkpoint."""
+class CheckpointError(ValueError, RuntimeError):
+    """A checkpoint file or state dict that cannot be loaded: missing, truncated, corrupt, not a checkpoint,
+    or not matching the model (ScaleFold's one checkpoint error; a ``ValueError`` and a ``RuntimeError``
+    for the callers of its two former classes)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -150,24 +152,55 @@ def save_atomic(obj: Any, path: PathLike) -> Path:
     return path
 
 
-def load_checkpoint(path: PathLike, map_location: Union[str, torch.device, None] = "cpu") -> dict[str, Any]:
-    """``torch.load(weights_only=True)`` with clear errors for missing, truncated or corrupt files."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint not found: {path}")
-    size = path.stat().st_size
-    if size == 0:
-        raise CheckpointError(f"checkpoint {path} is empty (0 bytes): an interrupted write?")
+_ZIP_MAGIC = b"PK\x03\x04"
+_PICKLE_MAGIC = b"\x80"
+CHECKPOINT_EXPECTED = "a PyTorch checkpoint (.pt) written by torch.save, e.g. by `scalefold train`"
+
+
+def check_checkpoint_file(path: Union[str, os.PathLike]) -> str:
+    """``path`` if it looks like a ``torch.save`` file, else :class:`CheckpointError` saying what it is
+    instead (missing, a directory, empty, another format): checked before ``torch.load``, whose errors
+    for such files are long and suggest loading with ``weights_only=False`` -- never the remedy for a
+    wrong file."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint {path} not found (expected {CHECKPOINT_EXPECTED})")
+    if os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path} is a directory (expected {CHECKPOINT_EXPECTED})")
     try:
-        obj = torch.load(path, map_location=map_location, weights_only=True)
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint {path} cannot be read ({exc.strerror})") from exc
+    if not head:
+        raise CheckpointError(f"checkpoint {path} is empty (0 bytes; expected {CHECKPOINT_EXPECTED})")
+    if not (head.startswith(_ZIP_MAGIC) or head.startswith(_PICKLE_MAGIC)):
+        text = head[:24].decode("latin-1").splitlines()[0] if head[:1].isascii() else ""
+        starts = f"it starts with {text!r}" if text and text.isprintable() else "an unknown binary format"
+        raise CheckpointError(f"checkpoint {path} is not a PyTorch checkpoint ({starts}; expected {CHECKPOINT_EXPECTED})")
+    return path
+
+
+def load_checkpoint(path: PathLike, map_location: Union[str, torch.device, None] = "cpu") -> dict[str, Any]:
+    """ScaleFold's one checkpoint loader: ``torch.load(weights_only=True)`` (tensors and plain containers
+    only) of a file :func:`check_checkpoint_file` accepts, with a :class:`CheckpointError` naming the
+    file for a missing, empty, truncated, corrupt or foreign file and for one that holds no dict."""
+    path = check_checkpoint_file(path)
+    size = os.path.getsize(path)
+    try:
+        with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4": the error below says it all
+            warnings.simplefilter("ignore")
+            obj = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # zipfile / pickle / EOF / RuntimeError from a damaged archive
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        if "Weights only load failed" in reason:  # a pickle of arbitrary objects: not a checkpoint of ours
+            reason = "it holds objects other than tensors and plain containers"
         raise CheckpointError(
-            f"checkpoint {path} ({size} bytes) is truncated or corrupt and cannot be loaded: "
-            f"{type(exc).__name__}: {exc}"
+            f"checkpoint {path} cannot be loaded: truncated or corrupt ({size} bytes; {type(exc).__name__}: {reason})"
         ) from exc
-    if not isinstance(obj, dict):
-        raise CheckpointError(f"checkpoint {path} holds a {type(obj).__name__}, expected a dict")
-    return obj
+    if not isinstance(obj, Mapping):
+        raise CheckpointError(f"checkpoint {path} holds a {type(obj).__name__}, not a checkpoint dict")
+    return dict(obj) if not isinstance(obj, dict) else obj
 
 
 # ----------------------------------------------------------------------------------------------

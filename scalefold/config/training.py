@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scalefold.train.options import ENV_PREFIX, env_value_type, option, parse_value, slurm_config_env
+from scalefold.config.options import ENV_PREFIX, env_value_type, option, parse_value, slurm_config_env
 
 #: Set by every ``launch/config_*.sh``: its presence says "the environment is a Slurm submission's".
 SLURM_CONFIG_MARKER = "DGXSYSTEM"
@@ -43,7 +43,7 @@ PRESET_NAMES = ("demo", "demo-scratch", "mlperf", "tiny")  # the PRESETS below
 class TrainConfig:
     """Everything one ``scalefold train`` run needs besides the model config.
 
-    Each field is the option's one declaration (:func:`~scalefold.train.options.option`): its type and
+    Each field is the option's one declaration (:func:`~scalefold.config.options.option`): its type and
     default here, its help, whether ``scalefold train`` has a flag for it and which ``config_*.sh``
     variable sets it; the flags, the environment and the Slurm mappings derive from it.
     """

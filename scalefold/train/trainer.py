@@ -32,6 +32,8 @@ from __future__ import annotations
 import gc
 import time
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,49 +41,31 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from scalefold.data.dataset import validation_cache
+from scalefold.checkpoint.files import CheckpointManager
+from scalefold.compilation.graphed_step import PARALLEL_EVOFORMER_UNCAPTURABLE, setup_graphed_step, synthetic_step_batch
+from scalefold.compilation.graphed_step import resolve_mode as resolve_graph_mode
+from scalefold.compilation.regions import compile_blocks, warm_up
+from scalefold.config.training import TrainConfig
+from scalefold.data.batch import step_batch
 from scalefold.data.pipeline import FeatureConfig
 from scalefold.data.store import Store
+from scalefold.distributed.agreement import allreduce_step_stats
 from scalefold.distributed.runtime import Runtime, init_distributed, shutdown
+from scalefold.evaluation.cache import validation_cache
+from scalefold.evaluation.client import AsyncEvaluation, EvaluationRanksFailed
+from scalefold.evaluation.server import serve_evaluations
+from scalefold.evaluation.sync import EvalContext, SyncEvaluation
 from scalefold.losses import AlphaFoldLoss
+from scalefold.mlperf import logger as mll
+from scalefold.mlperf.clock import RunClock
+from scalefold.mlperf.cycles import MLPerfCycles, mlperf_log_path, run_info
 from scalefold.model import AlphaFold, AlphaFoldConfig
-from scalefold.train import mlperf_logging as mll
-from scalefold.train.build import build_model, build_model_config
-from scalefold.train.checkpoint_io import CheckpointManager
-from scalefold.train.checkpointing import (
-    CheckpointPolicy,
-    RunClock,
-    choose_resume_checkpoint,
-    init_from_checkpoint,
-    resume_from_checkpoint,
-    save_checkpoint,
-)
-from scalefold.train.config import TrainConfig
-from scalefold.train.evaluation import (
-    AsyncEvaluation,
-    EvalContext,
-    EvaluationRanksFailed,
-    SyncEvaluation,
-    serve_evaluations,
-)
-from scalefold.train.flat_optimizer import FlatAdamSWA
-from scalefold.train.grad_clipping import GradClipper
-from scalefold.train.graphed_step import PARALLEL_EVOFORMER_UNCAPTURABLE, setup_graphed_step, synthetic_step_batch
-from scalefold.train.graphed_step import resolve_mode as resolve_graph_mode
-from scalefold.train.lr_schedule import WarmupConstantLR
-from scalefold.train.mlperf_run import MLPerfCycles, mlperf_log_path, run_info
-from scalefold.train.plots import read_metrics
-from scalefold.train.run_data import (
-    TrainingData,
-    check_out,
-    check_starting_point,
-    check_store,
-    clear_previous_run,
-    day_before,
-    ensure_store,
-    split_chains,
-)
-from scalefold.train.run_log import (
+from scalefold.model.factory import build_model, build_model_config
+from scalefold.model.precision import deterministic_environment, keep_fp32_regions, setup_precision
+from scalefold.optim.clipping import GradClipper
+from scalefold.optim.lr_schedule import WarmupConstantLR
+from scalefold.train.curves import read_metrics
+from scalefold.train.reporting import (
     MetricsLog,
     TrainResult,
     announce,
@@ -90,28 +74,49 @@ from scalefold.train.run_log import (
     time_to_train_line,
     truncate_metrics,
 )
-from scalefold.train.steps import (
-    allreduce_step_stats,
-    compile_blocks,
-    deterministic_environment,
-    float_outputs,
-    forward_seed,
-    keep_fp32_regions,
-    nonfinite_terms_to_nan,
-    recycling_count,
-    setup_precision,
-    step_batch,
-    warm_up,
+from scalefold.train.run_checkpoints import (
+    CheckpointPolicy,
+    choose_resume_checkpoint,
+    init_from_checkpoint,
+    resume_from_checkpoint,
+    save_checkpoint,
 )
+from scalefold.train.step import TrainingStep, forward_seed, make_optimizer, nonfinite_terms_to_nan, recycling_count
 from scalefold.train.stopping import (
     NonFiniteGuard,
     StopRequest,
     TrainingAborted,
     start_multiprocessing_helpers_ignoring_stop_signals,
 )
+from scalefold.train.training_data import (
+    TrainingData,
+    check_out,
+    check_starting_point,
+    check_store,
+    clear_previous_run,
+    day_before,
+    ensure_store,
+    split_chains,
+    validation_chain_ids,
+)
 
 
-def train(cfg: TrainConfig) -> TrainResult:
+@dataclass
+class RunHooks:
+    """Optional features a command wires into a run; the Trainer imports none of them.
+
+    ``memory_check(cfg, model_cfg, device)`` returns a warning or ``None``: the start-up prediction of
+    the step's peak memory (``cfg.memory_check``, main training rank, CUDA only); ``trace_picture(store,
+    chain, panels, path)`` draws ``trace.png`` and returns ``(path, traces)`` (``cfg.trace_plot``).
+    ``scalefold train`` wires both (:func:`scalefold.commands.train.run_hooks`); without a hook the
+    feature is off.
+    """
+
+    memory_check: Callable[[TrainConfig, AlphaFoldConfig, torch.device], str | None] | None = None
+    trace_picture: Callable[..., tuple[Any, list]] | None = None
+
+
+def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
     """Run ``cfg`` on every rank of the launch; returns a summary (everything else is in ``cfg.out``).
 
     Raises :class:`TrainingAborted` (after logging ``run_stop status=aborted``) when the run aborts,
@@ -150,7 +155,7 @@ def train(cfg: TrainConfig) -> TrainResult:
             if parallel.is_eval_rank:  # asynchronous evaluation ranks: serve evaluations until training ends
                 result = _evaluation_rank(cfg, runtime, stop_request, model_cfg, features)
             else:
-                result = Trainer(cfg, runtime, stop_request, model_cfg, features).run()
+                result = Trainer(cfg, runtime, stop_request, model_cfg, features, hooks).run()
         finished = True
         return result
     finally:  # process-wide switches go back to what the caller had
@@ -178,7 +183,9 @@ def _evaluation_rank(cfg: TrainConfig, runtime: Runtime, stop_request: StopReque
         dist.barrier()
     # a SIGTERM / SIGUSR1 meanwhile (stop_request) changes nothing: training decides when it ends
     build = lambda: AlphaFold(model_cfg, parallel_evoformer=cfg.parallel_evoformer).to(runtime.device, dtype)  # noqa: E731
-    serve_evaluations(cfg, runtime, build, features, mlperf_log_path(cfg, resume_path), autocast, dtype)
+    with Store.open(Path(cfg.store)) as store:
+        val_ids = validation_chain_ids(store, cfg)
+    serve_evaluations(cfg, runtime, build, features, val_ids, mlperf_log_path(cfg, resume_path), autocast, dtype)
     if stop_request.requested:
         announce(f"scalefold train: evaluation rank {runtime.rank}: {stop_request.signal_name} received; served "
                  "evaluations until training ended; exiting")  # fmt: skip
@@ -191,8 +198,9 @@ class Trainer:
     evaluation), :meth:`fit` (the step loop), :meth:`finish` (loader, evaluations, logs, report)."""
 
     def __init__(self, cfg: TrainConfig, runtime: Runtime, stop_request: StopRequest, model_cfg: AlphaFoldConfig,
-                 features: FeatureConfig) -> None:  # fmt: skip
+                 features: FeatureConfig, hooks: RunHooks | None = None) -> None:  # fmt: skip
         self.cfg, self.runtime, self.stop_request = cfg, runtime, stop_request
+        self.hooks = hooks or RunHooks()
         self.model_cfg, self.features = model_cfg, features
         self.parallel = runtime.parallel
         self.main = self.parallel.is_main_train_rank
@@ -227,13 +235,13 @@ class Trainer:
         self.checkpoints = CheckpointPolicy(cfg, self.runtime, self.out)
         resume_path, resume_ckpt = prepare_run(cfg, self.runtime, self.checkpoints.manager)
         self.mllog.open_file(mlperf_log_path(cfg, resume_path))
-        if main and cfg.memory_check and self.device.type == "cuda":
+        if main and cfg.memory_check and self.device.type == "cuda" and self.hooks.memory_check is not None:
             self._check_memory()
         # model, loss, optimizer (flat buffers built before the DDP wrap)
         self.model = self.parallel.wrap(build_model(cfg, self.model_cfg, self.device, self.dtype))  # DAP/BP + grad factors
         self.eval_model = build_model(cfg, self.model_cfg, self.device, self.dtype, training=False) if main else None
         self.loss_fn = AlphaFoldLoss(self.model_cfg.loss_config)
-        self.opt = FlatAdamSWA(list(self.model.named_parameters()), lr=cfg.lr, eps=1e-6, swa_decay=cfg.swa_decay)
+        self.opt = make_optimizer(cfg, self.model)
         if self.eval_model is not None:
             self.opt.bind_module_to_swa(self.eval_model)  # zero-copy: evaluation reads the SWA buffer
         if self.autocast:  # bf16 compute; the structure module and the heads stay fp32
@@ -251,10 +259,8 @@ class Trainer:
     def _check_memory(self) -> None:
         """Predict the step's peak memory per rank (fake tensors, ``scalefold estimate-memory``); warn, naming
         the DAP size that fits, when it exceeds the device. A failing estimate never stops the run."""
-        from scalefold.perf.memory import check_fits
-
         try:
-            warning = check_fits(self.cfg, self.model_cfg, self.device)
+            warning = self.hooks.memory_check(self.cfg, self.model_cfg, self.device)
         except Exception as exc:  # noqa: BLE001 -- a planning aid, not a requirement
             warning = f"the memory estimate failed ({type(exc).__name__}: {exc}); training goes on"
         if warning:
@@ -320,6 +326,10 @@ class Trainer:
         self.forward = setup_graphed_step(cfg.cuda_graphs, model, self.net, self.features, self.device, self.dtype,
                                           self.autocast, model_parallel=self.parallel.layout.model_parallel,
                                           rank=self.runtime.rank, verbose=self.main)  # fmt: skip
+        # the step the memory model and the step benchmark take too (scalefold.train.step)
+        self.step = TrainingStep(model=self.net, loss_fn=self.loss_fn, opt=self.opt, clipper=self.clipper, batch={},
+                                 num_ensembles=self.features.num_ensembles, autocast=self.autocast, device=self.device,
+                                 forward=self.forward, ddp=self.ddp_world > 1)  # fmt: skip
 
     # -- start: run_start, then the timed dataset work ----------------------------------------------
 
@@ -404,7 +414,7 @@ class Trainer:
                  f"({len(self.result.skipped_samples)} sample(s) skipped and replaced by its loader)")  # fmt: skip
         if self.main:
             self._report(self.result)
-            if self.cfg.trace_plot:
+            if self.cfg.trace_plot and self.hooks.trace_picture is not None:
                 self._trace_picture()
         return self.result
 
@@ -415,8 +425,6 @@ class Trainer:
     def _trace_picture(self) -> None:
         """``trace.png``: the first validation chain predicted by the starting checkpoint and by the newest
         checkpoint of this run (SWA weights), superposed on the true Cα trace. Drawn after run_stop."""
-        from scalefold.inference.trace_plot import plot_checkpoints_on_chain
-
         newest = self.checkpoints.manager.latest()
         if newest is None or not self.val_ids:
             return
@@ -424,7 +432,7 @@ class Trainer:
         panels.append((f"after training (step {self.result.steps}, SWA)", newest))
         chain = self.val_ids[0]
         try:
-            path, traces = plot_checkpoints_on_chain(self.cfg.store, chain, panels, self.out / "trace.png")
+            path, traces = self.hooks.trace_picture(self.cfg.store, chain, panels, self.out / "trace.png")
         except Exception as exc:  # noqa: BLE001 -- a picture never fails a finished run
             print(f"scalefold train: could not draw the Cα trace: {type(exc).__name__}: {exc}", flush=True)
             return
@@ -441,17 +449,14 @@ class Trainer:
         sliced = step_batch(batch, n, self.device, self.dtype) if batch is not None else None
         batch = self.parallel.broadcast_batch(sliced, self.device)  # the loader rank's slice, to its group
         torch.manual_seed(forward_seed(cfg.seed, self.parallel.dp_rank, step))
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            outputs = self.forward(batch)  # net(batch), the no-grad recycling passes graphed on CUDA
-        loss, terms = self.loss_fn(float_outputs(outputs) if self.autocast else outputs, batch)
+        loss, terms = self.step.forward_loss(batch)  # net(batch), the no-grad recycling passes graphed on CUDA
         t1 = time.perf_counter()
         timings["forward"] += t1 - t0
 
-        self.opt.zero_grad()
-        loss.backward()  # DDP: bucket all-reduce + norm accumulation
+        self.step.backward(loss)  # DDP: bucket all-reduce + norm accumulation
         t2 = time.perf_counter()
         timings["backward"] += t2 - t1
-        clip = self.clipper.compute() if self.ddp_world > 1 else self.clipper.clip_flat_(self.opt.grad_buffers())
+        clip = self.step.clip()
         # a loss term the loss module dropped as non-finite makes the step's loss non-finite too
         mean_loss, stop, samples_skipped = allreduce_step_stats(
             nonfinite_terms_to_nan(loss, terms), self.stop_request.requested, self.parallel.train_group,
@@ -464,7 +469,7 @@ class Trainer:
             self.guard.skipped(step, result.skipped_steps, self.progress.write if self.main else None)
         else:
             self.guard.ok()
-            self.opt.step(clip_scale=clip.clip_scale)
+            self.step.update(clip)
         t3 = time.perf_counter()
         timings["optimizer"] += t3 - t2
 
@@ -541,4 +546,4 @@ class Trainer:
         return eval_failure
 
 
-__all__ = ["Trainer", "prepare_run", "train"]
+__all__ = ["RunHooks", "Trainer", "prepare_run", "train"]

@@ -4,7 +4,7 @@ The training loop calls a :class:`GraphedStep` instead of ``net(batch)``. A step
 count ``n`` (the batch keeps ``t[..., :n + 1]``) runs ``n`` passes of the model without autograd and
 one pass with it (:meth:`AlphaFold.forward <scalefold.model.alphafold.AlphaFold.forward>`). This
 module captures the **no-grad recycling passes** of each recycling count as one CUDA graph, kept in a
-:class:`~scalefold.train.cuda_graphs.CudaGraphCache` keyed by
+:class:`~scalefold.compilation.cuda_graphs.CudaGraphCache` keyed by
 
     (recycling count ``n`` -- with the training flag and the autocast state --, the shapes and dtypes
     of the ``n`` input slices, grad mode (off))
@@ -90,9 +90,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from scalefold.compilation.cuda_graphs import CudaGraphBackend, CudaGraphCache, GraphBackend
+from scalefold.config.training import CUDA_GRAPHS_MODES
 from scalefold.errors import exception_summary
-from scalefold.train.config import CUDA_GRAPHS_MODES
-from scalefold.train.cuda_graphs import CudaGraphBackend, CudaGraphCache, GraphBackend
 
 MODES = CUDA_GRAPHS_MODES  # one list: the config validates it too
 #: Relative L2 error between a warm-up replay and the eager passes above which graphs are refused
@@ -167,7 +167,7 @@ class GraphedStep:
         net: what the loop calls (``model`` or its DDP wrapper); default ``model``.
         enabled: ``False`` makes every call ``net(batch)``.
         reason: why graphs are on/off (logged).
-        backend: the CUDA calls (default :class:`~scalefold.train.cuda_graphs.CudaGraphBackend`; tests pass
+        backend: the CUDA calls (default :class:`~scalefold.compilation.cuda_graphs.CudaGraphBackend`; tests pass
             a CPU fake).
         log: info lines (start-up summary, fallbacks); ``None``: silent.
         warn: fallback reasons (default: ``stderr`` of every rank, prefixed with ``rank``).
@@ -429,8 +429,8 @@ def synthetic_step_batch(features: Any, model: torch.nn.Module, device: torch.de
                          dtype: torch.dtype) -> dict[str, torch.Tensor]:  # fmt: skip
     """A random batch with the training shapes (crop, MSA clusters, extra MSA, templates, all ``R``
     recycling slices) -- what the pipeline pads every training sample to -- on ``device``."""
+    from scalefold.data.batch import move_batch
     from scalefold.model.features import make_synthetic_batch
-    from scalefold.train.steps import to_device
 
     embedder = model.config.input_embedder_config
     batch = make_synthetic_batch(
@@ -438,7 +438,7 @@ def synthetic_step_batch(features: Any, model: torch.nn.Module, device: torch.de
         features.max_templates, num_recycling_iters=features.num_ensembles - 1, tf_dim=embedder.tf_dim,
         msa_dim=embedder.msa_dim,
     )  # fmt: skip
-    return to_device(batch, device, dtype)
+    return move_batch(batch, device, dtype)
 
 
 def setup_graphed_step(

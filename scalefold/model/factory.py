@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from scalefold.config.training import TrainConfig
 from scalefold.model import AlphaFold, AlphaFoldConfig
-from scalefold.train.config import TrainConfig
 
 #: Training options that change the model or its inputs without changing a parameter shape: a
 #: checkpoint records the run's values (``model_options``) so that evaluation and prediction rebuild

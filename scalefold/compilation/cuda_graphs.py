@@ -11,7 +11,7 @@ and graphs are captured only while the cache is in its *warm-up* phase (syntheti
 region (counted in :attr:`GraphCacheStats.eager_uncaptured`). When CUDA graphs are unavailable (CPU,
 or disabled) every call runs eagerly through the same code path.
 
-The training loop uses it through :mod:`scalefold.train.graphed_step` (``--cuda-graphs``), which keys
+The training loop uses it through :mod:`scalefold.compilation.graphed_step` (``--cuda-graphs``), which keys
 the graphs of a step's no-grad recycling passes by recycling count and captures them before
 ``run_start``.
 

@@ -1,4 +1,4 @@
-"""Each training option is declared once, as a field of :class:`~scalefold.train.config.TrainConfig`
+"""Each training option is declared once, as a field of :class:`~scalefold.config.training.TrainConfig`
 with :func:`option` metadata (help, command-line flag, Slurm config variable); everything else derives
 from that declaration:
 
@@ -6,7 +6,7 @@ from that declaration:
 * the ``SCALEFOLD_<OPTION>`` environment overrides and the Slurm config variable map
   (:func:`slurm_config_env`, used by :meth:`TrainConfig.with_env`);
 * the flags ``launch/run_and_time.sh`` passes for a ``config_*.sh`` environment
-  (``python -m scalefold.train.options slurm-flags``, one argument a line; :func:`slurm_flags`).
+  (``python -m scalefold.config.slurm slurm-flags``, one argument a line; :func:`slurm_flags`).
 
 Standard library only: ``run_and_time.sh`` runs it with whatever ``python3`` the node has.
 """
@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import sys
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -129,36 +127,6 @@ def slurm_flags(env: Mapping[str, str], cls: type, skip: Sequence[str] = ("prese
         elif not (f.metadata["slurm_omit_default"] and value == f.default):
             args += [flag_of(f), raw.strip()]
     return args
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m scalefold.train.options",
-        description="Training options derived from their one declaration (scalefold.train.config.TrainConfig).",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("slurm-flags", help="print the `scalefold train` arguments for this environment's config_*.sh "
-                   "variables, one a line (what launch/run_and_time.sh passes)")  # fmt: skip
-    sub.add_parser("slurm-vars", help="print the config_*.sh variables and the option each sets")
-    args = parser.parse_args(argv)
-    from scalefold.train.config import TrainConfig
-
-    if args.command == "slurm-vars":
-        for var, name in slurm_config_env(TrainConfig).items():
-            print(f"{var}\t{name}")
-        return 0
-    try:
-        flags = slurm_flags(os.environ, TrainConfig)
-    except ValueError as exc:
-        print(f"scalefold: {exc}", file=sys.stderr)
-        return 3
-    for arg in flags:
-        print(arg)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 __all__ = [

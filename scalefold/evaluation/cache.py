@@ -15,7 +15,6 @@ recycling dimension would not fit next to the model).
 
 from __future__ import annotations
 
-import copy
 import heapq
 import logging
 from collections.abc import Callable, Iterator, Sequence
@@ -57,24 +56,6 @@ def rank_costs(
 ) -> list[float]:
     """Total cost per rank of an assignment."""
     return [sum(cost(lengths[i]) for i in targets) for targets in assignment]
-
-
-def _copy_batch(batch: Any, device: Any = None, dtype: Any = None, non_blocking: bool = False) -> Any:
-    """A copy the model may modify in place without touching the cache.
-
-    Tensors are copied to ``device`` (None: stay on the host); floating-point tensors take
-    ``dtype`` when given. The result never aliases the cached tensors.
-    """
-    try:
-        import torch
-    except ImportError:  # pragma: no cover
-        torch = None
-    if isinstance(batch, dict):
-        return {k: _copy_batch(v, device, dtype, non_blocking) for k, v in batch.items()}
-    if torch is not None and isinstance(batch, torch.Tensor):
-        target_dtype = dtype if dtype is not None and batch.is_floating_point() else batch.dtype
-        return batch.to(device=device or batch.device, dtype=target_dtype, non_blocking=non_blocking, copy=True)
-    return copy.deepcopy(batch)
 
 
 def _to_host(batch: Any, pin_memory: bool) -> Any:
@@ -183,14 +164,40 @@ class EvalCache:
         may modify them in place); from pinned memory the host-to-device copies are asynchronous
         (``non_blocking``), ordered on the current stream before the batch is used.
         """
+        from scalefold.data.batch import move_batch  # torch only when batches are used
+
         self.fill()
         non_blocking = self.pin_memory and device is not None and str(device) != "cpu"
         for batch in self._cache:
-            yield _copy_batch(batch, device, dtype, non_blocking=non_blocking)
+            yield move_batch(batch, device, dtype, copy=True, non_blocking=non_blocking)  # never aliases the cache
 
     def __iter__(self) -> Iterator[Any]:
         """Yields a fresh host copy of each cached batch (building the cache on first use)."""
         return self.batches()
 
 
-__all__ = ["assign_lpt", "rank_costs", "quadratic_cost", "EvalCache"]
+def validation_cache(
+    store_path: str, chain_ids: list[str], features: Any, rank: int = 0, num_ranks: int = 1,
+    num_workers: int = 0, pin_memory: bool = False,
+) -> EvalCache:
+    """The :class:`~scalefold.evaluation.cache.EvalCache` of rank ``rank`` of ``num_ranks`` for the
+    validation chains ``chain_ids`` of a store: targets spread by LPT with cost L² (residue counts from
+    the store's chain table), each with the reference's fixed validation seed (``"eval"`` mode).
+    Nothing is computed until the cache is filled."""
+    from scalefold.data.dataset import StoreSample
+    from scalefold.data.store import Store
+
+    with Store.open(store_path) as store:
+        table = store.chain_table()
+    length_of = dict(zip((str(c) for c in table["chain_id"]), (int(n) for n in table["length"])))
+    missing = [c for c in chain_ids if c not in length_of]
+    if missing:
+        raise KeyError(f"{store_path}: validation chains {missing[:10]} are not in the store")
+    return EvalCache(
+        StoreSample(str(store_path), list(chain_ids), features, mode="eval"),
+        [(i, 0) for i in range(len(chain_ids))], [length_of[c] for c in chain_ids],
+        rank=rank, num_ranks=num_ranks, num_workers=num_workers, pin_memory=pin_memory,
+    )  # fmt: skip
+
+
+__all__ = ["assign_lpt", "rank_costs", "quadratic_cost", "EvalCache", "validation_cache"]

@@ -1,8 +1,8 @@
 """The training run's data: the store, its train / validation split, the loader and its skipped samples.
 
-What the :class:`~scalefold.train.loop.Trainer` sees is :class:`TrainingData`: an iterator of
+What the :class:`~scalefold.train.trainer.Trainer` sees is :class:`TrainingData`: an iterator of
 ``(position, batch)`` that yields exactly one batch per step on every training rank. Each rank reads
-its own strided share of one position-indexed sample stream (:func:`~.steps.sample_pairs`); with DAP /
+its own strided share of one position-indexed sample stream (:func:`sample_pairs`); with DAP /
 BP one rank per group loads and broadcasts each step's header (the batch follows after slicing). A
 sample the loader gives up on (corrupt chain, feature error) is replaced by a fresh draw
 (:class:`ReplacementDraw`), logged with its chain and reason and counted, so no rank loses a step.
@@ -12,20 +12,47 @@ from __future__ import annotations
 
 import datetime
 import random
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from scalefold.config.training import DEMO_INIT_CHECKPOINT, TrainConfig
 from scalefold.data.dataset import StoreSample
-from scalefold.data.loader import SEED_HIGH, PriorityQueueLoader, group_batches
+from scalefold.data.loader import SEED_HIGH, PriorityQueueLoader, Sampler, group_batches
 from scalefold.data.pipeline import FeatureConfig, TrainingChainFilter, sampling_weights
 from scalefold.data.store import Store
 from scalefold.distributed.context import ParallelContext
-from scalefold.train.config import DEMO_INIT_CHECKPOINT, TrainConfig
-from scalefold.train.run_log import announce
-from scalefold.train.steps import sample_pairs
+from scalefold.train.reporting import announce
+from scalefold.train.step import SEED_MODULUS
 from scalefold.train.stopping import ignore_stop_signals
+
+STREAM_BLOCK = 1024  # samples per rank and block of the position-indexed stream
+
+
+def sample_pairs(
+    weights: Sequence[float] | np.ndarray, seed: int, start: int, stop: int, rank: int = 0, world_size: int = 1
+) -> list[tuple[int, int]]:
+    """``(chain index, sample seed)`` for positions ``start .. stop-1`` of data-parallel ``rank``.
+
+    The global stream is cut into blocks of ``STREAM_BLOCK * world_size`` draws, each drawn by a
+    :class:`~scalefold.data.loader.Sampler` seeded from (seed, block); rank ``r`` takes every
+    ``world_size``-th draw of a block starting at ``r`` (strided). Position ``p`` of a rank is thus a
+    function of (seed, rank, world size, p) only: neither ``--max-steps`` nor a resume changes it.
+    """
+    if not 0 <= start <= stop:
+        raise ValueError(f"bad position range [{start}, {stop})")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside [0, {world_size})")
+    pairs: list[tuple[int, int]] = []
+    for block in range(start // STREAM_BLOCK, -(-stop // STREAM_BLOCK)):
+        block_seed = random.Random(f"stream:{seed}:{block}").randrange(SEED_MODULUS)
+        drawn = Sampler(weights, num_samples=STREAM_BLOCK * world_size, seed=block_seed, rank=rank, world_size=world_size)
+        lo = max(start - block * STREAM_BLOCK, 0)
+        hi = min(stop - block * STREAM_BLOCK, STREAM_BLOCK)
+        pairs.extend(drawn.pairs[lo:hi])
+    return pairs
 
 
 class StoreNotFoundError(FileNotFoundError):
@@ -233,5 +260,5 @@ class TrainingData:
 
 __all__ = [
     "ReplacementDraw", "StoreNotFoundError", "TrainingData", "check_store", "day_before", "ensure_store",
-    "split_chains", "validation_chain_ids",
+    "sample_pairs", "split_chains", "validation_chain_ids",
 ]  # fmt: skip

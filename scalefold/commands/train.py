@@ -1,12 +1,12 @@
-"""``scalefold train``: argument parsing only; the work happens in :mod:`scalefold.train.loop`."""
+"""``scalefold train``: argument parsing only; the work happens in :mod:`scalefold.train.trainer`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from scalefold.train.config import PRESETS, TrainConfig, preset_from_env
-from scalefold.train.options import add_arguments, overrides_from_args
+from scalefold.config.options import add_arguments, overrides_from_args
+from scalefold.config.training import PRESETS, TrainConfig, preset_from_env
 
 EXIT_ABORTED = 2  # the run aborted (too many non-finite steps): run_stop status=aborted was logged
 EXIT_BAD_INPUT = 3  # a bad configuration, store, launch environment or checkpoint, refused before training
@@ -26,17 +26,35 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_run_train)
 
 
+def run_hooks():
+    """The optional features ``scalefold train`` wires into the Trainer: the start-up memory check
+    (:func:`scalefold.perf.memory.check_fits`) and the Cα trace picture
+    (:func:`scalefold.inference.trace_plot.plot_checkpoints_on_chain`), each imported when it runs."""
+    from scalefold.train.trainer import RunHooks
+
+    def memory_check(cfg, model_cfg, device):
+        from scalefold.perf.memory import check_fits
+
+        return check_fits(cfg, model_cfg, device)
+
+    def trace_picture(store, chain, panels, path):
+        from scalefold.inference.trace_plot import plot_checkpoints_on_chain
+
+        return plot_checkpoints_on_chain(store, chain, panels, path)
+
+    return RunHooks(memory_check=memory_check, trace_picture=trace_picture)
+
+
 def _run_train(args: argparse.Namespace) -> int:
-    from scalefold.checkpoint.adapters import CheckpointError as ReferenceCheckpointError
     from scalefold.checkpoint.adapters import StateDictMismatchError
+    from scalefold.checkpoint.files import CheckpointError
+    from scalefold.compilation.graphed_step import CudaGraphsUnavailable
     from scalefold.distributed.layout import LayoutError
     from scalefold.distributed.runtime import LaunchError
-    from scalefold.train.checkpoint_io import CheckpointError
-    from scalefold.train.graphed_step import CudaGraphsUnavailable
-    from scalefold.train.loop import train
-    from scalefold.train.run_data import StoreNotFoundError
-    from scalefold.train.run_log import print_run_files
+    from scalefold.train.reporting import print_run_files
     from scalefold.train.stopping import TrainingAborted
+    from scalefold.train.trainer import train
+    from scalefold.train.training_data import StoreNotFoundError
 
     overrides = overrides_from_args(args, TrainConfig)
     overrides.pop("preset")  # chosen first, below
@@ -52,7 +70,7 @@ def _run_train(args: argparse.Namespace) -> int:
         print(f"scalefold train: configuration error: {text}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     try:
-        result = train(cfg)
+        result = train(cfg, run_hooks())
     except TrainingAborted as exc:
         print(f"scalefold train: aborted: {exc}", file=sys.stderr, flush=True)
         return EXIT_ABORTED
@@ -62,7 +80,7 @@ def _run_train(args: argparse.Namespace) -> int:
     except CudaGraphsUnavailable as exc:  # --cuda-graphs on without CUDA (or with DAP/BP)
         print(f"scalefold train: configuration error: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
-    except (CheckpointError, ReferenceCheckpointError) as exc:  # corrupt / mismatching --init-from or --resume
+    except CheckpointError as exc:  # corrupt / mismatching --init-from or --resume
         from scalefold.errors import shorten  # without PyTorch's weights_only advice; --resume lists every file
 
         print(f"scalefold train: checkpoint error: {shorten(str(exc), None)}", file=sys.stderr, flush=True)

@@ -1,0 +1,105 @@
+"""Evaluation of the SWA weights at the end of each train-eval cycle, synchronous (on the main training rank).
+
+The :class:`~scalefold.train.trainer.Trainer` holds one of two components with the same three calls
+(``prepare`` after ``run_start``, ``after_cycle`` at the end of each cycle, ``close`` at the end):
+
+* :class:`SyncEvaluation` -- the main training rank scores the validation batches it keeps in host
+  DRAM (:class:`~scalefold.evaluation.cache.EvalCache`) and broadcasts the score, so every training rank
+  stops together when it reaches the target; it also scores the untrained model (step 0, for the curves
+  only: not in the MLPerf log; skipped with ``--init-from``, on resume and with ``eval_baseline`` off);
+* :class:`~scalefold.evaluation.client.AsyncEvaluation` -- the SWA weights go to the last
+  ``num_async_eval_ranks`` ranks (:mod:`scalefold.evaluation.server`), training goes on.
+
+:func:`~scalefold.evaluation.scoring.score_batches` is the score both compute (mean chain-level
+lDDT-Cα over all recycling passes). :class:`EvalContext` is what both report to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from scalefold.distributed.agreement import broadcast_float
+from scalefold.evaluation.cache import EvalCache
+from scalefold.evaluation.scoring import score_batches
+from scalefold.mlperf import logger as mll
+
+
+@dataclass
+class EvalContext:
+    """What an evaluation component reports to: the run's records (main training rank) and its numerics."""
+
+    metrics: Any  # the run's metrics.jsonl writer: write(record), flush()
+    result: Any  # the run's result: status, eval_history
+    progress: Any  # the tqdm bar (its ``write`` keeps the bar intact)
+    mllog: mll.MLPerfLogger
+    device: torch.device
+    dtype: torch.dtype
+    autocast: bool
+    target_lddt: float
+
+
+class SyncEvaluation:
+    """Evaluation on the main training rank, the score broadcast to every training rank."""
+
+    def __init__(self, ctx: EvalContext, runtime: Any, eval_model: torch.nn.Module | None,
+                 make_cache: Callable[[], EvalCache], enabled: bool) -> None:  # fmt: skip
+        self.ctx, self.eval_model, self.make_cache, self.enabled = ctx, eval_model, make_cache, enabled
+        self.main = runtime.parallel.is_main_train_rank
+        self.src, self.group = runtime.parallel.main_train_rank, runtime.parallel.train_group
+        self.collective = runtime.distributed and runtime.parallel.num_train_ranks > 1
+        self.cache: EvalCache | None = None
+
+    def prepare(self, baseline: bool, what: str = "untrained model") -> None:
+        """Build the validation cache (after run_start: timed) and, with ``baseline``, score the starting
+        weights (``what``: the untrained model or the initial checkpoint; step 0, for the curves and the
+        lDDT-Cα before training, not in the MLPerf log)."""
+        if not (self.main and self.enabled):
+            return
+        self.cache = self.make_cache()
+        if baseline:
+            score = self._score()
+            self.ctx.metrics.write({"step": 0, "eval_lddt_ca": score, "epoch_num": 0})
+            self.ctx.metrics.flush()
+            self.ctx.result.eval_history.append((0, score))
+            print(f"step 0: eval lDDT-Cα {score:.4f} ({what}; not in the MLPerf log)", flush=True)
+
+    def _score(self) -> float:
+        return score_batches(self.eval_model, self.cache.batches(self.ctx.device, self.ctx.dtype), self.ctx.autocast)
+
+    def after_cycle(self, step: int, epoch: int) -> bool:
+        """Score the SWA weights of ``step``; ``True`` when the target is reached (every rank)."""
+        ctx, score = self.ctx, float("nan")
+        if self.main:
+            ctx.mllog.eval_start(epoch)
+            ctx.progress.set_description(f"evaluating step {step} (SWA weights)", refresh=True)  # no frozen bar
+            score = self._score()
+            ctx.progress.set_description("train", refresh=False)
+            ctx.mllog.eval_accuracy(score, epoch)
+            ctx.mllog.eval_stop(epoch)
+            ctx.metrics.write({"step": step, "eval_lddt_ca": score, "epoch_num": epoch})
+            ctx.progress.write(f"step {step}: eval lDDT-Cα {score:.4f}")
+        score = broadcast_float(score, self.src, self.group, ctx.device, self.collective)
+        ctx.result.eval_history.append((step, score))
+        if score >= ctx.target_lddt:
+            ctx.result.status = mll.STATUS_SUCCESS
+            return True
+        return False
+
+    def close(self) -> RuntimeError | None:
+        return None
+
+    @property
+    def failed(self) -> bool:
+        return False
+
+    @property
+    def run_stop_logged(self) -> bool:
+        """Training logs ``run_stop`` itself (its own evaluation decides the status)."""
+        return False
+
+
+__all__ = ["EvalContext", "SyncEvaluation"]
