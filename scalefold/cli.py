@@ -32,6 +32,7 @@ _SUBCOMMAND_PROVIDERS: tuple[tuple[str, str], ...] = (
     ("scalefold.inference.cli", "add_parsers"),
     ("scalefold.perf.cli", "add_parsers"),
     ("scalefold.checkpoint.cli", "add_parsers"),
+    ("scalefold.kernels.tune", "add_parsers"),
 )
 
 
