@@ -38,6 +38,7 @@ import argparse
 import contextlib
 import datetime
 import functools
+import importlib
 import math
 import os
 import sys
@@ -95,6 +96,8 @@ def _run(args: argparse.Namespace) -> int:
         raise UserError(f"--jobs {args.jobs}: expected a positive number")
     if args.arch and not args.untimed_defaults:
         raise UserError("--arch applies to --untimed-defaults; on a GPU the table is tuned for the GPU's architecture")
+    if args.site and args.untimed_defaults:
+        raise UserError("--site applies to timing on a GPU; --untimed-defaults writes every MLPerf key")
     if not args.untimed_defaults:
         _require_gpu()
     base = _base_table(out)
@@ -215,7 +218,9 @@ class TimingTuner:
 
         table_key = (self.tuner.name, key.dtype, key.shape)
         done = self.state.results.get(table_key)
-        if done is not None or self.state.out_of_time():
+        # keys of other dtypes (the fp32 LayerNorms inside the attention modules in a tf32 pass) are
+        # not tuned unless asked for
+        if done is not None or table_key not in self.state.planned or self.state.out_of_time():
             config = done["config"] if done else self.tuner.default(self.state.capability)
             launch(config)
             return config
@@ -264,19 +269,21 @@ def _report_key(state: TuneState, key: tuple) -> None:
 
 
 @contextlib.contextmanager
-def timing(state: TuneState, bench_fn=None) -> Iterator[None]:
-    """The kernels' tuners replaced by :class:`TimingTuner`, their ``@triton.jit`` kernels watched for
-    spills, ``SCALEFOLD_KERNELS=triton``."""
+def timing(state: TuneState, bench_fn=None, get_tuner=None) -> Iterator[None]:
+    """The kernels' tuners replaced by :class:`TimingTuner` (wrapping ``get_tuner``'s, default
+    :func:`scalefold.kernels.autotune.get_tuner`), their ``@triton.jit`` kernels watched for spills,
+    ``SCALEFOLD_KERNELS=triton``. ``bench_fn(fn) -> ms`` replaces ``do_bench`` (tests)."""
     from scalefold.kernels import aot, autotune
 
-    mods = aot._kernel_modules()
-    real_get_tuner = autotune.get_tuner
+    aot._kernel_modules() if get_tuner is None else None  # compiled kernels (tests: recorders stand in)
+    mods = {name: importlib.import_module(f"scalefold.kernels.{name}") for name in aot._KERNEL_NAMES}
+    real_get_tuner = get_tuner or autotune.get_tuner
 
-    def get_tuner(name, configs, interpreter_config):
+    def timing_tuner(name, configs, interpreter_config):
         return TimingTuner(real_get_tuner(name, configs, interpreter_config), state, bench_fn)
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(aot._patched(autotune, "get_tuner", get_tuner))
+        stack.enter_context(aot._patched(autotune, "get_tuner", timing_tuner))
         for module, names in aot._KERNEL_NAMES.items():
             for attr in names:
                 fn = getattr(mods[module], attr)
@@ -338,7 +345,7 @@ def tune(base, dtypes: Sequence[str], sites: Sequence[str] | None, max_seconds: 
     """Time the candidates on this GPU; ``base`` merged with the results (see the module doc)."""
     import torch
 
-    from scalefold.kernels import launch_table
+    from scalefold.kernels import autotune, launch_table
 
     started = time.perf_counter()
     major, minor = torch.cuda.get_device_capability()
@@ -346,8 +353,9 @@ def tune(base, dtypes: Sequence[str], sites: Sequence[str] | None, max_seconds: 
     arch, device = launch_table.arch_name(capability), torch.cuda.get_device_name()
     planned = plan(capability, dtypes, sites)
     state = TuneState(started + max_seconds, capability, planned, started=started)
-    _say(f"{device} ({arch}): {len(planned)} keys ({', '.join(dtypes)}) at the MLPerf call sites, "
-         f"budget {max_seconds:.0f} s; one line per key")  # fmt: skip
+    configs = sum(len(autotune._tuners[name].candidates(capability)) for name, _, _ in planned)
+    _say(f"{device} ({arch}): {len(planned)} keys ({', '.join(dtypes)}) at the MLPerf call sites, {configs} configs "
+         f"to compile and time, budget {max_seconds:.0f} s; one line per key")  # fmt: skip
     with timing(state):
         skipped = run_sites(state, dtypes, sites)
     if skipped:
@@ -372,8 +380,9 @@ def merge_results(base, arch: str, device: str, state: TuneState, dtypes: Sequen
         old = earlier.entry(arch, *key)
         config = result["config"] if result else (old if old is not None else default)
         table.set_entry(arch, *key, config)
-        if result:
-            timings[" ".join(key)] = {k: result[k] for k in ("ms", "default_ms", "timed", "candidates")}
+        if result:  # NaN (the default config not timed) as null: strict JSON
+            timings[" ".join(key)] = {k: None if result[k] != result[k] else result[k]
+                                      for k in ("ms", "default_ms", "timed", "candidates")}  # fmt: skip
     untimed = [" ".join(k) for k in sorted(state.planned) if k not in state.results]
     gains = [
         r["default_ms"] / r["ms"] for r in state.results.values() if r["ms"] and r["default_ms"] == r["default_ms"]

@@ -4,7 +4,12 @@ with a simulated benchmark. The timing on a real GPU is the GPU session's."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +17,7 @@ import torch
 from scalefold import cli
 from scalefold.kernels import autotune, launch_table, tune
 
+ROOT = Path(__file__).resolve().parents[2]
 CANDIDATES = [{"B": 64, "num_warps": 4}, {"B": 128, "num_warps": 8}, {"B": 256, "num_warps": 8}]
 KEY = autotune.Key("N=256", "bf16")
 
@@ -38,6 +44,7 @@ def test_without_cuda_a_one_line_message(tmp_path, capsys):
         (["--max-seconds", "0"], "--max-seconds 0"),
         (["--arch", "sm_90"], "--arch applies to --untimed-defaults"),
         (["--jobs", "0", "--untimed-defaults"], "--jobs 0"),
+        (["--site", "msa_row", "--untimed-defaults"], "--site applies to timing on a GPU"),
     ],
 )
 def test_bad_options_are_one_line_errors(tmp_path, capsys, argv, expected):
@@ -142,3 +149,60 @@ def test_untimed_defaults_move_a_failing_entry_to_the_next_candidate(monkeypatch
     assert tune._next_candidates(table, failing)
     assert table.entry("sm_80", "t", "bf16", "N=256") == CANDIDATES[1]
     assert not tune._next_candidates(table, failing)
+
+
+def test_results_hold_no_nan(capsys):
+    """A key whose default config was not timed (it failed) records null, not NaN (strict JSON)."""
+    key = ("t", "bf16", "N=256")
+    state = _state({key: CANDIDATES[0]})
+    state.results[key] = dict(config=CANDIDATES[1], ms=1.0, default_ms=math.nan, timed=2, candidates=3,
+                              rejected=["x"], seconds=1.0)  # fmt: skip
+    table = tune.merge_results(launch_table.Table(), "sm_90", "Test GPU", state, ["bf16"])
+    assert table.archs["sm_90"]["timings"]["t bf16 N=256"]["default_ms"] is None
+    json.loads(launch_table.dumps(table), parse_constant=lambda c: pytest.fail(f"{c} in the table"))
+
+
+# Run in a process of its own (the kernels must be defined compiled, not interpreted, as the command
+# does): the MLPerf sites on the meta device with the kernels recorded instead of launched (aot's
+# capture), timed by a simulated benchmark -- every key the plan lists is timed, once.
+_WIRING = """
+import json, math, sys
+from scalefold.kernels import aot, autotune, launch_table, tune
+aot._kernel_modules()
+sites = sys.argv[1:]
+real_get_tuner = autotune.get_tuner
+planned = tune.plan(90, ["bf16", "tf32"], sites)
+state = tune.TuneState(math.inf, 90, planned)
+calls = []
+def bench(fn):
+    calls.append(1)
+    fn()
+    return 1.0 + 0.1 * sum(v for k, v in fn.args[0].items() if k.startswith("BLOCK"))
+with aot.capturing(aot._Context(), 90, launch_table.Table()), tune.timing(state, bench, real_get_tuner):
+    skipped = tune.run_sites(state, ["bf16", "tf32"], sites, device="meta")
+table = tune.merge_results(launch_table.Table(), "sm_90", "Test GPU", state, ["bf16", "tf32"])
+candidates = sum(len(autotune._tuners[name].candidates(90)) for name, _, _ in planned)
+print(json.dumps(dict(planned=sorted(map(list, planned)), timed=sorted(map(list, state.results)), skipped=skipped,
+                      calls=len(calls), candidates=candidates, entries=[list(e[1:4]) for e in table.entries("sm_90")])))
+"""
+
+
+def test_every_planned_key_is_timed_once_at_the_sites():
+    """tune-kernels' wiring without a GPU: the keys its plan lists (captured like the AOT check) are the
+    keys the sites' launches time, each once, through the real launchers and tuners; the table written
+    holds exactly them."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "SCALEFOLD_KERNELS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    sites = ["msa_row", "template_pointwise", "layer_norm_pair", "adam_swa_first"]
+    proc = subprocess.run([sys.executable, "-c", _WIRING, *sites], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    planned = {tuple(k) for k in out["planned"]}
+    assert {tuple(k) for k in out["timed"]} == planned and out["skipped"] == 0
+    assert {tuple(e) for e in out["entries"]} == planned
+    assert {k[0] for k in planned} == {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq", "layer_norm_fwd",
+                                       "layer_norm_bwd", "adam_swa"}  # fmt: skip
+    assert {k[1] for k in planned} == {"bf16", "tf32"}
+    assert out["calls"] == out["candidates"]  # every candidate of every key timed, no key twice
+    assert proc.stderr.count("tune-kernels: [") == len(planned)
