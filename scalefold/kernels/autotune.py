@@ -236,7 +236,7 @@ class Tuner:
 
             default = self.default(capability)
             config = launch_table.lookup(self.name, key, capability, default)
-            if config is not default:
+            if config != default:  # an entry equal to the default has nothing to fall back to
                 self._table_entries.add(memo)
             with _lock:
                 self._chosen[memo] = config
