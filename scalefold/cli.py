@@ -32,6 +32,7 @@ _SUBCOMMAND_PROVIDERS: tuple[tuple[str, str], ...] = (
     ("scalefold.commands.inference", "add_parsers"),
     ("scalefold.commands.perf", "add_parsers"),
     ("scalefold.commands.checkpoint", "add_parsers"),
+    ("scalefold.commands.kernels", "add_parsers"),
 )
 
 

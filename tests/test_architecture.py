@@ -31,6 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("scalefold.evaluation", "scalefold.compilation"),
     ("scalefold.train",),
     ("scalefold.inference", "scalefold.perf", "scalefold.kernels.aot", "scalefold.reference"),
+    ("scalefold.kernels.tune",),
     ("scalefold.commands", "scalefold.cli"),
     ("scalefold.__main__",),
 )

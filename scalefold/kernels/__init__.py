@@ -13,11 +13,15 @@ The environment variable ``SCALEFOLD_KERNELS`` (``auto``/``triton``/``torch``) o
 
 Kernels (``scalefold.kernels.triton_ops`` registers them as ``torch.ops.scalefold.*`` custom ops):
 :func:`attention` (``attention_triton``), :func:`layer_norm` (``layer_norm_triton``) and
-:func:`adam_swa_` (``adam_swa_triton``); their launch configs are tuned by ``autotune``. The flat
+:func:`adam_swa_` (``adam_swa_triton``). Their launch configs come from the table shipped in the
+package (``launch_table``: per GPU architecture, kernel, dtype and shape class; no autotuning at
+start-up), timed only with ``SCALEFOLD_AUTOTUNE=1`` (``autotune``); ``scalefold tune-kernels``
+(``tune``) times the candidates on a GPU and writes the table. The flat
 optimizer (``scalefold.optim.adam_swa``) steps through :func:`adam_swa_`: training and the
 kernel tests share one Adam+SWA reference.
-``python -m scalefold.kernels.aot`` compiles every one of them, for every candidate config, for
-H100 (sm_90) and A100 (sm_80) without a GPU, and reports registers, shared memory and spills.
+``python -m scalefold.kernels.aot`` compiles every one of them, for every candidate config (or, with
+``--table``, every table entry), for H100 (sm_90) and A100 (sm_80) without a GPU, and reports
+registers, shared memory and spills.
 """
 
 from __future__ import annotations

@@ -148,6 +148,8 @@ def adam_swa_launch(
             scratch.extend(None if t is None else t.clone() for t in (param, exp_avg, exp_avg_sq, swa, compute))
         launch(cfg, (scratch[0], grad, *scratch[1:]))
 
-    key = autotune.make_key((autotune.size_class(numel), str(grad.dtype), compute is not None), param)
-    tuner = autotune.get_tuner("adam_swa", ADAM_CONFIGS, INTERPRETER_CONFIG)
-    launch(tuner.pick(key, bench))
+    shape = dict(
+        numel=autotune.size_class(numel), master=autotune.dtype_label(param.dtype), compute=compute is not None
+    )
+    key = autotune.make_key(shape, grad)  # the dtype label: the gradients' (the training dtype)
+    autotune.get_tuner("adam_swa", ADAM_CONFIGS, INTERPRETER_CONFIG).run(key, launch, bench)

@@ -1,6 +1,7 @@
 """Ahead-of-time compilation of every Triton kernel ScaleFold launches, for real GPUs, without one.
 
 ``python -m scalefold.kernels.aot [--arch sm_90 --arch sm_80] [--json]``
+``python -m scalefold.kernels.aot --table [FILE] [--no-compile]`` (the launch-config table's entries)
 
 The kernel tests run in Triton's CPU interpreter, which accepts programs a GPU compile rejects
 (``tl.dot`` tiles under 16, shared memory over the limit, bf16 paths it never really executes).
@@ -13,13 +14,14 @@ How the launches are found (so that what is compiled is what training launches):
 
 1. every attention call site of the MLPerf model (``mlperf`` preset: crop 256, 124 + 4 MSA rows,
    1,024 extra rows, 4 templates) is built from the real model modules on the ``meta`` device and
-   run forward *and* backward with ``SCALEFOLD_KERNELS=triton``; LayerNorm runs at every hidden
-   size of the MLPerf model; Adam+SWA on flat buffers of its 93 M parameters;
+   run forward *and* backward with ``SCALEFOLD_KERNELS=triton``; LayerNorm runs at every (hidden
+   size, rows) of the MLPerf model; Adam+SWA on flat buffers of its 93 M parameters;
 2. the custom ops' entry points (``triton_ops.attention_fwd`` ...) are wrapped so that each call
    also runs the real launcher (``attention_triton.attention_forward`` ...) on the same meta
    tensors, with the ``@triton.jit`` kernels replaced by recorders and the autotuner replaced by
-   a sweep that launches every candidate config -- so strides, constexprs, ``num_warps`` and
-   ``num_stages`` come from the launcher itself;
+   a sweep that launches every candidate config (``--table``: the launch-config table's entry for
+   each key) -- so strides, constexprs, ``num_warps`` and ``num_stages`` come from the launcher
+   itself;
 3. each distinct launch (kernel, argument types and 16-byte divisibility as Triton's own binder
    specialises them, constexprs, options) is compiled once per architecture; ``cuobjdump
    --dump-resource-usage`` on the cubin gives the registers, ptxas' own ``-v`` report the bytes
@@ -31,9 +33,18 @@ One record per compile: ``kernel`` (``attention_fwd``, ``attention_bwd:dkdv`` ..
 (``bf16``/``fp16``/``fp32``, and ``tf32``: fp32 tensors under ``allow_tf32``, attention only),
 ``arch``, ``config``, ``default`` (the config used without autotuning), ``ok`` (compiled and fits
 shared memory), ``error``, ``registers``, ``shared_bytes``, ``spill_bytes``, plus ``sites`` (the
-model call sites launching it) and ``compile_s``. The exit status is 1 when any record is not
-``ok`` or a default config spills: the candidate lists in the kernel modules hold only configs
-that compile and fit.
+model call sites launching it), ``compile_s`` and ``keys`` (the ``(tuner, dtype label, shape
+class)`` keys of :mod:`scalefold.kernels.launch_table` it serves). The exit status is 1 when any
+record is not ``ok`` or a default config spills: the candidate lists in the kernel modules hold only
+configs that compile and fit.
+
+``--table`` checks the launch-config table (:mod:`scalefold.kernels.launch_table`; default the one
+in use) instead: each entry is launched where the MLPerf sites look it up and compiled like a
+default (no spills allowed), and the table must hold an entry for every key the sites launch and
+none that no site launches. ``--arch``/``--dtype`` narrow it (default: the table's architectures
+and dtype labels); ``--site`` narrows the compiles, not the completeness check; ``--no-compile``
+runs the completeness check alone. CI compiles a sample (``tests/kernels/test_aot.py``); the
+whole table is ``python -m scalefold.kernels.aot --table --jobs 2``.
 
 The kernel modules must be imported with ``TRITON_INTERPRET`` off (``@triton.jit`` returns an
 interpreter object otherwise); run this as its own process.
@@ -85,6 +96,7 @@ class Launch:
     candidate: dict | None  # the autotune candidate being launched; None for a fixed launch
     default: bool
     site: str
+    key: tuple | None = None  # (tuner, dtype label, shape class) of the config launched; None: fixed
 
 
 @dataclass
@@ -93,7 +105,19 @@ class _Context:
     dtype: str = ""
     candidate: dict | None = None
     default: bool = True
+    key: tuple | None = None
     launches: list[Launch] = field(default_factory=list)
+    #: table mode: (tuner, dtype label, shape class) -> (config launched, whether a table entry)
+    visited: dict[tuple, tuple[dict, bool]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    @contextlib.contextmanager
+    def launching(self, candidate: dict | None, default: bool, key: tuple | None) -> Iterator[None]:
+        self.candidate, self.default, self.key = candidate, default, key
+        try:
+            yield
+        finally:
+            self.candidate, self.default, self.key = None, True, None
 
 
 class _Recorder:
@@ -105,27 +129,56 @@ class _Recorder:
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             c = self.ctx
-            c.launches.append(Launch(self.kernel, c.dtype, self.fn, args, kwargs, c.candidate, c.default, c.site))
+            c.launches.append(
+                Launch(self.kernel, c.dtype, self.fn, args, kwargs, c.candidate, c.default, c.site, c.key)
+            )
 
         return launch
 
 
 class _SweepTuner:
-    """Stands in for ``autotune.Tuner``: ``pick`` launches every candidate of the architecture
-    (the default first) and returns the default, which the launcher then launches again."""
+    """Stands in for ``autotune.Tuner``: ``run`` launches every candidate of the architecture (the
+    default first; through ``bench`` where the launcher gives one) and then the default, as the
+    launcher would without autotuning and without a table entry."""
 
     def __init__(self, tuner, ctx: _Context, capability: int | None) -> None:
         self.tuner, self.ctx, self.capability = tuner, ctx, capability
 
-    def pick(self, key: str, launch: Callable[[dict], None]) -> dict:
+    def run(self, key, launch: Callable[[dict], None], bench: Callable[[dict], None] | None = None) -> dict:
         default = self.tuner.default(self.capability)
+        table_key = (self.tuner.name, key.dtype, key.shape)
         for cfg in self.tuner.candidates(self.capability):
-            self.ctx.candidate, self.ctx.default = dict(cfg), cfg == default
-            try:
-                launch(cfg)
-            finally:
-                self.ctx.candidate, self.ctx.default = None, True
+            with self.ctx.launching(dict(cfg), cfg == default, table_key):
+                (bench or launch)(cfg)
+        with self.ctx.launching(None, True, table_key):
+            launch(default)
         return default
+
+
+class _TableTuner:
+    """Stands in for ``autotune.Tuner`` in table mode: ``run`` launches the launch-config table's
+    entry for the key on the architecture (the default config where it has none, or where the entry
+    does not fit the kernel: a problem), and notes the key as visited."""
+
+    def __init__(self, tuner, ctx: _Context, capability: int, table) -> None:
+        self.tuner, self.ctx, self.capability, self.table = tuner, ctx, capability, table
+
+    def run(self, key, launch: Callable[[dict], None], bench: Callable[[dict], None] | None = None) -> dict:
+        from scalefold.kernels import launch_table
+
+        arch = launch_table.arch_name(self.capability)
+        table_key = (self.tuner.name, key.dtype, key.shape)
+        default = self.tuner.default(self.capability)
+        entry = self.table.entry(arch, *table_key)
+        reason = None if entry is None else launch_table.misfit(entry, default)
+        if reason is not None:
+            self.ctx.problems.append(f"{arch} {' '.join(table_key)}: entry {entry} does not fit the kernel ({reason})")
+            entry = None
+        config = default if entry is None else entry
+        self.ctx.visited[table_key] = (dict(config), entry is not None)
+        with self.ctx.launching(dict(config), True, table_key):
+            launch(config)
+        return config
 
 
 # (module attribute, record name) of every @triton.jit kernel the launchers call
@@ -175,16 +228,18 @@ def _patched(obj, name: str, value) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def capturing(ctx: _Context, arch: int | None = None) -> Iterator[dict]:
-    """Kernels replaced by recorders, the autotuner by a sweep, the custom ops by wrappers that
-    also run the launchers; ``SCALEFOLD_KERNELS=triton`` so the model dispatches to them."""
+def capturing(ctx: _Context, arch: int | None = None, table=None) -> Iterator[dict]:
+    """Kernels replaced by recorders, the autotuner by a sweep (or, given a launch-config ``table``,
+    by its entries), the custom ops by wrappers that also run the launchers; ``SCALEFOLD_KERNELS=
+    triton`` so the model dispatches to them."""
     mods = _kernel_modules()
     from scalefold.kernels import autotune
 
     real_get_tuner = autotune.get_tuner
 
     def sweep_tuner(name, configs, interpreter_config):
-        return _SweepTuner(real_get_tuner(name, configs, interpreter_config), ctx, arch)
+        tuner = real_get_tuner(name, configs, interpreter_config)
+        return _SweepTuner(tuner, ctx, arch) if table is None else _TableTuner(tuner, ctx, arch, table)
 
     ops, at, ln = mods["triton_ops"], mods["attention_triton"], mods["layer_norm_triton"]
     real = {n: getattr(ops, n) for n in ("attention_fwd", "attention_bwd", "layer_norm_fwd", "layer_norm_bwd")}
@@ -232,8 +287,16 @@ def _mlperf():
     return AlphaFoldConfig.from_preset("mlperf")
 
 
-def attention_sites() -> dict[str, Callable[[torch.dtype], None]]:
-    """Every attention call of the MLPerf model: name -> run(dtype) (forward + backward on meta)."""
+def _tensor(shape: tuple, dtype: torch.dtype, requires_grad: bool = False) -> torch.Tensor:
+    """An input under the current default device: uninitialised on ``meta`` (nothing runs), random
+    elsewhere (``scalefold tune-kernels`` times the kernels on them)."""
+    if torch.empty(0).device.type == "meta":
+        return torch.empty(shape, dtype=dtype, requires_grad=requires_grad)
+    return torch.randn(shape, dtype=dtype).requires_grad_(requires_grad)
+
+
+def attention_sites() -> dict[str, Callable[..., None]]:
+    """Every attention call of the MLPerf model: name -> run(dtype, device="meta") (forward + backward)."""
     from scalefold.model.msa_attention import MSAColumnAttention, MSAColumnGlobalAttention, MSARowAttentionWithPairBias
     from scalefold.model.template import TemplatePointwiseAttention
     from scalefold.model.triangle import TriangleAttention
@@ -246,20 +309,20 @@ def attention_sites() -> dict[str, Callable[[torch.dtype], None]]:
     tps, tpa = cfg.template_pair_stack_config, cfg.template_pointwise_attention_config
 
     def run(make_module, *shapes):
-        def go(dtype: torch.dtype) -> None:
-            with torch.device("meta"):
+        def go(dtype: torch.dtype, device: str | torch.device = "meta") -> None:
+            with torch.device(device):
                 module = make_module().to(dtype)
-                inputs = [torch.empty(s, dtype=dtype, requires_grad=True) for s in shapes]
+                inputs = [_tensor(s, dtype, requires_grad=True) for s in shapes]
             out = module(*inputs)
             out.float().sum().backward()
 
         return go
 
-    def template_pointwise(dtype):
-        with torch.device("meta"):
+    def template_pointwise(dtype, device="meta"):
+        with torch.device(device):
             module = TemplatePointwiseAttention(tpa).to(dtype)
-            t = torch.empty((n_templ, n, n, tpa.c_t), dtype=dtype, requires_grad=True)
-            z = torch.empty((n, n, tpa.c_z), dtype=dtype, requires_grad=True)
+            t = _tensor((n_templ, n, n, tpa.c_t), dtype, requires_grad=True)
+            z = _tensor((n, n, tpa.c_z), dtype, requires_grad=True)
             mask = torch.ones(n_templ, dtype=dtype)
         module(t, z, mask).float().sum().backward()
 
@@ -286,30 +349,40 @@ def attention_sites() -> dict[str, Callable[[torch.dtype], None]]:
     }  # fmt: skip
 
 
-def layer_norm_sites() -> dict[str, Callable[[torch.dtype], None]]:
-    """LayerNorm at every hidden size of the MLPerf model, over N_res^2 rows (forward + backward)."""
-    from scalefold.model.alphafold import AlphaFold
+def layer_norm_sites() -> dict[str, Callable[..., None]]:
+    """LayerNorm at every (hidden size, rows) of the MLPerf model (forward + backward): the MSA
+    (c_m x N_seq N_res rows), the pair (c_z x N_res^2), the extra MSA and the template pair stack
+    (64 x 1,024 N_res and 4 N_res^2 rows: one shape class), the single representation (c_s x N_res)
+    and the recycled first MSA row (c_m x N_res). A census of the MLPerf model's forward on the meta
+    device (every call of ``kernels.layer_norm``) found exactly these (C, rows) pairs."""
     from scalefold.model.primitives import LayerNorm
 
     cfg = _mlperf()
-    with torch.device("meta"):
-        model = AlphaFold(cfg)
-    sizes = sorted({m.normalized_shape[0] for m in model.modules() if isinstance(m, LayerNorm)})
     n = cfg.train_sequence_crop_size
+    n_seq = cfg.max_msa_clusters + cfg.max_templates
+    evo, extra, tps = cfg.evoformer_stack_config, cfg.extra_msa_stack_config, cfg.template_pair_stack_config
+    shapes = {
+        "layer_norm_msa": (evo.c_m, n_seq * n),
+        "layer_norm_pair": (evo.c_z, n * n),
+        "layer_norm_extra_msa": (extra.c_e, cfg.max_extra_msa * n),
+        "layer_norm_template_pair": (tps.c_t, cfg.max_templates * n * n),
+        "layer_norm_single": (cfg.structure_module_config.c_s, n),
+        "layer_norm_msa_first_row": (cfg.recycling_embedder_config.c_m, n),
+    }
 
-    def run(c):
-        def go(dtype):
-            with torch.device("meta"):
+    def run(c, rows):
+        def go(dtype, device="meta"):
+            with torch.device(device):
                 module = LayerNorm(c).to(dtype)
-                x = torch.empty((n, n, c), dtype=dtype, requires_grad=True)
+                x = _tensor((rows, c), dtype, requires_grad=True)
             module(x).float().sum().backward()
 
         return go
 
-    return {f"layer_norm_{c}": run(c) for c in sizes}
+    return {name: run(c, rows) for name, (c, rows) in shapes.items()}
 
 
-def adam_sites() -> dict[str, Callable[[torch.dtype], None]]:
+def adam_sites() -> dict[str, Callable[..., None]]:
     """Adam+SWA on the flat buffers of the MLPerf model's parameters: master fp32, gradients and
     compute copy in the training dtype; the first SWA update copies, later ones average."""
     from scalefold.kernels import adam_swa_triton
@@ -319,14 +392,15 @@ def adam_sites() -> dict[str, Callable[[torch.dtype], None]]:
     numel = 93_229_082
 
     def run(swa_copy):
-        def go(dtype):
-            with torch.device("meta"):
-                master = [torch.empty(numel, dtype=torch.float32) for _ in range(4)]
-                grad = torch.empty(numel, dtype=dtype)
-                compute = None if dtype == torch.float32 else torch.empty(numel, dtype=dtype)
-                lr, step, clip = torch.empty(()), torch.empty(()), torch.empty(())
+        def go(dtype, device="meta"):
+            with torch.device(device):
+                master = [_tensor((numel,), torch.float32) for _ in range(4)]
+                grad = _tensor((numel,), dtype)
+                compute = None if dtype == torch.float32 else _tensor((numel,), dtype)
+                lr, step, clip = torch.full((), 1e-3), torch.full((), 1.0), torch.full((), 1.0)
                 neg_step_size, bc2_sqrt = adam_step_scalars(lr, step, 0.9, 0.999)
             param, exp_avg, exp_avg_sq, swa = master
+            exp_avg_sq = exp_avg_sq.abs()
             adam_swa_triton.adam_swa_launch(
                 param, grad, exp_avg, exp_avg_sq, swa, compute, clip if cfg.gradient_clipping else None,
                 neg_step_size, bc2_sqrt, 0.9, 0.999, 1e-6, cfg.swa_decay_rate, swa_copy,
@@ -354,11 +428,14 @@ def collect(
     kernels: Sequence[str] = KERNELS,
     arch: int | None = None,
     only_sites: Sequence[str] | None = None,
+    table=None,
+    ctx: _Context | None = None,
 ) -> list[Launch]:
     """Every launch of the selected kernels at the MLPerf call sites (all, or ``only_sites``), in
-    every dtype, with the candidate lists of compute capability ``arch``."""
-    ctx = _Context()
-    with capturing(ctx, arch):
+    every dtype, with the candidate lists of compute capability ``arch`` -- or, given a launch-config
+    ``table``, with its entries for ``arch`` (the keys met are left in ``ctx.visited``)."""
+    ctx = _Context() if ctx is None else ctx
+    with capturing(ctx, arch, table):
         sites = all_sites(kernels)
         unknown = sorted(set(only_sites or ()) - set(sites))
         if unknown:
@@ -379,6 +456,22 @@ def collect(
         for launch in ctx.launches
         if launch.kernel.split(":")[0] in kernels and (launch.dtype != "tf32" or launch.kernel.startswith("attention"))
     ]
+
+
+def table_keys(archs: Sequence[str] = tuple(ARCHS), dtypes: Sequence[str] = ("bf16", "tf32", "fp32"), table=None):
+    """``{arch: {(tuner, dtype label, shape class): (config, from the table)}}``: every key the MLPerf
+    call sites launch with (every site, every kernel), and the config each gets from ``table`` (an
+    empty table: the default configs)."""
+    from scalefold.kernels import launch_table
+
+    table = launch_table.Table() if table is None else table
+    out = {}
+    for arch in archs:
+        ctx = _Context()
+        collect(dtypes, KERNELS, ARCHS[arch][0], table=table, ctx=ctx)
+        labels = set(dtypes)
+        out[arch] = {k: v for k, v in ctx.visited.items() if k[1] in labels}
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -403,6 +496,7 @@ class Task:
     default: bool = False
     candidates: list = field(default_factory=list)
     sites: list = field(default_factory=list)
+    keys: list = field(default_factory=list)  # the (tuner, dtype label, shape class) keys it serves
 
 
 @dataclass
@@ -421,6 +515,7 @@ class Record:
     candidates: list
     sites: list
     compile_s: float
+    keys: list = field(default_factory=list)  # (tuner, dtype label, shape class) keys served
 
 
 _CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK", "ROWS", "BLOCK_P")
@@ -458,6 +553,8 @@ def tasks_for(launches: Sequence[Launch], arch: str) -> list[Task]:
             task.candidates.append(launch.candidate)
         if launch.site not in task.sites:
             task.sites.append(launch.site)
+        if launch.key is not None and list(launch.key) not in task.keys:
+            task.keys.append(list(launch.key))
     return list(tasks.values())
 
 
@@ -536,6 +633,7 @@ def compile_task(task: Task) -> Record:
     return Record(
         task.kernel, task.dtype, task.arch, task.config, task.default, error is None, error,
         registers, shared, spills, limit, task.candidates, task.sites, round(time.perf_counter() - start, 2),
+        task.keys,
     )  # fmt: skip
 
 
@@ -586,6 +684,46 @@ def run(
         arch_tasks = tasks_for(launches, arch)
         tasks.extend(t for t in arch_tasks if t.default or not default_only)
     return compile_all(tasks, jobs, progress)
+
+
+def check_table(
+    table,
+    archs: Sequence[str] | None = None,
+    dtypes: Sequence[str] | None = None,
+    sites: Sequence[str] | None = None,
+    jobs: int = 1,
+    progress: bool = True,
+    compile_: bool = True,
+) -> tuple[list[Record], list[str]]:
+    """Compile every entry of a launch-config ``table`` (of ``archs``, default all of the table's, in
+    ``dtypes``, default the labels it holds) where the MLPerf call sites launch it (every launch
+    counts as a default: no spills allowed); ``sites`` limits the compiles, not the completeness
+    check. Returns the records and the problems: an entry no site launches (stale), a key the sites
+    launch without an entry, an entry that does not fit its kernel, a failed or spilling compile.
+    ``compile_=False``: the completeness check alone (seconds)."""
+    found: list[str] = []
+    tasks: list[Task] = []
+    for arch in archs or sorted(table.archs):
+        if arch not in ARCHS:
+            found.append(f"{arch}: no ahead-of-time target for this architecture (known: {', '.join(ARCHS)})")
+            continue
+        labels = list(dtypes or sorted({e[2] for e in table.entries(arch)}))
+        found += [f"{arch} {d}: entries of a dtype the check does not know ({', '.join(DTYPES)})"
+                  for d in labels if d not in DTYPES]  # fmt: skip
+        labels = [d for d in labels if d in DTYPES]
+        ctx = _Context()
+        launches = collect(labels, KERNELS, ARCHS[arch][0], table=table, ctx=ctx)
+        found += ctx.problems
+        visited = {k: entry for k, (_, entry) in ctx.visited.items() if k[1] in labels}
+        found += [f"{arch} {' '.join(k)}: no entry (the kernel's default config is launched)"
+                  for k, entry in sorted(visited.items()) if not entry]  # fmt: skip
+        found += [f"{arch} {kernel} {dtype} {shape}: stale entry, no MLPerf call site launches it"
+                  for _, kernel, dtype, shape, _ in table.entries(arch)
+                  if dtype in labels and (kernel, dtype, shape) not in visited]  # fmt: skip
+        if compile_:
+            tasks += tasks_for([x for x in launches if not sites or x.site in sites], arch)
+    records = compile_all(tasks, jobs, progress) if tasks else []
+    return records, found + problems(records)
 
 
 def problems(records: Sequence[Record]) -> list[str]:
@@ -675,6 +813,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--from-json", metavar="FILE", help="summarise the records of an earlier --json run; compile nothing"
     )
+    p.add_argument(
+        "--table", nargs="?", const="", metavar="FILE",
+        help="compile the entries of a launch-config table instead of the candidates, and check it holds an entry "
+        "for every key the MLPerf sites launch and no other (default FILE: the table in use, "
+        "scalefold/kernels/launch_configs.json or $SCALEFOLD_LAUNCH_CONFIGS); --arch/--dtype/--site narrow it",
+    )  # fmt: skip
+    p.add_argument("--no-compile", action="store_true",
+                   help="with --table: only check that it holds the keys the MLPerf sites launch (seconds)")  # fmt: skip
     p.add_argument("--jobs", type=int, default=1, help="parallel compile processes (default 1)")
     p.add_argument("--cache-dir", help="Triton cache directory (default: a fresh temporary one, so all compiles run)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -689,15 +835,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"--jobs {args.jobs}: expected a positive number", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.from_json:
-        try:
-            records = load_records(args.from_json)
-        except (OSError, ValueError, TypeError) as exc:
-            print(f"--from-json {args.from_json}: not a file of --json records ({exc})", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        emit(records, args)
-        bad = problems(records)
-        print(f"{len(records)} records, {len(bad)} problem(s)" + "".join(f"\n  {b}" for b in bad), file=sys.stderr)
-        return 1 if bad else 0
+        return _summarise_json(args)
+    if args.no_compile and args.table is None:
+        print("--no-compile applies to --table", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    table = _read_table(args) if args.table is not None else None
+    if table is EXIT_BAD_INPUT:
+        return EXIT_BAD_INPUT
     _kernel_modules()  # before the model (and through it the kernels) is imported
     known = all_sites(args.kernel or KERNELS)
     unknown = sorted(set(args.site or ()) - set(known))
@@ -716,21 +860,54 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             os.environ["TRITON_CACHE_DIR"] = stack.enter_context(tempfile.TemporaryDirectory(prefix="scalefold-aot-"))
         start = time.perf_counter()
-        records = run(
-            archs=args.arch or tuple(ARCHS),
-            dtypes=args.dtype or tuple(DTYPES),
-            kernels=args.kernel or KERNELS,
-            default_only=args.default_only,
-            sites=args.site,
-            jobs=args.jobs,
-            progress=not args.no_progress,
-        )
+        if table is not None:
+            records, bad = check_table(table, args.arch, args.dtype, args.site, args.jobs, not args.no_progress,
+                                       compile_=not args.no_compile)  # fmt: skip
+        else:
+            records = run(
+                archs=args.arch or tuple(ARCHS),
+                dtypes=args.dtype or tuple(DTYPES),
+                kernels=args.kernel or KERNELS,
+                default_only=args.default_only,
+                sites=args.site,
+                jobs=args.jobs,
+                progress=not args.no_progress,
+            )
+            bad = problems(records)
         elapsed = time.perf_counter() - start
     emit(records, args)
-    bad = problems(records)
     summary = f"{len(records)} compiles in {elapsed:.0f} s, {len(bad)} problem(s)"
     print(summary + "".join(f"\n  {b}" for b in bad), file=sys.stderr)
     return 1 if bad else 0
+
+
+def _summarise_json(args: argparse.Namespace) -> int:
+    """``--from-json``: the records of an earlier run, summarised; nothing compiled."""
+    try:
+        records = load_records(args.from_json)
+    except (OSError, ValueError, TypeError) as exc:
+        print(f"--from-json {args.from_json}: not a file of --json records ({exc})", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    emit(records, args)
+    bad = problems(records)
+    print(f"{len(records)} records, {len(bad)} problem(s)" + "".join(f"\n  {b}" for b in bad), file=sys.stderr)
+    return 1 if bad else 0
+
+
+def _read_table(args: argparse.Namespace):
+    """``--table``'s launch-config table, or :data:`EXIT_BAD_INPUT` after a one-line message."""
+    from scalefold.kernels import launch_table
+
+    path = args.table or launch_table.table_path()
+    if args.kernel or args.default_only:
+        print("--table checks every kernel's entries: --kernel and --default-only do not apply", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        return launch_table.read(path)
+    except (OSError, launch_table.TableError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        print(f"--table {path}: not a readable launch-config table ({reason})", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 def emit(records: Sequence[Record], args: argparse.Namespace) -> None:

@@ -628,8 +628,8 @@ def _block_d(d: int) -> int:
 # ----------------------------------------------------------------------------------------------
 
 # Candidate launch configs per program for tensor-core dots (fp16/bf16, fp32 under allow_tf32):
-# autotune.Tuner's list, the first is the default (used without autotuning); a dict may map a
-# compute capability to its own list. Checked ahead of time for sm_90 and sm_80 at every MLPerf
+# autotune.Tuner's list, the first is the default (launched where the launch-config table has no
+# entry, and the table's "untimed defaults"); a dict may map a compute capability to its own list. Checked ahead of time for sm_90 and sm_80 at every MLPerf
 # call site by ``python -m scalefold.kernels.aot`` (bench/RESULTS.md): each compiles and fits
 # shared memory, the defaults do not spill registers -- with Triton 3.9 (here) and 3.6 (the lent
 # H100/H200 image), both checked. The dQ/dbias kernel holds the most tiles (S, P, dP, dS, the dbias
@@ -689,16 +689,23 @@ ATTENTION_EXACT_CONFIGS = {
 INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 1, "num_stages": 1}
 
 
-def _config(name: str, key: tuple, bench, dtype: torch.dtype) -> dict:
-    """The launch config of program ``name``: separate tuners (and candidates) for exact dots."""
-    if _dot_precision(dtype) == "ieee":
-        return autotune.get_tuner(f"{name}_exact", ATTENTION_EXACT_CONFIGS[name], INTERPRETER_CONFIG).pick(key, bench)
-    return autotune.get_tuner(name, ATTENTION_CONFIGS[name], INTERPRETER_CONFIG).pick(key, bench)
+def _launch(name: str, shape: dict, q: torch.Tensor, launch) -> dict:
+    """Launch program ``name`` with its config for this shape class (the launch-config table's, or
+    timed with ``SCALEFOLD_AUTOTUNE=1``): separate tuners (and candidates) for exact dots, and the
+    dtype label ``tf32`` for fp32 tensors with TF32 dots."""
+    precision = _dot_precision(q.dtype)
+    if precision == "ieee":
+        tuner = autotune.get_tuner(f"{name}_exact", ATTENTION_EXACT_CONFIGS[name], INTERPRETER_CONFIG)
+    else:
+        tuner = autotune.get_tuner(name, ATTENTION_CONFIGS[name], INTERPRETER_CONFIG)
+    label = "tf32" if q.dtype == torch.float32 and precision == "tf32" else None
+    return tuner.run(autotune.make_key(shape, q, label), launch)
 
 
-def _shape_class(q: torch.Tensor, k: torch.Tensor, has_bias: bool, R: int) -> tuple:
+def _shape_class(q: torch.Tensor, k: torch.Tensor, has_bias: bool, R: int) -> dict:
+    """Sizes bucketed to powers of two, the head size, a bias, and a bias shared over R > 1 members."""
     Z, H, NQ, D = q.shape
-    return (autotune.size_class(NQ), autotune.size_class(k.shape[2]), D, has_bias, R > 1)
+    return dict(NQ=autotune.size_class(NQ), NK=autotune.size_class(k.shape[2]), D=D, bias=has_bias, shared=R > 1)
 
 
 def attention_forward(
@@ -734,8 +741,7 @@ def attention_forward(
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
 
-    key = ("fwd",) + _shape_class(q, k, bias is not None, R) + (gate is not None,)
-    launch(_config("attention_fwd", autotune.make_key(key, q), launch, q.dtype))
+    _launch("attention_fwd", dict(_shape_class(q, k, bias is not None, R), gate=gate is not None), q, launch)
     return o, row_max, row_logsum
 
 
@@ -758,45 +764,66 @@ def attention_backward(
     """Backward on the canonical layout; returns ``(dq, dk, dv, dbias, dgate)`` (None where absent).
 
     ``dbias`` has the shape of ``bias`` (its broadcast head/query/key dims summed in PyTorch).
+    Three steps: :func:`_backward_preprocess` (delta, dO_attn, dgate), :func:`_backward_dkdv`,
+    :func:`_backward_dq_dbias`.
     """
-    Z, H, NQ, D = q.shape
-    NK = k.shape[2]
-    acc_torch = torch.float64 if q.dtype == torch.float64 else torch.float32
-    acc = _acc_dtype(q.dtype)
-    BLOCK_D = _block_d(D)
     need_dbias = need_dbias and bias is not None
-    A = Z // (R * C)
+    do_attn, delta, dgate = _backward_preprocess(do, q, gate, o)
+    common = dict(HAS_BIAS=bias is not None, HAS_MASK=mask_offset is not None,
+                  MASK_BY_KEY=_mask_by_key(mask_offset), ACC_DTYPE=_acc_dtype(q.dtype),
+                  DOT_PRECISION=_dot_precision(q.dtype), BLOCK_D=_block_d(q.shape[3]))  # fmt: skip
+    strides = (*q.stride(), *k.stride(), *v.stride(), *_strides(bias, 5), *_strides(mask_offset, 4))
+    saved = (q, k, v, bias, mask_offset, do_attn, row_max, row_logsum, delta)
+    dk, dv = _backward_dkdv(saved, strides, common, scale, R, C)
+    dq, dbias = _backward_dq_dbias(saved, strides, common, scale, R, C, need_dbias)
+    return dq, dk, dv, dbias, dgate
 
-    # 1. delta, dO_attn, dgate
+
+def _backward_preprocess(
+    do: torch.Tensor, q: torch.Tensor, gate: torch.Tensor | None, o: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Backward step 1: ``(dO_attn, delta, dgate)`` (``dgate`` None without a gate)."""
+    Z, H, NQ, D = q.shape
+    acc_torch = torch.float64 if q.dtype == torch.float64 else torch.float32
     do_attn = torch.empty((Z, H, NQ, D), dtype=q.dtype, device=q.device)  # fed to tl.dot like q
     delta = torch.empty((Z, H, NQ), dtype=acc_torch, device=q.device)
     dgate = torch.empty((Z, H, NQ, D), dtype=gate.dtype, device=q.device) if gate is not None else None
     pre_block = 32
     _attn_bwd_preprocess[launch_grid(Z * H, triton.cdiv(NQ, pre_block))](
         o, do, gate, do_attn, dgate, delta, *o.stride(), *do.stride(), *_strides(gate, 4), H, NQ, D,
-        HAS_GATE=gate is not None, ACC_DTYPE=acc, BLOCK_M=pre_block, BLOCK_D=BLOCK_D,
+        HAS_GATE=gate is not None, ACC_DTYPE=_acc_dtype(q.dtype), BLOCK_M=pre_block, BLOCK_D=_block_d(D),
     )  # fmt: skip
+    return do_attn, delta, dgate
 
-    common = dict(HAS_BIAS=bias is not None, HAS_MASK=mask_offset is not None,
-                  MASK_BY_KEY=_mask_by_key(mask_offset), ACC_DTYPE=acc,
-                  DOT_PRECISION=_dot_precision(q.dtype), BLOCK_D=BLOCK_D)  # fmt: skip
-    strides = (*q.stride(), *k.stride(), *v.stride(), *_strides(bias, 5), *_strides(mask_offset, 4))
-    shape_key = _shape_class(q, k, bias is not None, R)
 
-    # 2. dK, dV
+def _backward_dkdv(saved: tuple, strides: tuple, common: dict, scale: float, R: int, C: int):
+    """Backward step 2: ``(dk, dv)``. ``saved``: q, k, v, bias, mask offset, dO_attn, row max,
+    row log-sum, delta."""
+    q, k, v, bias = saved[:4]
+    Z, H, NQ, D = q.shape
+    NK = k.shape[2]
     dk = torch.empty((Z, H, NK, D), dtype=k.dtype, device=q.device)
     dv = torch.empty((Z, H, NK, D), dtype=v.dtype, device=q.device)
 
     def launch_dkdv(cfg: dict) -> None:
         _attn_bwd_dkdv[launch_grid(Z * H, triton.cdiv(NK, cfg["BLOCK_N"]))](
-            q, k, v, bias, mask_offset, do_attn, row_max, row_logsum, delta, dk, dv, *strides,
+            *saved, dk, dv, *strides,
             H, NQ, NK, D, R, C, scale, **common, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
 
-    launch_dkdv(_config("attention_bwd_dkdv", autotune.make_key(("dkdv",) + shape_key, q), launch_dkdv, q.dtype))
+    _launch("attention_bwd_dkdv", _shape_class(q, k, bias is not None, R), q, launch_dkdv)
+    return dk, dv
 
-    # 3. dQ (+ dbias, reduced over the R members sharing the bias)
+
+def _backward_dq_dbias(saved: tuple, strides: tuple, common: dict, scale: float, R: int, C: int, need_dbias: bool):
+    """Backward step 3: ``(dq, dbias)``, dbias reduced over the R members sharing the bias (None
+    unless ``need_dbias``)."""
+    q, k, v, bias = saved[:4]
+    Z, H, NQ, D = q.shape
+    NK = k.shape[2]
+    acc_torch = torch.float64 if q.dtype == torch.float64 else torch.float32
+    A = Z // (R * C)
     full_bias_shape = (A, C, H, NQ, NK)
     dbias_full = None
     if need_dbias:
@@ -813,14 +840,14 @@ def attention_backward(
         alloc = torch.empty if dq_in_registers else torch.zeros
         dq_buf = alloc((splits, Z, H, NQ, D), dtype=acc_torch, device=q.device)
         _attn_bwd_dq_dbias[launch_grid(A * C * H, splits, triton.cdiv(NQ, cfg["BLOCK_M"]))](
-            q, k, v, bias, mask_offset, do_attn, row_max, row_logsum, delta, dq_buf, dbias_full, *strides,
+            *saved, dq_buf, dbias_full, *strides,
             H, NQ, NK, D, R, C, scale, split_blocks, **common,
             NEED_DBIAS=need_dbias, DQ_IN_REGISTERS=dq_in_registers,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
         state["dq_buf"] = dq_buf
 
-    launch_dq(_config("attention_bwd_dq", autotune.make_key(("dq",) + shape_key, q), launch_dq, q.dtype))
+    _launch("attention_bwd_dq", _shape_class(q, k, bias is not None, R), q, launch_dq)
     dq_buf = state["dq_buf"]
     dq = (dq_buf[0] if dq_buf.shape[0] == 1 else dq_buf.sum(0)).mul_(scale).to(q.dtype)
 
@@ -829,4 +856,4 @@ def attention_backward(
         reduce_dims = tuple(i for i in range(2, 5) if bias.shape[i] == 1 and full_bias_shape[i] != 1)
         dbias = dbias_full.sum(reduce_dims, keepdim=True) if reduce_dims else dbias_full
         dbias = dbias.to(bias.dtype)
-    return dq, dk, dv, dbias, dgate
+    return dq, dbias

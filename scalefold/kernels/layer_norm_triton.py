@@ -148,9 +148,11 @@ def _acc(dtype: torch.dtype):
     return (tl.float64, torch.float64) if dtype == torch.float64 else (tl.float32, torch.float32)
 
 
-def _config(x: torch.Tensor, direction: str, launch) -> dict:
-    key = autotune.make_key((direction, x.shape[-1], autotune.size_class(x.shape[0])), x)
-    return autotune.get_tuner(f"layer_norm_{direction}", LAYER_NORM_CONFIGS, INTERPRETER_CONFIG).pick(key, launch)
+def _launch(x: torch.Tensor, direction: str, launch) -> dict:
+    """Launch with the config for this shape class: hidden size ``C`` and rows ``M`` bucketed to a
+    power of two (the launch-config table's, or timed with ``SCALEFOLD_AUTOTUNE=1``)."""
+    key = autotune.make_key(dict(C=x.shape[-1], M=autotune.size_class(x.shape[0])), x)
+    return autotune.get_tuner(f"layer_norm_{direction}", LAYER_NORM_CONFIGS, INTERPRETER_CONFIG).run(key, launch)
 
 
 def layer_norm_forward(
@@ -169,7 +171,7 @@ def layer_norm_forward(
             ACC_DTYPE=acc_tl, ROWS=cfg["ROWS"], BLOCK_N=triton.next_power_of_2(N), num_warps=cfg["num_warps"],
         )  # fmt: skip
 
-    launch(_config(x, "fwd", launch))
+    _launch(x, "fwd", launch)
     return y, mean, rstd
 
 
@@ -198,5 +200,5 @@ def layer_norm_backward(
             ACC_DTYPE=acc_tl, BLOCK_P=DWDB_BLOCK_P, BLOCK_N=DWDB_BLOCK_N,
         )  # fmt: skip
 
-    launch(_config(x, "bwd", launch))
+    _launch(x, "bwd", launch)
     return dx, dweight, dbias

@@ -196,6 +196,7 @@ def test_help(command, capsys):
 
 def test_cli_choices_match_the_loader():
     """The parser's preset/weight choices (kept import-light) are the loader's."""
-    from scalefold.inference import cli, weights
+    from scalefold.commands import inference as cli
+    from scalefold.inference import weights
 
     assert set(cli.MODEL_PRESETS) == set(weights.MODEL_PRESETS) and cli.WEIGHT_CHOICES == weights.WEIGHT_CHOICES

@@ -124,7 +124,7 @@ def test_export_init_checkpoint_command_measures_the_written_file(tiny_run, tmp_
 
 
 def test_the_two_stage_recipe_at_small_scale(tiny_run, tmp_path):
-    """The shipped checkpoint's recipe (README 'The shipped initial checkpoint'), at small scale: stage 1's
+    """The shipped checkpoint's recipe (docs/demo.md, 'The shipped initial checkpoint'), at small scale: stage 1's
     export starts a run with more structure-module iterations (what the ``demo`` preset does), whose own
     export carries those iterations, so its manifest's lDDT-Cα is the score stage 2 measured."""
     from scalefold.cli import main

@@ -26,9 +26,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Sites covering the kernel variants: pair bias shared over rows with gate and mask (dq through
 # the fp32 buffer, dbias reduced in the kernel, D = 32), head size 8 -> 16-wide tiles with a
-# stride-0 key head and no gate (global column attention), LayerNorm at a power-of-two width and
-# at 384 (masked to 512), both Adam+SWA variants. Every site: the command.
-CI_SITES = ("msa_row", "extra_msa_col_global", "layer_norm_128", "layer_norm_384", "adam_swa_average", "adam_swa_first")
+# stride-0 key head and no gate (global column attention), LayerNorm at a power-of-two width (the
+# pair, 128) and at 384 (the single representation, masked to 512), both Adam+SWA variants. Every
+# site: the command.
+CI_SITES = ("msa_row", "extra_msa_col_global", "layer_norm_pair", "layer_norm_single", "adam_swa_average",
+            "adam_swa_first")  # fmt: skip
 PROGRAMS = {
     "attention_fwd", "attention_bwd:preprocess", "attention_bwd:dkdv", "attention_bwd:dq_dbias",
     "layer_norm_fwd", "layer_norm_bwd:dx", "layer_norm_bwd:dwdb", "adam_swa",
@@ -52,6 +54,13 @@ def _cuda_toolchain_or_skip() -> None:
             pytest.skip(f"{path} does not run on this machine: {exc}")
 
 
+@pytest.fixture(scope="module")
+def triton_cache(tmp_path_factory) -> str:
+    """One Triton cache for this module's compiles: while the launch-config table holds the default
+    configs, its check finds the defaults' compiles there (spills then read from the stack frame)."""
+    return str(tmp_path_factory.mktemp("triton-cache"))
+
+
 def _run_aot(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "SCALEFOLD_KERNELS")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -61,7 +70,7 @@ def _run_aot(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_default_configs_compile_for_h100_and_a100_without_spills():
+def test_default_configs_compile_for_h100_and_a100_without_spills(triton_cache):
     """Every program's default config compiles for sm_90 (bf16, tensor-core dots) and sm_80 (fp32,
     exact dots), fits the architecture's shared memory and does not spill registers. (~30
     compiles: about a minute on the idle 2-core box.)"""
@@ -71,7 +80,7 @@ def test_default_configs_compile_for_h100_and_a100_without_spills():
     records = []
     for arch, dtype in runs:
         proc = _run_aot("--json", "--default-only", "--no-progress", "--jobs", "2", "--arch", arch, "--dtype", dtype,
-                        *site_args)  # fmt: skip
+                        "--cache-dir", triton_cache, *site_args)  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
         records += [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     assert {(r["arch"], r["dtype"]) for r in records} == set(runs)
@@ -87,6 +96,63 @@ def test_default_configs_compile_for_h100_and_a100_without_spills():
         assert r["spill_bytes"] == 0, f"{where}: spills {r['spill_bytes']} B"
     sites = {s for r in records for s in r["sites"]}
     assert sites == set(CI_SITES)
+
+
+# The sample of the launch-config table compiled in CI: the MLPerf precision (bf16) on both
+# architectures at CI_SITES, in one process (~20 compiles, most found in the cache the defaults' test
+# filled). The whole table (every architecture, dtype and site: 186 compiles, 4.5 min on the loaded
+# 2-core box) is the command
+#   python -m scalefold.kernels.aot --table --jobs 2
+TABLE_SAMPLE = [("sm_90", "bf16"), ("sm_80", "bf16")]
+
+
+@pytest.mark.slow
+def test_launch_table_entries_compile_without_spills(triton_cache):
+    """The shipped launch-config table (a sample: TABLE_SAMPLE at CI_SITES): every entry the sites
+    launch compiles for its architecture, fits its shared memory and does not spill; and for each
+    (architecture, dtype) of the sample the table holds an entry for every key the MLPerf call sites
+    launch (at every site), and none that no site launches."""
+    _cuda_toolchain_or_skip()
+    site_args = [a for site in CI_SITES for a in ("--site", site)]
+    arch_args = [a for arch in sorted({arch for arch, _ in TABLE_SAMPLE}) for a in ("--arch", arch)]
+    dtype_args = [a for dtype in sorted({dtype for _, dtype in TABLE_SAMPLE}) for a in ("--dtype", dtype)]
+    proc = _run_aot("--table", "--json", "--no-progress", "--jobs", "2", "--cache-dir", triton_cache,
+                    *arch_args, *dtype_args, *site_args)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    assert {(r["arch"], r["dtype"]) for r in records} == set(TABLE_SAMPLE)
+    served = {k[0] for r in records for k in r["keys"]}  # the tuners whose table entries were compiled
+    assert {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq", "layer_norm_fwd", "layer_norm_bwd",
+            "adam_swa"} == served  # fmt: skip
+    for r in records:
+        where = f"{r['kernel']} {r['dtype']} {r['arch']} {r['config']} at {r['sites']}"
+        assert r["ok"] and r["error"] is None and r["spill_bytes"] == 0, where
+        assert r["shared_bytes"] <= aot.ARCHS[r["arch"]][1], where
+
+
+@pytest.mark.slow
+def test_launch_table_holds_every_mlperf_key(tmp_path):
+    """Completeness without compiling (two runs of ~10 s): for sm_90 bf16 the shipped table holds an entry for
+    every key the MLPerf sites launch; a table missing one, or holding one no site launches, or a
+    malformed one, fails the check naming it."""
+    _cuda_toolchain_or_skip()
+    proc = _run_aot("--table", "--no-compile", "--no-progress", "--arch", "sm_90", "--dtype", "bf16")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "0 compiles" in proc.stderr and "0 problem(s)" in proc.stderr
+    from scalefold.kernels import launch_table
+
+    table = launch_table.read(launch_table.SHIPPED)
+    (_, kernel, dtype, shape, config), *_ = [e for e in table.entries("sm_90") if e[2] == "bf16"]
+    del table.archs["sm_90"]["entries"][kernel][dtype][shape]
+    table.set_entry("sm_90", kernel, dtype, "N=3", config)
+    table.set_entry("sm_90", "layer_norm_fwd", "bf16", "C=128,M=65536", {"ROWS": 3, "num_warps": 4, "BWD_PROGRAMS": 8})
+    path = tmp_path / "broken.json"
+    launch_table.write(table, path)
+    proc = _run_aot("--table", str(path), "--no-compile", "--no-progress", "--arch", "sm_90", "--dtype", "bf16")
+    assert proc.returncode == 1
+    assert f"sm_90 {kernel} bf16 {shape}: no entry" in proc.stderr
+    assert f"sm_90 {kernel} bf16 N=3: stale entry" in proc.stderr
+    assert "ROWS=3 is not a power of two" in proc.stderr
 
 
 def test_unknown_site_is_a_short_error():

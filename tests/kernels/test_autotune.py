@@ -1,4 +1,5 @@
-"""Autotune bookkeeping: keys, single config in interpreter mode, per-rank persistence."""
+"""Autotune bookkeeping: keys, single config in interpreter mode, per-rank persistence, timing only
+with SCALEFOLD_AUTOTUNE=1 (the launch-config table's lookup and fallbacks: test_launch_table.py)."""
 
 from __future__ import annotations
 
@@ -18,14 +19,18 @@ def test_interpreter_uses_single_config_without_benchmarking(monkeypatch):
     def never(cfg):
         raise AssertionError("benchmarked in interpreter mode")
 
-    assert tuner.pick("k", never) == {"B": 64}
+    assert tuner.pick(autotune.Key("N=1", "fp32"), never) == {"B": 64}
 
 
 def test_keys_and_size_classes():
-    """Keys combine shape class, dtype and device; sizes bucket to the next power of two."""
+    """Keys combine a shape class (named fields, booleans as 0/1) and a dtype label (the tensor's, or
+    one given, e.g. tf32); the autotuning cache adds the device name; sizes bucket to the next power
+    of two."""
     assert [autotune.size_class(n) for n in (1, 17, 32, 33)] == [1, 32, 32, 64]
-    key = autotune.make_key((64, 32), torch.zeros(1, dtype=torch.bfloat16))
-    assert "bfloat16" in key and "64" in key
+    key = autotune.make_key(dict(NQ=64, D=32, bias=True), torch.zeros(1, dtype=torch.bfloat16))
+    assert key == autotune.Key("NQ=64,D=32,bias=1", "bf16")
+    assert autotune.make_key("NQ=64", torch.zeros(1), "tf32") == autotune.Key("NQ=64", "tf32")
+    assert key.cache_text("NVIDIA H100") == repr(("NQ=64,D=32,bias=1", "bf16", "NVIDIA H100"))
 
 
 def test_results_persist_per_rank(tmp_path, monkeypatch):
@@ -84,10 +89,20 @@ def test_per_architecture_candidates_and_default():
     assert flat.candidates(90) == a100 and flat.default() == {"B": 1}
 
 
-def test_autotune_off_launches_the_default_without_timing(monkeypatch):
-    """SCALEFOLD_AUTOTUNE=0 on a GPU: the device's default config, nothing benchmarked."""
+@pytest.mark.parametrize("setting", [None, "0"])
+def test_autotune_off_launches_the_default_without_timing(monkeypatch, tmp_path, setting):
+    """Without SCALEFOLD_AUTOTUNE=1 on a GPU (unset: the default, or 0), a key the launch-config table
+    lacks gets the device's default config, nothing benchmarked."""
+    from scalefold.kernels import launch_table
+
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setenv(autotune.ENABLE_ENV, "0")
+    if setting is None:
+        monkeypatch.delenv(autotune.ENABLE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(autotune.ENABLE_ENV, setting)
+    monkeypatch.setenv(launch_table.PATH_ENV, str(tmp_path / "empty.json"))
+    launch_table.write(launch_table.Table(), tmp_path / "empty.json")
+    autotune.reset_launch_table()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(autotune, "_capability", lambda: 90)
     tuner = autotune.Tuner("t", {80: [{"B": 1}], 90: [{"B": 3}, {"B": 4}]}, {"B": 64})
@@ -95,25 +110,29 @@ def test_autotune_off_launches_the_default_without_timing(monkeypatch):
     def never(cfg):
         raise AssertionError("benchmarked with autotuning off")
 
-    assert tuner.pick("k", never) == {"B": 3}
+    assert tuner.pick(autotune.Key("N=1", "bf16"), never) == {"B": 3}
 
 
 def test_each_tuning_is_reported_once_with_the_cache_and_the_switch(tmp_path, monkeypatch, capsys):
-    """A tuning (new kernel x key) prints one stderr line with its time and winner; the first also names
-    the cache directory and SCALEFOLD_AUTOTUNE=0; a cached key prints nothing."""
+    """With SCALEFOLD_AUTOTUNE=1 a tuning (new kernel x key) prints one stderr line with its time and
+    winner; the first also names the cache directory and that the table is used without the switch; a
+    cached key prints nothing."""
     import triton.testing
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv(autotune.ENABLE_ENV, "1")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Test GPU")
     monkeypatch.setattr(autotune, "_capability", lambda: 90)
     monkeypatch.setattr(autotune, "_reported_first", False)
     monkeypatch.setenv(autotune.CACHE_DIR_ENV, str(tmp_path))
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 1.0)[1])
     tuner = autotune.Tuner("t", [{"B": 1}, {"B": 2}], {"B": 64})
-    assert tuner.pick("k1", lambda cfg: None) == {"B": 1}
-    tuner.pick("k2", lambda cfg: None)
-    tuner.pick("k1", lambda cfg: None)  # cached
+    k1, k2 = autotune.Key("N=1", "bf16"), autotune.Key("N=2", "bf16")
+    assert tuner.pick(k1, lambda cfg: None) == {"B": 1}
+    tuner.pick(k2, lambda cfg: None)
+    tuner.pick(k1, lambda cfg: None)  # cached
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 2 and all(line.startswith("autotune: t k") for line in lines)
+    assert len(lines) == 2 and all(line.startswith("autotune: t ('N=") for line in lines)
     assert "2 configs timed" in lines[0] and "-> {'B': 1}" in lines[0]
-    assert str(tmp_path) in lines[0] and "SCALEFOLD_AUTOTUNE=0" in lines[0] and "SCALEFOLD_AUTOTUNE" not in lines[1]
+    assert str(tmp_path) in lines[0] and "SCALEFOLD_AUTOTUNE=1" in lines[0] and "SCALEFOLD_AUTOTUNE" not in lines[1]
