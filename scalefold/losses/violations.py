@@ -106,7 +106,10 @@ def peptide_bond_atoms(
 
 
 def c_n_bond_length_loss(
-    atoms: PeptideBondAtoms, aatype: torch.Tensor, tolerance_factor_soft: float, tolerance_factor_hard: float,
+    atoms: PeptideBondAtoms,
+    aatype: torch.Tensor,
+    tolerance_factor_soft: float,
+    tolerance_factor_hard: float,
     eps: float,
 ) -> tuple[torch.Tensor, BondTerm]:
     """C(i)-N(i+1) bond-length term (eq. 44); the bond to a proline is slightly longer.
@@ -130,8 +133,11 @@ def c_n_bond_length_loss(
 
 
 def peptide_bond_angle_losses(
-    atoms: PeptideBondAtoms, c_n_bond_length: torch.Tensor, tolerance_factor_soft: float,
-    tolerance_factor_hard: float, eps: float,
+    atoms: PeptideBondAtoms,
+    c_n_bond_length: torch.Tensor,
+    tolerance_factor_soft: float,
+    tolerance_factor_hard: float,
+    eps: float,
 ) -> tuple[BondTerm, BondTerm]:
     """The CA(i)-C(i)-N(i+1) and C(i)-N(i+1)-CA(i+1) bond-angle terms (eq. 45), on the angles'
     cosines (dot products of unit bond vectors). ``c_n_bond_length``: from
