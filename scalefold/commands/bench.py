@@ -242,16 +242,30 @@ def run_loader_benchmark(
     """
     if cfg.steps < 1 or cfg.repeats < 1:
         raise ValueError("steps and repeats must be >= 1")
-    warmup = cfg.warmup_steps
-    total_steps = warmup + cfg.steps
-    # More pairs than steps so the queue never drains at the end of the loop.
-    pairs = [(i, i) for i in range(total_steps + cfg.num_workers * cfg.prefetch_factor)]
-    common = dict(num_workers=cfg.num_workers, prefetch_factor=cfg.prefetch_factor, mp_context=cfg.mp_context)
     factories: dict[str, Callable[..., Any]] = {
         "priority_queue": PriorityQueueLoader,
         "in_order": InOrderLoader,
         **(extra_loaders or {}),
     }
+    runs, per_repeat, workloads = run_repeats(cfg, factories)
+    result = pooled_result(cfg, runs, per_repeat, workloads)
+    result["_runs"] = {name: run_list[0] for name, run_list in runs.items()}  # the first repeat (for the plot)
+    return result
+
+
+def run_repeats(
+    cfg: LoaderBenchConfig, factories: Mapping[str, Callable[..., Any]]
+) -> tuple[dict[str, list[LoaderRun]], list[dict[str, Any]], list[SimulatedSample]]:
+    """Run every loader of ``factories`` (``priority_queue`` and ``in_order`` first) on the workload
+    of each repeat (seed ``cfg.seed + r``), alternating the order of those two between repeats.
+
+    Returns the runs per loader, a summary per repeat and the repeats' workloads.
+    """
+    warmup = cfg.warmup_steps
+    total_steps = warmup + cfg.steps
+    # More pairs than steps so the queue never drains at the end of the loop.
+    pairs = [(i, i) for i in range(total_steps + cfg.num_workers * cfg.prefetch_factor)]
+    common = dict(num_workers=cfg.num_workers, prefetch_factor=cfg.prefetch_factor, mp_context=cfg.mp_context)
     runs: dict[str, list[LoaderRun]] = {name: [] for name in factories}
     per_repeat, workloads = [], []
     for r in range(cfg.repeats):
@@ -276,6 +290,19 @@ def run_loader_benchmark(
                 "pq_out_of_order": pq_r.out_of_order,
             }
         )
+    return runs, per_repeat, workloads
+
+
+def pooled_result(
+    cfg: LoaderBenchConfig,
+    runs: Mapping[str, list[LoaderRun]],
+    per_repeat: list[dict[str, Any]],
+    workloads: list[SimulatedSample],
+) -> dict[str, Any]:
+    """The benchmark's result dict: every loader's waits and loop times pooled over the repeats,
+    the workload statistics, and the per-repeat summaries (see :func:`run_loader_benchmark`)."""
+    warmup = cfg.warmup_steps
+    total_steps = warmup + cfg.steps
 
     def pooled(name: str, attr: str) -> float:
         return float(sum(getattr(run, attr) for run in runs[name]))
@@ -315,7 +342,6 @@ def run_loader_benchmark(
         result[f"{name}_loop_s"] = loop
         result[f"{name}_wait_fraction"] = wait / loop
     result["extra_loaders"] = extra
-    result["_runs"] = {name: run_list[0] for name, run_list in runs.items()}  # the first repeat (for the plot)
     return result
 
 

@@ -37,7 +37,7 @@ from scalefold.data.parsers import HhrError, MsaError, ParseError
 from scalefold.data.parsers.hhr import parse_hhr
 from scalefold.data.parsers.mmcif import check_chain_usable, parse_mmcif, read_entry_header
 from scalefold.data.parsers.msa import Msa, merge_msas, parse_msa_file, validate_msa
-from scalefold.data.store import Store
+from scalefold.data.store import Store, StoreWriter
 from scalefold.data.templates import TemplateHitFeaturizer, template_cutoff
 
 logger = logging.getLogger(__name__)
@@ -309,10 +309,35 @@ def preprocess(
         kalign_binary_path: ``kalign`` for template realignment (default: from ``PATH``, else the
             pure-Python fallback).
     """
-    from tqdm import tqdm
-
     start = time.perf_counter()
     files = [str(p) for p in find_mmcif_files(mmcif_dir)]
+    options = preprocess_options(
+        mmcif_dir, alignments_dir, workers, require_alignments=require_alignments, cluster_file=cluster_file,
+        templates=templates, template_mmcif_dir=template_mmcif_dir, kalign_binary_path=kalign_binary_path,
+    )  # fmt: skip
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    written, skipped = write_store(out, files, options, workers, progress)
+
+    report = build_report(out, files, written, skipped, workers, time.perf_counter() - start)
+    report_path(out).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def preprocess_options(
+    mmcif_dir: PathLike,
+    alignments_dir: PathLike | None,
+    workers: int,
+    *,
+    require_alignments: bool,
+    cluster_file: PathLike | None,
+    templates: bool,
+    template_mmcif_dir: PathLike | None,
+    kalign_binary_path: str | None,
+) -> PreprocessOptions:
+    """The workers' :class:`PreprocessOptions` for :func:`preprocess`'s arguments: checks the
+    alignments directory, reads the cluster file, and (with templates and alignments) scans the
+    template mmCIF directory for the prefilter's release dates and chain ids."""
     if alignments_dir is not None and not Path(alignments_dir).is_dir():
         raise FileNotFoundError(f"alignments directory not found: {alignments_dir}")
     template_source = None
@@ -322,14 +347,21 @@ def preprocess(
         template_source = TemplateSource(
             str(template_dir), release_dates, chain_ids, kalign_binary_path=kalign_binary_path
         )
-    options = PreprocessOptions(
+    return PreprocessOptions(
         alignments_dir=None if alignments_dir is None else str(alignments_dir),
         require_alignments=require_alignments,
         cluster_ids=load_cluster_ids(cluster_file) if cluster_file is not None else None,
         templates=template_source,
     )
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+
+
+def write_store(
+    out: Path, files: list[str], options: PreprocessOptions, workers: int, progress: bool
+) -> tuple[int, list[dict[str, str]]]:
+    """Parse ``files`` (in ``workers`` processes; 0 or 1: in this one) and write their chains to a
+    new store at ``out`` in file order. Returns (chains written, skips), the skips logged."""
+    from tqdm import tqdm
+
     skipped: list[dict[str, str]] = []
     written = 0
 
@@ -347,38 +379,54 @@ def preprocess(
         with Store.create(out) as writer:
             progress_bar = tqdm(results, total=len(files), desc="preprocess", unit="file", disable=not progress)
             for path, (records, skips) in zip(files, progress_bar):
-                for record in records:
-                    chain_id = record.pop("chain_id")
-                    if chain_id in writer:  # the same entry in two files
-                        skips.append(
-                            {
-                                "file": path,
-                                "chain": chain_id,
-                                "reason": "duplicate_chain",
-                                "message": f"{path}: chain {chain_id} was already read from {first_file[chain_id]}",
-                            }
-                        )
-                        continue
-                    writer.add_chain(chain_id, **record)
-                    first_file[chain_id] = path
-                    written += 1
-                for skip in skips:
-                    logger.warning(
-                        "skipped %s%s (%s): %s",
-                        skip["file"],
-                        f" chain {skip['chain']}" if skip["chain"] else "",
-                        skip["reason"],
-                        skip["message"],
-                    )
+                written += _add_records(writer, path, records, skips, first_file)
+                _log_skips(skips)
                 skipped.extend(skips)
     finally:
         if pool is not None:
             pool.close()
             pool.join()
+    return written, skipped
 
-    report = build_report(out, files, written, skipped, workers, time.perf_counter() - start)
-    report_path(out).write_text(json.dumps(report, indent=2) + "\n")
-    return report
+
+def _add_records(
+    writer: StoreWriter,
+    path: str,
+    records: list[dict[str, Any]],
+    skips: list[dict[str, str]],
+    first_file: dict[str, str],
+) -> int:
+    """Add the chain records parsed from ``path`` to the store; a chain already written from
+    another file (the same entry in two files) is appended to ``skips`` instead. Returns how many
+    chains were added."""
+    written = 0
+    for record in records:
+        chain_id = record.pop("chain_id")
+        if chain_id in writer:  # the same entry in two files
+            skips.append(
+                {
+                    "file": path,
+                    "chain": chain_id,
+                    "reason": "duplicate_chain",
+                    "message": f"{path}: chain {chain_id} was already read from {first_file[chain_id]}",
+                }
+            )
+            continue
+        writer.add_chain(chain_id, **record)
+        first_file[chain_id] = path
+        written += 1
+    return written
+
+
+def _log_skips(skips: list[dict[str, str]]) -> None:
+    for skip in skips:
+        logger.warning(
+            "skipped %s%s (%s): %s",
+            skip["file"],
+            f" chain {skip['chain']}" if skip["chain"] else "",
+            skip["reason"],
+            skip["message"],
+        )
 
 
 def build_report(
@@ -421,7 +469,9 @@ __all__ = [
     "load_chain_alignments",
     "load_cluster_ids",
     "preprocess",
+    "preprocess_options",
     "process_file",
     "report_path",
     "scan_template_entries",
+    "write_store",
 ]

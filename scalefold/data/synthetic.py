@@ -600,11 +600,34 @@ def pack_side_chains(
     ca = core[:, 1]
     reach = np.where(side_mask[:, None], np.linalg.norm(side - ca[:, None, None], axis=-1), 0.0).max(axis=(1, 2))
     d_ca = np.linalg.norm(ca[:, None] - ca[None], axis=-1)
-    inf = np.inf
 
-    # Side chain of i against the core atoms of every other residue j: [N, K] energies and minima.
+    energies = _RotamerEnergies(
+        *_side_chain_core_energies(core, core_mask, side, side_mask, has_side, reach, d_ca, cfg),
+        *_side_chain_pair_energies(side, side_mask, has_side, reach, d_ca, cfg),
+    )
+    movable = np.nonzero(has_side)[0]
+    choice = energies.iterated_conditional_modes(movable, rng, cfg.packing_sweeps)
+    atom14 = cand[choice, np.arange(num_res)]
+    # Residues whose side chain cannot fit: alanine (keeps N, CA, C, O, CB).
+    energies.remove_misfits(atom14, aatype, choice, movable, cfg.severe_clash_distance)
+    return atom14, aatype
+
+
+def _side_chain_core_energies(
+    core: np.ndarray,
+    core_mask: np.ndarray,
+    side: np.ndarray,
+    side_mask: np.ndarray,
+    has_side: np.ndarray,
+    reach: np.ndarray,
+    d_ca: np.ndarray,
+    cfg: SynthConfig,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Side chain of i against the core atoms (N, CA, C, O, CB) of every other residue j, for the
+    pairs that can touch: ``[N, K]`` soft-clash energies and closest approaches per candidate."""
+    num_res, k = side.shape[:2]
     bb_energy = np.zeros((num_res, k), np.float32)
-    bb_min = np.full((num_res, k), inf, np.float32)
+    bb_min = np.full((num_res, k), np.inf, np.float32)
     ii, jj = np.nonzero(
         (d_ca < reach[:, None] + 3.0 + _NEIGHBOUR_MARGIN) & ~np.eye(num_res, dtype=bool) & has_side[:, None]
     )
@@ -612,54 +635,83 @@ def pack_side_chains(
         i, j = ii[start : start + 256], jj[start : start + 256]
         d = _norm(side[i][:, :, :, None] - core[j][:, None, None])  # [P, K, 9, 5]
         valid = side_mask[i][:, None, :, None] & core_mask[j][:, None, None, :]
-        d = np.where(valid, d, inf)
+        d = np.where(valid, d, np.inf)
         np.add.at(bb_energy, i, _overlap(d, cfg.clash_distance).sum(axis=(2, 3)))
         np.minimum.at(bb_min, i, d.min(axis=(2, 3)))
+    return bb_energy, bb_min
 
-    # Side chain against side chain, for pairs that can touch: [P, K, K].
+
+def _side_chain_pair_energies(
+    side: np.ndarray, side_mask: np.ndarray, has_side: np.ndarray, reach: np.ndarray, d_ca: np.ndarray, cfg: SynthConfig
+) -> tuple[np.ndarray, np.ndarray, list[list[tuple[int, int, bool]]]]:
+    """Side chain against side chain for the pairs ``i < j`` that can touch: ``[P, K, K]``
+    soft-clash energies and closest approaches per candidate pair, and each residue's partners
+    ``(pair p, other residue, transposed)`` (``transposed``: the residue is the pair's ``j``)."""
+    num_res, k = side.shape[:2]
     pi, pj = np.nonzero(
         np.triu(d_ca < reach[:, None] + reach[None] + _NEIGHBOUR_MARGIN, k=1) & has_side[:, None] & has_side[None]
     )
     pair_energy = np.zeros((len(pi), k, k), np.float32)
-    pair_min = np.full((len(pi), k, k), inf, np.float32)
+    pair_min = np.full((len(pi), k, k), np.inf, np.float32)
     for start in range(0, len(pi), 32):
         i, j = pi[start : start + 32], pj[start : start + 32]
         d = _norm(side[i][:, :, None, :, None] - side[j][:, None, :, None, :])  # [P, K, K, 9, 9]
         valid = side_mask[i][:, None, None, :, None] & side_mask[j][:, None, None, None, :]
-        d = np.where(valid, d, inf)
+        d = np.where(valid, d, np.inf)
         pair_energy[start : start + 32] = _overlap(d, cfg.clash_distance).sum(axis=(3, 4))
         pair_min[start : start + 32] = d.min(axis=(3, 4))
     partners: list[list[tuple[int, int, bool]]] = [[] for _ in range(num_res)]
     for p, (i, j) in enumerate(zip(pi, pj)):
         partners[i].append((p, int(j), False))
         partners[j].append((p, int(i), True))
+    return pair_energy, pair_min, partners
 
-    def local(i: int, choice: np.ndarray, table: np.ndarray, reduce) -> np.ndarray:
-        out = bb_energy[i].copy() if reduce is np.add else bb_min[i].copy()
-        for p, j, transposed in partners[i]:
+
+@dataclasses.dataclass
+class _RotamerEnergies:
+    """The clash tables of :func:`pack_side_chains` (``K`` rotamer candidates per residue)."""
+
+    bb_energy: np.ndarray  # [N, K] side chain vs other residues' core atoms
+    bb_min: np.ndarray  # [N, K] closest approach of the same
+    pair_energy: np.ndarray  # [P, K, K] side chain vs side chain
+    pair_min: np.ndarray  # [P, K, K]
+    partners: list[list[tuple[int, int, bool]]]  # per residue: (pair, other residue, transposed)
+
+    def local(self, i: int, choice: np.ndarray, table: np.ndarray, reduce) -> np.ndarray:
+        """``[K]``: residue i's candidates against the core atoms and the other residues' chosen
+        rotamers, summed (``reduce=np.add``, energies) or as a minimum (``np.minimum``, distances)."""
+        out = self.bb_energy[i].copy() if reduce is np.add else self.bb_min[i].copy()
+        for p, j, transposed in self.partners[i]:
             column = table[p][choice[j], :] if transposed else table[p][:, choice[j]]
             out = reduce(out, column)
         return out
 
-    choice = np.argmin(bb_energy, axis=1)
-    movable = np.nonzero(has_side)[0]
-    for _ in range(cfg.packing_sweeps):
-        changed = False
-        for i in rng.permutation(movable):
-            best = int(np.argmin(local(i, choice, pair_energy, np.add)))
-            changed |= best != choice[i]
-            choice[i] = best
-        if not changed:
-            break
-    atom14 = cand[choice, np.arange(num_res)]
-    # Residues whose side chain cannot fit: alanine (keeps N, CA, C, O, CB).
-    for i in movable:
-        if local(i, choice, pair_min, np.minimum)[choice[i]] < cfg.severe_clash_distance:
-            aatype[i] = rc.restype_order["A"]
-            atom14[i, _BACKBONE14:] = 0.0
-            pair_min[[p for p, _, _ in partners[i]]] = inf  # no longer clashes with anyone
-            bb_min[i] = inf
-    return atom14, aatype
+    def iterated_conditional_modes(self, movable: np.ndarray, rng: np.random.Generator, sweeps: int) -> np.ndarray:
+        """Per residue the candidate of least energy: start from the core-only optimum, then up to
+        ``sweeps`` sweeps over ``movable`` in random order, each residue taking its best rotamer
+        given the others' (stops early when a sweep changes nothing)."""
+        choice = np.argmin(self.bb_energy, axis=1)
+        for _ in range(sweeps):
+            changed = False
+            for i in rng.permutation(movable):
+                best = int(np.argmin(self.local(i, choice, self.pair_energy, np.add)))
+                changed |= best != choice[i]
+                choice[i] = best
+            if not changed:
+                break
+        return choice
+
+    def remove_misfits(
+        self, atom14: np.ndarray, aatype: np.ndarray, choice: np.ndarray, movable: np.ndarray, severe: float
+    ) -> None:
+        """Residues whose chosen side chain still comes closer than ``severe`` to anything become
+        alanine (keeps N, CA, C, O, CB), in ``atom14`` and ``aatype`` (in place)."""
+        for i in movable:
+            if self.local(i, choice, self.pair_min, np.minimum)[choice[i]] < severe:
+                aatype[i] = rc.restype_order["A"]
+                atom14[i, _BACKBONE14:] = 0.0
+                self.pair_min[[p for p, _, _ in self.partners[i]]] = np.inf  # no longer clashes with anyone
+                self.bb_min[i] = np.inf
 
 
 _PEPTIDE_ATOMS = [rc.atom_order[name] for name in ("N", "CA", "C", "O")]
@@ -955,8 +1007,6 @@ def synthesize(
         config: generator knobs (:class:`SynthConfig`).
         workers: processes generating families in parallel (output does not depend on it).
     """
-    from scalefold.data.store import Store  # local import: the store pulls in h5py
-
     cfg = config or SynthConfig()
     if num_families < 1 or num_chains < num_families:
         raise ValueError(f"need 1 <= num_families <= num_chains, got {num_families} families for {num_chains} chains")
@@ -972,18 +1022,35 @@ def synthesize(
         (f, sizes[f], int(lengths[f]), family_seeds[f], cfg, int(round(cfg.validation_fraction * sizes[f])))
         for f in range(num_families)
     ]
+    families = generate_families(jobs, workers)
+    counts = write_families(out, families, table_rng, cfg)
+    return {"path": str(out), "families": num_families, "seed": seed, **counts}
+
+
+def generate_families(jobs: Sequence[tuple], workers: int = 1) -> list[list[SyntheticChain]]:
+    """:func:`generate_family` of every argument tuple in ``jobs``, in ``workers`` processes
+    (``spawn``, one torch thread each) or in this one with torch limited to one thread."""
     if workers > 1:
         import multiprocessing as mp
 
         with mp.get_context("spawn").Pool(workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
-            families = pool.starmap(generate_family, jobs)
-    else:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # tiny tensors: threading only adds overhead
-        try:
-            families = [generate_family(*job) for job in jobs]
-        finally:
-            torch.set_num_threads(threads)
+            return pool.starmap(generate_family, jobs)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: threading only adds overhead
+    try:
+        return [generate_family(*job) for job in jobs]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def write_families(
+    out: PathLike, families: Sequence[Sequence[SyntheticChain]], table_rng: np.random.Generator, cfg: SynthConfig
+) -> dict[str, int]:
+    """Write the chains of ``families`` to a new store at ``out`` (chain ``k`` named by
+    :func:`chain_name`), drawing each chain's release date and resolution from ``table_rng``, family by
+    family, and its template hits among the family (:func:`family_template_hits`). Returns the counts
+    of chains (training / validation), residues and template hits."""
+    from scalefold.data.store import Store  # local import: the store pulls in h5py
 
     counts = {"chains": 0, "training": 0, "validation": 0, "residues": 0, "template_hits": 0}
     with Store.create(out) as writer:
@@ -1018,7 +1085,7 @@ def synthesize(
                 counts["validation" if chain.validation else "training"] += 1
                 counts["residues"] += len(chain.sequence)
                 counts["template_hits"] += len(hits)
-    return {"path": str(out), "families": num_families, "seed": seed, **counts}
+    return counts
 
 
 def family_template_hits(
@@ -1084,6 +1151,8 @@ __all__ = [
     "generate_family",
     "min_interresidue_distance",
     "synthesize",
+    "generate_families",
+    "write_families",
     "family_template_hits",
     "radius_of_gyration",
 ]

@@ -105,6 +105,23 @@ class AlphaFoldLoss(nn.Module):
         self, outputs: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         """Unweighted per-sample loss terms ``[B]`` for an already-sliced batch."""
+        batch, violations = self.renamed_batch_and_violations(outputs, batch)
+        terms = self.structure_terms(outputs, batch)
+        terms.update(self.head_terms(outputs, batch))
+        terms["violation"] = violation_loss(
+            violations, atom14_atom_exists=batch["atom14_atom_exists"], eps=self.cfg["violation"]["eps"]
+        )
+        if self.tm_enabled:
+            terms["tm"] = self.tm_term(outputs, batch)
+        return terms
+
+    def renamed_batch_and_violations(
+        self, outputs: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """``(batch, violations)``: a copy of ``batch`` with the renamed ground truth of the
+        symmetric side chains (supplement 1.8.5, Alg. 26) added if missing, and the structural
+        violations of the final structure-module iteration (supplement 1.9.11; the model's own
+        ``violations`` output when present)."""
         batch = dict(batch)
         # Final structure-module iteration. [B, N_res, 14, 3]
         atom14_pred_positions = outputs["sm_positions"][:, -1]
@@ -119,10 +136,15 @@ class AlphaFoldLoss(nn.Module):
             )
         if "renamed_atom14_gt_positions" not in batch:
             batch.update(compute_renamed_ground_truth(batch, atom14_pred_positions))
+        return batch, violations
 
-        cfg = self.cfg
+    def structure_terms(
+        self, outputs: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """The structure-module terms: ``fape`` (backbone + side-chain FAPE, supplement
+        1.9.2-1.9.3, Alg. 28) and ``supervised_chi`` (torsion-angle loss with the angle-norm term, 1.9.1, Alg. 27)."""
         terms: dict[str, torch.Tensor] = {}
-        c = cfg["fape"]
+        c = self.cfg["fape"]
         terms["fape"] = fape_loss(
             outputs,
             batch,
@@ -134,7 +156,7 @@ class AlphaFoldLoss(nn.Module):
             sidechain_weight=c["sidechain_weight"],
             eps=c["eps"],
         )
-        c = cfg["supervised_chi"]
+        c = self.cfg["supervised_chi"]
         terms["supervised_chi"] = supervised_chi_loss(
             angles_sin_cos=outputs["sm_angles"],
             unnormalized_angles_sin_cos=outputs["sm_unnormalized_angles"],
@@ -146,6 +168,15 @@ class AlphaFoldLoss(nn.Module):
             angle_norm_weight=c["angle_norm_weight"],
             eps=c["eps"],
         )
+        return terms
+
+    def head_terms(
+        self, outputs: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """The auxiliary-head terms: ``distogram`` (supplement 1.9.8), ``masked_msa`` (1.9.9),
+        ``plddt_loss`` (1.9.6) and ``experimentally_resolved`` (1.9.10)."""
+        cfg = self.cfg
+        terms: dict[str, torch.Tensor] = {}
         c = cfg["distogram"]
         terms["distogram"] = distogram_loss(
             logits=outputs["distogram_logits"],
@@ -185,24 +216,23 @@ class AlphaFoldLoss(nn.Module):
             max_resolution=c["max_resolution"],
             eps=c["eps"],
         )
-        terms["violation"] = violation_loss(
-            violations, atom14_atom_exists=batch["atom14_atom_exists"], eps=viol_cfg["eps"]
-        )
-        if self.tm_enabled:
-            c = cfg["tm"]
-            terms["tm"] = tm_loss(
-                logits=outputs["tm_logits"],
-                final_affine_tensor=outputs["final_affine_tensor"],
-                backbone_rigid_tensor=batch["backbone_rigid_tensor"],
-                backbone_rigid_mask=batch["backbone_rigid_mask"],
-                resolution=batch["resolution"],
-                max_bin=c["max_bin"],
-                num_bins=c["num_bins"],
-                min_resolution=c["min_resolution"],
-                max_resolution=c["max_resolution"],
-                eps=c["eps"],
-            )
         return terms
+
+    def tm_term(self, outputs: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The predicted-TM-score head's loss (supplement 1.9.7), ``[B]``."""
+        c = self.cfg["tm"]
+        return tm_loss(
+            logits=outputs["tm_logits"],
+            final_affine_tensor=outputs["final_affine_tensor"],
+            backbone_rigid_tensor=batch["backbone_rigid_tensor"],
+            backbone_rigid_mask=batch["backbone_rigid_mask"],
+            resolution=batch["resolution"],
+            max_bin=c["max_bin"],
+            num_bins=c["num_bins"],
+            min_resolution=c["min_resolution"],
+            max_resolution=c["max_resolution"],
+            eps=c["eps"],
+        )
 
     def length_scale(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """``sqrt(min(seq_length, crop_size))`` per sample, ``[B]``.

@@ -14,6 +14,7 @@ Reference quirk kept for equivalence: the CA–C–N angle term uses the C–N *
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -26,6 +27,29 @@ N_INDEX, CA_INDEX, C_INDEX = 0, 1, 2
 #: atom14 slot of the cysteine SG atom (disulfide bridges are not clashes).
 CYS_SG_INDEX = rc.restype_name_to_atom14_names["CYS"].index("SG")
 NUM_ATOM14 = 14
+
+
+class PeptideBondAtoms(NamedTuple):
+    """The backbone atoms either side of each peptide bond ``i -> i+1``: positions
+    ``[*, N_res - 1, 3]``, masks ``[*, N_res - 1]``; ``has_no_gap_mask`` is 0 at chain breaks."""
+
+    this_ca_pos: torch.Tensor
+    this_ca_mask: torch.Tensor
+    this_c_pos: torch.Tensor
+    this_c_mask: torch.Tensor
+    next_n_pos: torch.Tensor
+    next_n_mask: torch.Tensor
+    next_ca_pos: torch.Tensor
+    next_ca_mask: torch.Tensor
+    has_no_gap_mask: torch.Tensor
+
+
+class BondTerm(NamedTuple):
+    """One flat-bottom term of :func:`between_residue_bond_loss`."""
+
+    loss_per_bond: torch.Tensor  # [*, N_res - 1]
+    loss_mean: torch.Tensor  # [*], over the bonds whose atoms exist (chain breaks excluded)
+    violation_mask: torch.Tensor  # [*, N_res - 1], beyond the hard tolerance
 
 
 def between_residue_bond_loss(
@@ -48,18 +72,51 @@ def between_residue_bond_loss(
         ``c_n_loss_mean``, ``ca_c_n_loss_mean``, ``c_n_ca_loss_mean`` [*];
         ``per_residue_loss_sum`` [*, N_res]; ``per_residue_violation_mask`` [*, N_res].
     """
-    this_ca_pos = pred_atom_positions[..., :-1, CA_INDEX, :]
-    this_ca_mask = pred_atom_mask[..., :-1, CA_INDEX]
-    this_c_pos = pred_atom_positions[..., :-1, C_INDEX, :]
-    this_c_mask = pred_atom_mask[..., :-1, C_INDEX]
-    next_n_pos = pred_atom_positions[..., 1:, N_INDEX, :]
-    next_n_mask = pred_atom_mask[..., 1:, N_INDEX]
-    next_ca_pos = pred_atom_positions[..., 1:, CA_INDEX, :]
-    next_ca_mask = pred_atom_mask[..., 1:, CA_INDEX]
-    has_no_gap_mask = (residue_index[..., 1:] - residue_index[..., :-1]) == 1.0
+    atoms = peptide_bond_atoms(pred_atom_positions, pred_atom_mask, residue_index)
+    c_n_bond_length, c_n = c_n_bond_length_loss(atoms, aatype, tolerance_factor_soft, tolerance_factor_hard, eps)
+    ca_c_n, c_n_ca = peptide_bond_angle_losses(
+        atoms, c_n_bond_length, tolerance_factor_soft, tolerance_factor_hard, eps
+    )
+    per_residue_loss_sum, violation_mask = bond_losses_per_residue(c_n, ca_c_n, c_n_ca)
+    return {
+        "c_n_loss_mean": c_n.loss_mean,
+        "ca_c_n_loss_mean": ca_c_n.loss_mean,
+        "c_n_ca_loss_mean": c_n_ca.loss_mean,
+        "per_residue_loss_sum": per_residue_loss_sum,
+        "per_residue_violation_mask": violation_mask,
+    }
 
-    # C(i)-N(i+1) bond length; the bond to a proline is slightly longer.
-    c_n_bond_length = torch.sqrt(eps + torch.sum((this_c_pos - next_n_pos) ** 2, dim=-1))
+
+def peptide_bond_atoms(
+    pred_atom_positions: torch.Tensor, pred_atom_mask: torch.Tensor, residue_index: torch.Tensor
+) -> PeptideBondAtoms:
+    """CA(i), C(i), N(i+1), CA(i+1) of every residue pair ``(i, i+1)`` from atom14 positions
+    ``[*, N_res, 14, 3]`` and mask ``[*, N_res, 14]``, and which pairs are not a chain break."""
+    return PeptideBondAtoms(
+        this_ca_pos=pred_atom_positions[..., :-1, CA_INDEX, :],
+        this_ca_mask=pred_atom_mask[..., :-1, CA_INDEX],
+        this_c_pos=pred_atom_positions[..., :-1, C_INDEX, :],
+        this_c_mask=pred_atom_mask[..., :-1, C_INDEX],
+        next_n_pos=pred_atom_positions[..., 1:, N_INDEX, :],
+        next_n_mask=pred_atom_mask[..., 1:, N_INDEX],
+        next_ca_pos=pred_atom_positions[..., 1:, CA_INDEX, :],
+        next_ca_mask=pred_atom_mask[..., 1:, CA_INDEX],
+        has_no_gap_mask=(residue_index[..., 1:] - residue_index[..., :-1]) == 1.0,
+    )
+
+
+def c_n_bond_length_loss(
+    atoms: PeptideBondAtoms,
+    aatype: torch.Tensor,
+    tolerance_factor_soft: float,
+    tolerance_factor_hard: float,
+    eps: float,
+) -> tuple[torch.Tensor, BondTerm]:
+    """C(i)-N(i+1) bond-length term (eq. 44); the bond to a proline is slightly longer.
+
+    Returns the bond lengths ``[*, N_res - 1]`` (the angle terms use them) and the term.
+    """
+    c_n_bond_length = torch.sqrt(eps + torch.sum((atoms.this_c_pos - atoms.next_n_pos) ** 2, dim=-1))
     next_is_proline = aatype[..., 1:] == rc.resname_to_idx["PRO"]
     gt_length = (~next_is_proline) * rc.between_res_bond_length_c_n[0] + next_is_proline * (
         rc.between_res_bond_length_c_n[1]
@@ -69,16 +126,27 @@ def between_residue_bond_loss(
     )
     c_n_bond_length_error = torch.sqrt(eps + (c_n_bond_length - gt_length) ** 2)
     c_n_loss_per_residue = torch.relu(c_n_bond_length_error - tolerance_factor_soft * gt_stddev)
-    mask = this_c_mask * next_n_mask * has_no_gap_mask
+    mask = atoms.this_c_mask * atoms.next_n_mask * atoms.has_no_gap_mask
     c_n_loss = torch.sum(mask * c_n_loss_per_residue, dim=-1) / (torch.sum(mask, dim=-1) + eps)
     c_n_violation_mask = mask * (c_n_bond_length_error > (tolerance_factor_hard * gt_stddev))
+    return c_n_bond_length, BondTerm(c_n_loss_per_residue, c_n_loss, c_n_violation_mask)
 
-    # Bond angles, as cosines of unit vectors.
-    ca_c_bond_length = torch.sqrt(eps + torch.sum((this_ca_pos - this_c_pos) ** 2, dim=-1))
-    n_ca_bond_length = torch.sqrt(eps + torch.sum((next_n_pos - next_ca_pos) ** 2, dim=-1))
-    c_ca_unit_vec = (this_ca_pos - this_c_pos) / ca_c_bond_length[..., None]
-    c_n_unit_vec = (next_n_pos - this_c_pos) / c_n_bond_length[..., None]
-    n_ca_unit_vec = (next_ca_pos - next_n_pos) / n_ca_bond_length[..., None]
+
+def peptide_bond_angle_losses(
+    atoms: PeptideBondAtoms,
+    c_n_bond_length: torch.Tensor,
+    tolerance_factor_soft: float,
+    tolerance_factor_hard: float,
+    eps: float,
+) -> tuple[BondTerm, BondTerm]:
+    """The CA(i)-C(i)-N(i+1) and C(i)-N(i+1)-CA(i+1) bond-angle terms (eq. 45), on the angles'
+    cosines (dot products of unit bond vectors). ``c_n_bond_length``: from
+    :func:`c_n_bond_length_loss`."""
+    ca_c_bond_length = torch.sqrt(eps + torch.sum((atoms.this_ca_pos - atoms.this_c_pos) ** 2, dim=-1))
+    n_ca_bond_length = torch.sqrt(eps + torch.sum((atoms.next_n_pos - atoms.next_ca_pos) ** 2, dim=-1))
+    c_ca_unit_vec = (atoms.this_ca_pos - atoms.this_c_pos) / ca_c_bond_length[..., None]
+    c_n_unit_vec = (atoms.next_n_pos - atoms.this_c_pos) / c_n_bond_length[..., None]
+    n_ca_unit_vec = (atoms.next_ca_pos - atoms.next_n_pos) / n_ca_bond_length[..., None]
 
     # CA(i)-C(i)-N(i+1). The tolerance unit is the C-N bond-length stddev (reference quirk).
     ca_c_n_cos_angle = torch.sum(c_ca_unit_vec * c_n_unit_vec, dim=-1)
@@ -86,7 +154,7 @@ def between_residue_bond_loss(
     gt_stddev = rc.between_res_bond_length_stddev_c_n[0]
     ca_c_n_cos_angle_error = torch.sqrt(eps + (ca_c_n_cos_angle - gt_angle) ** 2)
     ca_c_n_loss_per_residue = torch.relu(ca_c_n_cos_angle_error - tolerance_factor_soft * gt_stddev)
-    mask = this_ca_mask * this_c_mask * next_n_mask * has_no_gap_mask
+    mask = atoms.this_ca_mask * atoms.this_c_mask * atoms.next_n_mask * atoms.has_no_gap_mask
     ca_c_n_loss = torch.sum(mask * ca_c_n_loss_per_residue, dim=-1) / (torch.sum(mask, dim=-1) + eps)
     ca_c_n_violation_mask = mask * (ca_c_n_cos_angle_error > (tolerance_factor_hard * gt_stddev))
 
@@ -96,27 +164,28 @@ def between_residue_bond_loss(
     gt_stddev = rc.between_res_cos_angles_c_n_ca[1]
     c_n_ca_cos_angle_error = torch.sqrt(eps + torch.square(c_n_ca_cos_angle - gt_angle))
     c_n_ca_loss_per_residue = torch.relu(c_n_ca_cos_angle_error - tolerance_factor_soft * gt_stddev)
-    mask = this_c_mask * next_n_mask * next_ca_mask * has_no_gap_mask
+    mask = atoms.this_c_mask * atoms.next_n_mask * atoms.next_ca_mask * atoms.has_no_gap_mask
     c_n_ca_loss = torch.sum(mask * c_n_ca_loss_per_residue, dim=-1) / (torch.sum(mask, dim=-1) + eps)
     c_n_ca_violation_mask = mask * (c_n_ca_cos_angle_error > (tolerance_factor_hard * gt_stddev))
+    return (
+        BondTerm(ca_c_n_loss_per_residue, ca_c_n_loss, ca_c_n_violation_mask),
+        BondTerm(c_n_ca_loss_per_residue, c_n_ca_loss, c_n_ca_violation_mask),
+    )
 
-    # Per residue: each bond's loss is shared equally by its two residues. [*, N_res]
-    per_bond_loss = c_n_loss_per_residue + ca_c_n_loss_per_residue + c_n_ca_loss_per_residue
+
+def bond_losses_per_residue(c_n: BondTerm, ca_c_n: BondTerm, c_n_ca: BondTerm) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(per_residue_loss_sum, per_residue_violation_mask)`` ``[*, N_res]`` of the three
+    peptide-bond terms: each bond's loss is shared equally by its two residues, and a residue
+    violates if either of its bonds does."""
+    per_bond_loss = c_n.loss_per_bond + ca_c_n.loss_per_bond + c_n_ca.loss_per_bond
     per_residue_loss_sum = 0.5 * (F.pad(per_bond_loss, (0, 1)) + F.pad(per_bond_loss, (1, 0)))
 
     violation_mask = torch.max(
-        torch.stack([c_n_violation_mask, ca_c_n_violation_mask, c_n_ca_violation_mask], dim=-2),
+        torch.stack([c_n.violation_mask, ca_c_n.violation_mask, c_n_ca.violation_mask], dim=-2),
         dim=-2,
     )[0]
     violation_mask = torch.maximum(F.pad(violation_mask, (0, 1)), F.pad(violation_mask, (1, 0)))
-
-    return {
-        "c_n_loss_mean": c_n_loss,
-        "ca_c_n_loss_mean": ca_c_n_loss,
-        "c_n_ca_loss_mean": c_n_ca_loss,
-        "per_residue_loss_sum": per_residue_loss_sum,
-        "per_residue_violation_mask": violation_mask,
-    }
+    return per_residue_loss_sum, violation_mask
 
 
 def between_residue_clash_loss(

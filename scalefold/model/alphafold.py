@@ -152,6 +152,33 @@ class AlphaFold(nn.Module):
         # msa_mask: [B, N_clust, N_res]
         n_clust = feats["msa_feat"].shape[-3]
 
+        m, z = self.embed_inputs_and_recycling(feats, recycled)
+        if self.templates_enabled:
+            m, z, msa_mask = self.embed_templates(feats, m, z, msa_mask, pair_mask, gradient_checkpointing)
+        z = self.embed_extra_msa(feats, z, pair_mask, m.dtype, gradient_checkpointing)
+
+        # Evoformer (Alg. 6).
+        m, z, s = self.evoformer_stack(
+            m,
+            z,
+            msa_mask=msa_mask.to(m.dtype),
+            pair_mask=pair_mask.to(z.dtype),
+            gradient_checkpointing=gradient_checkpointing,
+        )
+        # m: [B, N_seq, N_res, C_m], z: [B, N_res, N_res, C_z], s: [B, N_res, C_s]
+
+        outputs: dict[str, torch.Tensor] = {"msa": m[..., :n_clust, :, :], "pair": z, "single": s}
+        outputs.update(self.predict_structure(feats, s, z, seq_mask))
+        return outputs, (m[..., 0, :, :], z, outputs["final_atom_positions"])
+
+    def embed_inputs_and_recycling(
+        self, feats: Mapping[str, torch.Tensor], recycled: Recycled | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input embedding (Alg. 3-5) plus the recycling embedding (Alg. 32) of the previous pass's
+        first MSA row, pair representation and pseudo-beta positions (zeros at the first pass).
+
+        Returns ``m`` ``[B, N_clust, N_res, C_m]`` and ``z`` ``[B, N_res, N_res, C_z]``.
+        """
         m, z = self.input_embedder(feats["target_feat"], feats["residue_index"], feats["msa_feat"])
         # m: [B, N_clust, N_res, C_m], z: [B, N_res, N_res, C_z]
 
@@ -168,57 +195,71 @@ class AlphaFold(nn.Module):
         m0_update, z_update = self.recycling_embedder(m0_prev, z_prev, x_prev)
         m = torch.cat([m[..., :1, :, :] + m0_update.unsqueeze(-3), m[..., 1:, :, :]], dim=-3)
         z = z + z_update
+        return m, z
 
-        # Templates (Alg. 2 lines 7-13).
-        if self.templates_enabled:
-            z = z + self.embed_template_pair(feats, z, pair_mask, gradient_checkpointing)
-            if self.embed_template_torsion_angles:
-                angle_feat = features.build_template_angle_feat(
-                    feats["template_aatype"],
-                    feats["template_torsion_angles_sin_cos"],
-                    feats["template_alt_torsion_angles_sin_cos"],
-                    feats["template_torsion_angles_mask"],
-                )
-                a = self.template_angle_embedder(angle_feat)
-                # a: [B, N_templ, N_res, C_m]
-                m = torch.cat([m, a], dim=-3)
-                template_row_mask = feats["template_torsion_angles_mask"][..., features.PSI_TORSION_INDEX]
-                msa_mask = torch.cat([msa_mask, template_row_mask], dim=-2)
-                # m: [B, N_seq, N_res, C_m], N_seq = N_clust + N_templ
+    def embed_templates(
+        self,
+        feats: Mapping[str, torch.Tensor],
+        m: torch.Tensor,
+        z: torch.Tensor,
+        msa_mask: torch.Tensor,
+        pair_mask: torch.Tensor,
+        gradient_checkpointing: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Templates (Alg. 2 lines 7-13): the template pair embedding added to ``z`` and, with
+        ``embed_template_torsion_angles``, one template torsion-angle row per template appended to
+        the MSA ``m`` and its mask. Returns ``(m, z, msa_mask)``; ``m``: ``[B, N_seq, N_res, C_m]``,
+        ``N_seq = N_clust + N_templ``."""
+        z = z + self.embed_template_pair(feats, z, pair_mask, gradient_checkpointing)
+        if self.embed_template_torsion_angles:
+            angle_feat = features.build_template_angle_feat(
+                feats["template_aatype"],
+                feats["template_torsion_angles_sin_cos"],
+                feats["template_alt_torsion_angles_sin_cos"],
+                feats["template_torsion_angles_mask"],
+            )
+            a = self.template_angle_embedder(angle_feat)
+            # a: [B, N_templ, N_res, C_m]
+            m = torch.cat([m, a], dim=-3)
+            template_row_mask = feats["template_torsion_angles_mask"][..., features.PSI_TORSION_INDEX]
+            msa_mask = torch.cat([msa_mask, template_row_mask], dim=-2)
+            # m: [B, N_seq, N_res, C_m], N_seq = N_clust + N_templ
+        return m, z, msa_mask
 
-        # Extra MSA stack (Alg. 18): updates z only.
+    def embed_extra_msa(
+        self,
+        feats: Mapping[str, torch.Tensor],
+        z: torch.Tensor,
+        pair_mask: torch.Tensor,
+        dtype: torch.dtype,
+        gradient_checkpointing: bool = False,
+    ) -> torch.Tensor:
+        """Extra MSA embedding and stack (Alg. 18): updates ``z`` only; the masks are cast to
+        ``dtype`` (the MSA representation's)."""
         extra_feat = features.build_extra_msa_feat(
             feats["extra_msa"], feats["extra_has_deletion"], feats["extra_deletion_value"]
         )
         e = self.extra_msa_embedder(extra_feat)
         # e: [B, N_extra_seq, N_res, C_e]
-        z = self.extra_msa_stack(
+        return self.extra_msa_stack(
             e,
             z,
-            msa_mask=feats["extra_msa_mask"].to(m.dtype),
-            pair_mask=pair_mask.to(m.dtype),
+            msa_mask=feats["extra_msa_mask"].to(dtype),
+            pair_mask=pair_mask.to(dtype),
             gradient_checkpointing=gradient_checkpointing,
         )
 
-        # Evoformer (Alg. 6).
-        m, z, s = self.evoformer_stack(
-            m,
-            z,
-            msa_mask=msa_mask.to(m.dtype),
-            pair_mask=pair_mask.to(z.dtype),
-            gradient_checkpointing=gradient_checkpointing,
-        )
-        # m: [B, N_seq, N_res, C_m], z: [B, N_res, N_res, C_z], s: [B, N_res, C_s]
-
-        outputs: dict[str, torch.Tensor] = {"msa": m[..., :n_clust, :, :], "pair": z, "single": s}
-
-        # Structure module (Alg. 20).
-        outputs.update(self.structure_module(s=s, z=z, aatype=feats["aatype"], mask=seq_mask.to(s.dtype)))
-        final_positions = atom14_to_atom37(outputs["sm_positions"][:, -1], feats)
-        outputs["final_atom_positions"] = final_positions
+    def predict_structure(
+        self, feats: Mapping[str, torch.Tensor], s: torch.Tensor, z: torch.Tensor, seq_mask: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """Structure module (Alg. 20) outputs ``sm_*`` plus the final iteration's atom37
+        positions and mask and backbone frames (``final_atom_positions``, ``final_atom_mask``,
+        ``final_affine_tensor``)."""
+        outputs = dict(self.structure_module(s=s, z=z, aatype=feats["aatype"], mask=seq_mask.to(s.dtype)))
+        outputs["final_atom_positions"] = atom14_to_atom37(outputs["sm_positions"][:, -1], feats)
         outputs["final_atom_mask"] = feats["atom37_atom_exists"]
         outputs["final_affine_tensor"] = outputs["sm_frames"][:, -1]
-        return outputs, (m[..., 0, :, :], z, final_positions)
+        return outputs
 
     def embed_template_pair(
         self,
