@@ -18,15 +18,10 @@ MAX_LINES = 80
 #: ``triton.<name>`` decorators that make a function a Triton kernel (exempt from the limit).
 TRITON_KERNEL_DECORATORS = frozenset({"jit", "autotune", "heuristics"})
 
-#: Known offenders still to be split, as ``"path:qualified name"``. Being split elsewhere; the lead
-#: empties this list when those land. An entry that is no longer over the limit (or no longer exists)
-#: fails ``test_allow_list_is_current``, so the list cannot outlive the functions it excuses.
-ALLOWED_LONG_FUNCTIONS = frozenset(
-    {
-        "scalefold/train/async_eval.py:run_eval_rank",  # evaluation rank loop
-        "scalefold/kernels/attention_triton.py:attention_backward",  # Python launcher, not a kernel
-    }
-)
+#: Known offenders still to be split, as ``"path:qualified name"`` (none today). An entry that is no
+#: longer over the limit (or no longer exists) fails ``test_allow_list_is_current``, so the list cannot
+#: outlive the functions it excuses.
+ALLOWED_LONG_FUNCTIONS: frozenset[str] = frozenset()
 
 
 def _is_triton_kernel(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
