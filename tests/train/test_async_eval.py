@@ -496,7 +496,7 @@ def test_train_cli_eval_rank_failure_aborts_the_run(tmp_path, e2e_store):
     keys = [e["key"] for e in events]
     assert "eval_accuracy" not in keys and keys.count("run_stop") == 1
     (run_stop,) = [e for e in events if e["key"] == "run_stop"]
-    assert run_stop["metadata"]["status"] == "aborted" and run_stop["metadata"]["file"].endswith("loop.py")
+    assert run_stop["metadata"]["status"] == "aborted" and run_stop["metadata"]["file"].endswith("train/trainer.py")
 
 
 @pytest.mark.slow
@@ -522,7 +522,7 @@ def test_train_cli_async_eval_equals_synchronous_eval(tmp_path, e2e_store):
     keys = [e["key"] for e in events]
     assert [e["value"] for e in events if e["key"] == "eval_accuracy"] == [sync_scores[2], sync_scores[4]]
     assert keys.count("run_stop") == 1 and keys[-1] == "run_stop"
-    assert events[-1]["metadata"]["status"] == "aborted" and events[-1]["metadata"]["file"].endswith("loop.py")
+    assert events[-1]["metadata"]["status"] == "aborted" and events[-1]["metadata"]["file"].endswith("train/trainer.py")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -256,7 +256,7 @@ def test_preemption_with_an_eval_rank_checkpoints_and_both_ranks_exit_0(tmp_path
     events = _mllog(out / "mlperf.log")
     run_stops = [e for e in events if e["key"] == "run_stop"]
     assert len(run_stops) == 1 and run_stops[0]["metadata"]["status"] == "aborted"  # as a pre-empted single run
-    assert run_stops[0]["metadata"]["file"].endswith("loop.py") and events[-1]["key"] == "run_stop"
+    assert run_stops[0]["metadata"]["file"].endswith("train/trainer.py") and events[-1]["key"] == "run_stop"
 
 
 # ---------------------------------------------------------------------------------------------

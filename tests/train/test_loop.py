@@ -213,16 +213,16 @@ def test_deterministic_run_does_not_depend_on_the_number_of_workers(tiny_run, tm
 def test_validation_set_is_built_after_run_start(tiny_run, tmp_path, monkeypatch, baseline):
     """Synchronous evaluation: the validation cache is built, and the step-0 baseline evaluated, only after
     run_start (dataset work is timed); eval_baseline off (the mlperf preset's default) skips the baseline."""
-    from scalefold.evaluation import service as evaluation
+    from scalefold.evaluation import sync as evaluation
     from scalefold.evaluation.cache import EvalCache
     from scalefold.mlperf import logger as mll
 
     cfg, _ = tiny_run
     events: list[str] = []
-    run_start, fill, evaluate = mll.MLPerfLogger.init_stop_run_start, EvalCache.fill, evaluation.evaluate
+    run_start, fill, evaluate = mll.MLPerfLogger.init_stop_run_start, EvalCache.fill, evaluation.score_batches
     monkeypatch.setattr(mll.MLPerfLogger, "init_stop_run_start", lambda self: (events.append("run_start"), run_start(self))[1])
     monkeypatch.setattr(EvalCache, "fill", lambda self: (events.append("fill") if not self.filled else None, fill(self))[1])
-    monkeypatch.setattr(evaluation, "evaluate", lambda *a, **k: (events.append("evaluate"), evaluate(*a, **k))[1])
+    monkeypatch.setattr(evaluation, "score_batches", lambda *a, **k: (events.append("evaluate"), evaluate(*a, **k))[1])
     _record_chain_table_reads(monkeypatch, events)
     out = tmp_path / "run"
     run_cfg = cfg.replace(out=str(out), max_steps=1, eval_every=1, checkpoint_every=0, eval_baseline=baseline)
