@@ -119,9 +119,16 @@ class TrainConfig:
                      help="branch parallelism degree (2 needs --parallel-evoformer)")
     parallel_evoformer: bool = option(False, cli=True, slurm="PARALLEL_EVOFORMER",
                                       help="parallel Evoformer (the outer product mean at the end of the block)")
-    # torch.compile of the Evoformer / extra-MSA blocks (eager fallback when compilation fails)
-    compile: bool = option(False, cli=True, help="torch.compile the Evoformer blocks")
+    # torch.compile of the model's elementwise chains (or of whole regions; eager fallback when compilation fails)
+    compile: bool = option(False, cli=True, help="torch.compile the model's memory-bound elementwise chains "
+                           "(attention's softmax glue and gates, triangle gates, dropout + residual adds; --compile-regions)")
+    compile_regions: str = option("elementwise", cli=True, help="with --compile: comma-separated regions "
+                                  "(elementwise, the default; or evoformer_stack, extra_msa_stack, template_pair_stack, "
+                                  "structure_module, loss: whole blocks, slow to compile)")
     compile_backend: str = option("inductor", help="torch.compile backend (aot_eager: tracing only, fast to build)")
+    compile_cache: str | None = option(None, cli=True, help="folder of the persistent compile cache (inductor and "
+                                       "Triton, a subfolder per torch/Triton/GPU; default ~/.cache/scalefold/compile; "
+                                       "off: torch's temporary-folder defaults)")
     memory_check: bool = option(True, help="on CUDA, predict one step's peak memory per rank before training "
                                 "(scalefold estimate-memory) and warn, naming the DAP size that fits, when it exceeds the device")
     compile_strict: bool = option(False, cli=True, help="with --compile: a graph break or a recompilation in a "
