@@ -174,7 +174,9 @@ def configure_compile_cache(
             os.replace(tmp, path / MANIFEST)  # atomic: another rank writing the same record is harmless
     except OSError as exc:
         fallback = Path(tempfile.mkdtemp(prefix="scalefold-compile-")) / key_name(key)
-        note = f"compile cache {root}: unusable ({type(exc).__name__}: {exc.strerror or exc}); compiling into {fallback}"
+        note = (
+            f"compile cache {root}: unusable ({type(exc).__name__}: {exc.strerror or exc}); compiling into {fallback}"
+        )
         root, path = fallback.parent, fallback
         path.mkdir(parents=True, exist_ok=True)
         (path / MANIFEST).write_text(json.dumps(key, indent=1) + "\n")
@@ -202,7 +204,9 @@ def active_cache() -> CompileCache | None:
     return _active[-1] if _active else None
 
 
-def compile_with_rebuild(fn: Callable[[], T], cache: CompileCache | None = None, log: Callable[[str], None] | None = None) -> T:
+def compile_with_rebuild(
+    fn: Callable[[], T], cache: CompileCache | None = None, log: Callable[[str], None] | None = None
+) -> T:
     """``fn()`` -- the first calls of compiled code, where compilation happens. torch skips a cached graph it
     cannot unpickle, but a corrupt compiled kernel in the cache (a truncated ``.so``) fails the compilation;
     then, when the cache held entries, the cache is emptied with one line, dynamo's in-memory state reset and

@@ -104,8 +104,8 @@ class CompileReport(int):
         if self._chain_graphs_warm is not None:
             for name, n in chain_graphs.items():
                 if n > self._chain_graphs_warm[name]:
-                    recompiles.setdefault(ELEMENTWISE_REGION, []).append(
-                        f"{name}: {n - self._chain_graphs_warm[name]} graph(s) compiled after the warm-up")
+                    late = f"{name}: {n - self._chain_graphs_warm[name]} graph(s) compiled after the warm-up"
+                    recompiles.setdefault(ELEMENTWISE_REGION, []).append(late)
         return {
             "graph_breaks": sum(reasons.values()), "graph_break_reasons": reasons,
             "recompiles": sum(len(v) for v in recompiles.values()), "recompile_reasons": recompiles,
@@ -164,6 +164,25 @@ def _compile_target(module: torch.nn.Module, method: str = "forward") -> tuple[o
     return target, getattr(target, "__func__", target).__code__
 
 
+def elementwise_chains(region: str, device_type: str = "cpu") -> tuple[str, ...]:
+    """The chains of region ``elementwise`` (the device's default), ``elementwise:all`` or
+    ``elementwise:<chain>[+<chain>...]``; ValueError naming an unknown chain."""
+    if region == ELEMENTWISE_REGION:
+        return elementwise.default_chains(device_type)
+    names = region.split(":", 1)[1]
+    chains = elementwise.CHAINS if names == "all" else tuple(n for n in names.split("+") if n)
+    unknown = [c for c in chains if c not in elementwise.CHAINS]
+    if unknown or not chains:
+        raise ValueError(f"region {region!r}: unknown elementwise chain(s) {unknown or names!r}; expected "
+                         f"'{ELEMENTWISE_REGION}:all' or some of {'+'.join(elementwise.CHAINS)}")  # fmt: skip
+    return chains
+
+
+def _device_type(model: torch.nn.Module) -> str:
+    param = next(model.parameters(), None)
+    return param.device.type if param is not None else "cpu"
+
+
 def compile_blocks(
     model: torch.nn.Module, regions: Sequence[str] = COMPILE_REGIONS, backend: str = "inductor", strict: bool = False,
     loss_fn: torch.nn.Module | None = None,
@@ -171,7 +190,8 @@ def compile_blocks(
     """``torch.compile`` the forward of every block of the ``regions`` stacks (a region without
     ``blocks``: its whole forward); returns a :class:`CompileReport` (an ``int``: how many forwards, and
     elementwise chains). Region :data:`ELEMENTWISE_REGION` (the default) switches the kernels' elementwise
-    chains to their compiled functions, process-wide (:func:`scalefold.kernels.elementwise.enable`; the
+    chains (the device's default set, :data:`scalefold.kernels.elementwise.DEFAULT_CHAINS`; ``elementwise:all``
+    or ``elementwise:<chain>+<chain>``: those) to their compiled functions, process-wide (:func:`scalefold.kernels.elementwise.enable`; the
     model is not touched: ``scalefold.kernels.elementwise.mode(None)`` runs it eager again).
 
     Region :data:`LOSS_REGION` is ``loss_fn`` (an :class:`~scalefold.losses.AlphaFoldLoss`), when given:
@@ -198,9 +218,9 @@ def compile_blocks(
     codes: dict[str, object] = {}
     chains: dict[str, object] = {}
     for name in regions:
-        if name == ELEMENTWISE_REGION:
-            chains = elementwise.enable(backend)
-            counts[name] = len(chains)
+        if name == ELEMENTWISE_REGION or name.startswith(ELEMENTWISE_REGION + ":"):
+            chains = elementwise.enable(backend, elementwise_chains(name, _device_type(model)))
+            counts[ELEMENTWISE_REGION] = len(chains)
             continue
         region = loss_fn if name == LOSS_REGION else getattr(model, name, None)
         if region is None:
@@ -251,4 +271,7 @@ def warm_up(
     model.train(was_training)
 
 
-__all__ = ["ALL_REGIONS", "BLOCK_REGIONS", "COMPILE_REGIONS", "ELEMENTWISE_REGION", "LOSS_REGION", "CompileCheckError", "CompileReport", "compile_blocks", "warm_up"]
+__all__ = [
+    "ALL_REGIONS", "BLOCK_REGIONS", "COMPILE_REGIONS", "ELEMENTWISE_REGION", "LOSS_REGION", "CompileCheckError",
+    "CompileReport", "compile_blocks", "elementwise_chains", "warm_up",
+]  # fmt: skip

@@ -32,6 +32,12 @@ from scalefold.kernels import reference
 
 #: The chains compiled: the functions of these names in :mod:`scalefold.kernels.reference` themselves.
 CHAINS = ("masked_softmax", "sigmoid_gate", "gated_projection", "dropout_add")
+#: The chains ``--compile`` compiles by default, per device type: on a GPU all of them; on the CPU only
+#: those that were not slower than eager there (demo preset, 1 thread, bench step, alternating: the triangle
+#: gated projection 1.08x alone; softmax glue 0.96x, output gate 0.99x, dropout + residual 0.92x, all four
+#: 0.82x -- ATen's CPU kernels are vectorised already and the tensors are cache-sized, so fusing saves little
+#: while each call pays dynamo's guards). ``compile_blocks(regions=("elementwise:all",))`` compiles all.
+DEFAULT_CHAINS = {"cuda": CHAINS, "cpu": ("gated_projection",)}
 #: Graphs one chain may hold (dynamo's per-function recompile limit is 8; the model has more dtype /
 #: broadcast / grad-mode variants than that, each compiled once)
 RECOMPILE_LIMIT = 64
@@ -62,6 +68,11 @@ def enable(backend: str = "inductor", chains: Sequence[str] | None = None) -> di
     return {name: getattr(reference, name).__code__ for name in chains}
 
 
+def default_chains(device_type: str) -> tuple[str, ...]:
+    """The chains compiled by default on ``device_type`` (:data:`DEFAULT_CHAINS`; another device: all)."""
+    return tuple(DEFAULT_CHAINS.get(device_type, CHAINS))
+
+
 def disable() -> None:
     """Back to the plain references (the compiled functions are kept for a later :func:`enable`)."""
     _state["backend"] = None
@@ -88,4 +99,14 @@ def chain(name: str) -> Callable[..., torch.Tensor]:
     return getattr(reference, name) if backend is None or name not in _state["chains"] else _compiled[backend][name]
 
 
-__all__ = ["CHAINS", "RECOMPILE_LIMIT", "chain", "disable", "enable", "enabled", "mode"]
+__all__ = [
+    "CHAINS",
+    "DEFAULT_CHAINS",
+    "RECOMPILE_LIMIT",
+    "chain",
+    "default_chains",
+    "disable",
+    "enable",
+    "enabled",
+    "mode",
+]

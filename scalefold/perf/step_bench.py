@@ -97,7 +97,8 @@ def _compiled_step(cfg: TrainConfig, regions: Sequence[str], backend: str, stric
     step = TrainingStep.build(cfg)
     with elementwise.mode(None):
         report = compile_blocks(step.model, regions=regions, backend=backend, strict=strict, loss_fn=step.loss_fn)
-    config = _Config(step, backend if ELEMENTWISE_REGION in regions else None)
+    chains = any(r == ELEMENTWISE_REGION or r.startswith(ELEMENTWISE_REGION + ":") for r in regions)
+    config = _Config(step, backend if chains else None)
     t0 = time.perf_counter()
     compile_with_rebuild(lambda: config.cycle(timed=False))  # compilation happens here (a corrupt cache: rebuilt)
     compile_s = time.perf_counter() - t0
@@ -120,7 +121,7 @@ def run_step_benchmark(
     """Eager (and compiled) step times of ``cfg``'s training step, measured paired: eager and compiled
     cycles alternate; the result printed as JSON. ``compile_cache``: the
     :class:`~scalefold.compilation.cache.CompileCache` in use (reported)."""
-    from scalefold.compilation.regions import ALL_REGIONS, COMPILE_REGIONS
+    from scalefold.compilation.regions import COMPILE_REGIONS
     from scalefold.train.step import TrainingStep
 
     say = log or (lambda line: None)
@@ -156,7 +157,7 @@ def run_step_benchmark(
     del compiled
     if per_region:
         result["per_region"] = {}
-        for region in ALL_REGIONS if regions == COMPILE_REGIONS else regions:
+        for region in _per_region(regions):
             say(f"compiled ({backend}): {region} alone")
             alone, alone_report, alone_s = _compiled_step(cfg, (region,), backend, strict)
             eager.cycles.clear()
@@ -175,7 +176,6 @@ def _compile_only(cfg: TrainConfig, result: dict[str, Any], regions: Sequence[st
                   per_region: bool, say: Any) -> dict[str, Any]:  # fmt: skip
     """``compile_s`` (and each region's alone) without the timed cycles; ``first_cycle_s``: the same first
     cycle on a fresh eager step (what ``compile_s`` includes besides compiling)."""
-    from scalefold.compilation.regions import ALL_REGIONS, COMPILE_REGIONS
     from scalefold.train.step import TrainingStep
 
     eager = _Config(TrainingStep.build(cfg), None)
@@ -183,8 +183,7 @@ def _compile_only(cfg: TrainConfig, result: dict[str, Any], regions: Sequence[st
     eager.cycle(timed=False)
     result["first_cycle_s"] = round(time.perf_counter() - t0, 2)  # the first eager cycle, all recycling counts
     del eager
-    todo = [tuple(regions)] + ([(r,) for r in (ALL_REGIONS if tuple(regions) == COMPILE_REGIONS else regions)]
-                               if per_region else [])  # fmt: skip
+    todo = [tuple(regions)] + ([(r,) for r in _per_region(regions)] if per_region else [])
     for i, group in enumerate(todo):
         say(f"compiled ({backend}): {', '.join(group)}")
         config, report, compile_s = _compiled_step(cfg, group, backend, strict)
@@ -196,6 +195,17 @@ def _compile_only(cfg: TrainConfig, result: dict[str, Any], regions: Sequence[st
             result.setdefault("per_region", {})[group[0]] = {**row, "step_s": None}
         del config
     return result
+
+
+def _per_region(regions: Sequence[str]) -> list[str]:
+    """The regions ``--per-region`` compiles one at a time: the default (the elementwise chains) one chain at a
+    time; otherwise each region given (block regions only when named: they take long to compile)."""
+    from scalefold.compilation.regions import COMPILE_REGIONS, ELEMENTWISE_REGION
+    from scalefold.kernels import elementwise
+
+    if tuple(regions) == COMPILE_REGIONS:
+        return [f"{ELEMENTWISE_REGION}:{c}" for c in elementwise.CHAINS]
+    return list(regions)
 
 
 def _cache_info(cache: Any) -> dict[str, Any] | None:
@@ -256,13 +266,18 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
         print(f"scalefold bench step: {exc}", file=sys.stderr)
         return 3
     from scalefold.compilation.cache import configure_compile_cache
-    from scalefold.compilation.regions import ALL_REGIONS
+    from scalefold.compilation.regions import ALL_REGIONS, ELEMENTWISE_REGION, elementwise_chains
 
     regions = tuple(r.strip() for r in (args.regions or "").split(",") if r.strip()) or None
-    unknown = [r for r in regions or () if r not in ALL_REGIONS and r not in ("auxiliary_heads",)]
-    if unknown:
-        print(f"scalefold bench step: unknown region(s) {', '.join(unknown)}; expected some of {', '.join(ALL_REGIONS)}",
-              file=sys.stderr)  # fmt: skip
+    try:
+        for r in regions or ():
+            if r.startswith(ELEMENTWISE_REGION + ":"):
+                elementwise_chains(r)
+            elif r not in ALL_REGIONS and r != "auxiliary_heads":
+                raise ValueError(f"unknown region {r!r}; expected some of {', '.join(ALL_REGIONS)} "
+                                 f"or {ELEMENTWISE_REGION}:<chain>")  # fmt: skip
+    except ValueError as exc:
+        print(f"scalefold bench step: {exc}", file=sys.stderr)
         return 3
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -286,10 +301,11 @@ def add_bench_step_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--preset", default="demo", help="training preset (demo, tiny, mlperf; default demo)")
     p.add_argument("--compile", action="store_true", help="also time the step with compile_blocks applied")
     p.add_argument("--regions", help="comma-separated regions to compile (default: elementwise, the model's "
-                   "elementwise chains; also evoformer_stack, extra_msa_stack, template_pair_stack, structure_module, "
-                   "loss, auxiliary_heads: whole blocks)")  # fmt: skip
+                   "elementwise chains that pay on the device; elementwise:all, elementwise:<chain>+<chain>; also "
+                   "evoformer_stack, extra_msa_stack, template_pair_stack, structure_module, loss, auxiliary_heads: "
+                   "whole blocks)")  # fmt: skip
     p.add_argument("--per-region", action="store_true", help="also each region compiled alone: its compile seconds "
-                   "and step-time gain (default regions: elementwise and every block region)")
+                   "and step-time gain (default regions: each elementwise chain alone)")
     p.add_argument("--compile-cache", metavar="DIR", help="persistent inductor/Triton cache (a subfolder per "
                    "torch/Triton/device; default ~/.cache/scalefold/compile; off: torch's defaults); a second run "
                    "with the same code, shapes and versions starts warm")  # fmt: skip

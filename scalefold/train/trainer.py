@@ -42,10 +42,11 @@ import torch
 import torch.distributed as dist
 
 from scalefold.checkpoint.files import CheckpointManager
+from scalefold.compilation.cache import compile_with_rebuild, configure_compile_cache
 from scalefold.compilation.graphed_step import PARALLEL_EVOFORMER_UNCAPTURABLE, setup_graphed_step, synthetic_step_batch
 from scalefold.compilation.graphed_step import resolve_mode as resolve_graph_mode
-from scalefold.compilation.cache import compile_with_rebuild, configure_compile_cache
 from scalefold.compilation.regions import compile_blocks, warm_up
+from scalefold.kernels import elementwise
 from scalefold.config.training import TrainConfig
 from scalefold.data.batch import step_batch
 from scalefold.data.pipeline import FeatureConfig
@@ -167,6 +168,8 @@ def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
         finished = True
         return result
     finally:  # process-wide switches go back to what the caller had
+        if cfg.compile:
+            elementwise.disable()  # the compiled elementwise chains (compile_blocks' default region)
         torch.use_deterministic_algorithms(numerics[0])
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = numerics[1:]
         shutdown(runtime, clean=finished)

@@ -162,7 +162,7 @@ def test_tiny_training_step_compiles_without_breaks_or_recompiles(precision):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_tiny_training_step_elementwise_chains_compile_without_breaks_or_recompiles(precision):
-    """The default region (the elementwise chains, ``fullgraph``): every chain the step calls is compiled, no
+    """The elementwise chains (all of them, ``fullgraph``): every chain the step calls is compiled, no
     graph breaks, and after the warm-up (every recycling count once) no graph is compiled again."""
     from scalefold.config.training import TrainConfig
     from scalefold.kernels import elementwise
@@ -171,7 +171,7 @@ def test_tiny_training_step_elementwise_chains_compile_without_breaks_or_recompi
     cfg = TrainConfig.from_preset("tiny", overrides={"precision": precision}, env={})
     step = TrainingStep.build(cfg)
     try:
-        report = compile_blocks(step.model, backend="eager", strict=True, loss_fn=step.loss_fn)
+        report = compile_blocks(step.model, ("elementwise:all",), backend="eager", strict=True, loss_fn=step.loss_fn)
         assert report.regions == {"elementwise": len(elementwise.CHAINS)} and elementwise.enabled()
         for n in range(step.num_ensembles):  # the warm-up
             step.run(n)
@@ -193,7 +193,7 @@ def test_a_chain_graph_after_the_warm_up_counts_as_a_recompile():
     model = torch.nn.Linear(2, 2)
     torch._dynamo.reset()  # no graph of this chain from an earlier test
     try:
-        report = compile_blocks(model, backend="eager")
+        report = compile_blocks(model, ("elementwise:sigmoid_gate",), backend="eager")
         sigmoid_gate(torch.randn(2, 3, 4), torch.randn(2, 3, 4))
         report.mark_warm()
         sigmoid_gate(torch.randn(2, 3, 4, dtype=torch.float64), torch.randn(2, 3, 4, dtype=torch.float64))  # new dtype
@@ -201,3 +201,15 @@ def test_a_chain_graph_after_the_warm_up_counts_as_a_recompile():
         assert stats["recompiles"] == 1 and "sigmoid_gate" in stats["recompile_reasons"]["elementwise"][0]
     finally:
         elementwise.disable()
+
+
+def test_elementwise_region_names():
+    from scalefold.compilation.regions import elementwise_chains
+    from scalefold.kernels import elementwise
+
+    assert elementwise_chains("elementwise", "cuda") == elementwise.CHAINS
+    assert elementwise_chains("elementwise", "cpu") == elementwise.DEFAULT_CHAINS["cpu"]
+    assert elementwise_chains("elementwise:all") == elementwise.CHAINS
+    assert elementwise_chains("elementwise:dropout_add+sigmoid_gate") == ("dropout_add", "sigmoid_gate")
+    with pytest.raises(ValueError, match="nope"):
+        elementwise_chains("elementwise:nope")
