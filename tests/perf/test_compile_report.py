@@ -213,3 +213,14 @@ def test_elementwise_region_names():
     assert elementwise_chains("elementwise:dropout_add+sigmoid_gate") == ("dropout_add", "sigmoid_gate")
     with pytest.raises(ValueError, match="nope"):
         elementwise_chains("elementwise:nope")
+
+
+def test_train_compile_regions_names(tmp_path, capsys):
+    """``--compile-regions`` knows the regions compile_blocks knows; a misspelt one ends in one line naming it."""
+    from scalefold.cli import main
+    from scalefold.compilation.regions import ALL_REGIONS
+    from scalefold.config.training import COMPILE_REGION_NAMES
+
+    assert set(COMPILE_REGION_NAMES) == set(ALL_REGIONS) | {"auxiliary_heads"}
+    rc = main(["train", "--compile", "--compile-regions", "evoformer_stak", "--out", str(tmp_path / "run")])
+    assert rc == 3 and "evoformer_stak" in capsys.readouterr().err
