@@ -1,13 +1,18 @@
-"""``scalefold bench step``: the training step timed eager and compiled, in one process.
+"""``scalefold bench step``: the training step timed eager and compiled, in one process, paired.
 
 The same :class:`~scalefold.train.step.TrainingStep` (model seeded as the run seeds it, synthetic batch
-of the preset's training shapes, loss, backward, clipping, Adam + SWA) is timed eager, then with
-:func:`~scalefold.train.step.compile_blocks` applied to the model and the loss (strict: a graph break or
-recompilation makes the compiled figure invalid, so it is reported and, with ``--strict``, fatal). The
-recycling count cycles through ``0 .. R-1`` so every configuration sees the step mix training draws
-(uniform); warm-up steps (one per recycling count at least: compilation for both grad modes happens
-there) are not timed; the figures are medians over ``repeats`` cycles. ``--per-region`` adds one compiled configuration per
-region alone, each on a freshly built model, to show which regions gain.
+of the preset's training shapes, loss, backward, clipping, Adam + SWA) runs eager and, built afresh with
+:func:`~scalefold.compilation.regions.compile_blocks` applied (by default the model's elementwise chains;
+strict: a graph break or recompilation makes the compiled figure invalid, so it is reported and, with
+``--strict``, fatal), compiled. A cycle is one step per recycling count ``0 .. R-1`` (the mix training
+draws, uniformly). ``compile_s``: the compiled step's first cycle (compilation for both grad modes happens
+there; cold or warm as ``--compile-cache`` is) less the same cycle once compiled; the process's one-time
+compiler set-up (imports, the C++ compiler's probe: ``compiler_setup_s``) and its first eager steps are
+taken before. Then eager and compiled cycles alternate (the order reversed every repeat, so a drifting
+load falls on both): ``eager_s`` / ``compiled_s`` are medians, with each repeat's time and the range, and
+``speedup`` is the median of the paired ratios (``speedup_range`` their range). ``--per-region`` adds one
+compiled configuration per region alone (the default: each elementwise chain alone), each on a freshly
+built model, paired with the eager step again: its ``compile_s`` and step-time ``gain_s``.
 
 Timings of a shared machine vary: the JSON carries the load average before and after, the core count,
 and every repeat's time, so a figure can be judged. Nothing here asserts a speed.
@@ -84,10 +89,24 @@ def paired_times(configs: Sequence[_Config], repeats: int, warmup: int) -> dict[
             "ratio_median": [round(statistics.median(x), 3) for x in ratios]}  # fmt: skip
 
 
+_setup: dict[str, float] = {}  # backend -> seconds of the process's first compilation
+
+
+def compiler_setup_s(backend: str) -> float:
+    """Seconds of the first compilation in this process, once per backend: importing dynamo and inductor,
+    probing the C++ compiler and its ISA, loading the precompiled header -- paid by every run whatever the
+    cache holds, so it is reported beside ``compile_s`` (``compiler_setup_s``), not in it."""
+    if backend not in _setup:
+        t0 = time.perf_counter()
+        torch.compile(lambda x: x * 2.0 + 1.0, backend=backend, dynamic=True)(torch.ones(4))
+        _setup[backend] = time.perf_counter() - t0
+    return _setup[backend]
+
+
 def _compiled_step(cfg: TrainConfig, regions: Sequence[str], backend: str, strict: bool) -> tuple[_Config, Any, float]:
     """A freshly built step (same seed as the eager one) with ``regions`` compiled, and the seconds from its
     first call until it is ready (every recycling count once: both grad modes compiled) -- cold or warm as
-    the compile cache is."""
+    the compile cache is; the execution of that cycle is taken off by :func:`_net_compile_s`."""
     from scalefold.compilation.cache import compile_with_rebuild
     from scalefold.compilation.regions import ELEMENTWISE_REGION, compile_blocks
     from scalefold.kernels import elementwise
@@ -106,11 +125,18 @@ def _compiled_step(cfg: TrainConfig, regions: Sequence[str], backend: str, stric
     return config, report, compile_s
 
 
-def _compiled_result(config: _Config, report: Any, compile_s: float, strict: bool) -> dict[str, Any]:
+def _net_compile_s(first_cycle_s: float, config: _Config) -> float:
+    """``compile_s``: the first compiled cycle less what the same cycle takes once compiled (its median)."""
+    steady = statistics.median(config.cycles) * config.step.num_ensembles if config.cycles else 0.0
+    return max(first_cycle_s - steady, 0.0)
+
+
+def _compiled_result(config: _Config, report: Any, first_cycle_s: float, strict: bool) -> dict[str, Any]:
     stats = report.stats()
     if strict:
         report.check()
-    return {**config.summary(), "compile_s": round(compile_s, 2), **stats}
+    return {**config.summary(), "compile_s": round(_net_compile_s(first_cycle_s, config), 2),
+            "first_cycle_s": round(first_cycle_s, 2), **stats}  # fmt: skip
 
 
 def run_step_benchmark(
@@ -128,6 +154,7 @@ def run_step_benchmark(
     regions = tuple(regions or COMPILE_REGIONS)
     load0 = os.getloadavg()
     eager = _Config(TrainingStep.build(cfg), None)
+    eager.cycle(timed=False)  # the process's first steps (lazy initialisation) are not counted in compile_s
     result: dict[str, Any] = {
         "preset": cfg.model_preset, "precision": cfg.precision, "crop": cfg.crop_size,
         "recycling_counts": list(range(_num_ensembles(cfg))), "repeats": repeats, "warmup": warmup,
@@ -143,9 +170,10 @@ def run_step_benchmark(
         return _finish(result, load0)
     if compile_only:
         return _finish(_compile_only(cfg, result, regions, backend, strict, per_region, say), load0)
+    result["compiler_setup_s"] = round(compiler_setup_s(backend), 2)
     say(f"compiled ({backend}): regions {', '.join(regions)}; compiling (first call of every recycling count)")
     compiled, report, compile_s = _compiled_step(cfg, regions, backend, strict)
-    say(f"compiled in {compile_s:.1f} s; eager and compiled alternating: {warmup} warm-up + {repeats} timed cycles each")
+    say(f"first compiled cycle {compile_s:.1f} s; eager and compiled alternating: {warmup} warm-up + {repeats} timed cycles each")
     paired = paired_times([eager, compiled], repeats, warmup)
     c = _compiled_result(compiled, report, compile_s, strict)
     e = eager.summary()
@@ -174,21 +202,25 @@ def run_step_benchmark(
 
 def _compile_only(cfg: TrainConfig, result: dict[str, Any], regions: Sequence[str], backend: str, strict: bool,
                   per_region: bool, say: Any) -> dict[str, Any]:  # fmt: skip
-    """``compile_s`` (and each region's alone) without the timed cycles; ``first_cycle_s``: the same first
-    cycle on a fresh eager step (what ``compile_s`` includes besides compiling)."""
+    """``compile_s`` (and each region's alone) without the paired timing: each compiled step's first cycle
+    less its second; ``eager_cycle_s``: an eager cycle, for comparison."""
     from scalefold.train.step import TrainingStep
 
     eager = _Config(TrainingStep.build(cfg), None)
+    eager.cycle(timed=False)  # the process's first steps (lazy initialisation)
     t0 = time.perf_counter()
     eager.cycle(timed=False)
-    result["first_cycle_s"] = round(time.perf_counter() - t0, 2)  # the first eager cycle, all recycling counts
+    result["eager_cycle_s"] = round(time.perf_counter() - t0, 2)  # an eager cycle, all recycling counts
     del eager
+    result["compiler_setup_s"] = round(compiler_setup_s(backend), 2)
     todo = [tuple(regions)] + ([(r,) for r in _per_region(regions)] if per_region else [])
     for i, group in enumerate(todo):
         say(f"compiled ({backend}): {', '.join(group)}")
-        config, report, compile_s = _compiled_step(cfg, group, backend, strict)
+        config, report, first_s = _compiled_step(cfg, group, backend, strict)
+        config.cycle()  # once compiled: what the first cycle took besides compiling
         stats = report.stats()
-        row = {"compile_s": round(compile_s, 2), "graph_breaks": stats["graph_breaks"], "recompiles": stats["recompiles"]}
+        row = {"compile_s": round(_net_compile_s(first_s, config), 2), "first_cycle_s": round(first_s, 2),
+               "graph_breaks": stats["graph_breaks"], "recompiles": stats["recompiles"]}  # fmt: skip
         if i == 0:
             result.update(row)
         else:
@@ -238,7 +270,8 @@ def format_result(r: dict[str, Any]) -> str:
         e = r["eager"]
         lines.append(f"  eager     {r['eager_s']:.3f} s/step (range {e['min_s']}-{e['max_s']})  {e['phases_s']}")
     if r["compile_s"] is not None:
-        lines.append(f"  compile   {r['compile_s']:.1f} s (first call until ready), regions {', '.join(r['regions'])}: "
+        lines.append(f"  compile   {r['compile_s']:.1f} s (first call until ready, less the cycle's run; compiler "
+                     f"set-up {r.get('compiler_setup_s')} s), regions {', '.join(r['regions'])}: "
                      f"{r['graph_breaks']} graph breaks, {r['recompiles']} recompiles")  # fmt: skip
     if r["compiled_s"] is not None:
         c = r["compiled"]
