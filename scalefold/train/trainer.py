@@ -46,7 +46,6 @@ from scalefold.compilation.cache import compile_with_rebuild, configure_compile_
 from scalefold.compilation.graphed_step import PARALLEL_EVOFORMER_UNCAPTURABLE, setup_graphed_step, synthetic_step_batch
 from scalefold.compilation.graphed_step import resolve_mode as resolve_graph_mode
 from scalefold.compilation.regions import compile_blocks, warm_up
-from scalefold.kernels import elementwise
 from scalefold.config.training import TrainConfig
 from scalefold.data.batch import step_batch
 from scalefold.data.pipeline import FeatureConfig
@@ -57,6 +56,7 @@ from scalefold.evaluation.cache import validation_cache
 from scalefold.evaluation.client import AsyncEvaluation, EvaluationRanksFailed
 from scalefold.evaluation.server import serve_evaluations
 from scalefold.evaluation.sync import EvalContext, SyncEvaluation
+from scalefold.kernels import elementwise
 from scalefold.losses import AlphaFoldLoss
 from scalefold.mlperf import logger as mll
 from scalefold.mlperf.clock import RunClock
