@@ -29,6 +29,7 @@ MODULE_PREFIX = "module::"
 PHASE_PREFIX = "phase::"
 LAUNCH_NAMES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
                 "cudaLaunchCooperativeKernel", "cudaMemcpyAsync", "cudaMemsetAsync")  # fmt: skip
+LAUNCH_CATS = ("cuda_runtime", "cuda_driver")  # Triton's (inductor's) kernels launch through the driver API
 KERNEL_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
@@ -52,7 +53,7 @@ def summarize_trace(trace: dict[str, Any], top: int = 15, steps: int = 1) -> dic
                      if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith((MODULE_PREFIX, PHASE_PREFIX))),
                     key=lambda r: (r[0], -r[1]))  # fmt: skip
     launches = {e.get("args", {}).get("correlation"): float(e["ts"]) for e in events
-                if e.get("cat") == "cuda_runtime" and e.get("name") in LAUNCH_NAMES}  # fmt: skip
+                if e.get("cat") in LAUNCH_CATS and e.get("name") in LAUNCH_NAMES}  # fmt: skip
     kernels = [e for e in events if e.get("cat") in KERNEL_CATS]
     on_device = bool(kernels)
     work = kernels if on_device else [e for e in events if e.get("cat") == "cpu_op"]
@@ -77,7 +78,7 @@ def summarize_trace(trace: dict[str, Any], top: int = 15, steps: int = 1) -> dic
         "kernel_s": round(kernel_s / steps, 6) if on_device else None,
         "busy_fraction": round(kernel_s * 1e6 / wall_us, 4) if on_device and wall_us > 0 else None,
         "kernels_per_step": len(kernels) / steps if on_device else None,
-        "launches_per_step": sum(1 for e in events if e.get("cat") == "cuda_runtime" and e.get("name") in LAUNCH_NAMES) / steps,
+        "launches_per_step": sum(1 for e in events if e.get("cat") in LAUNCH_CATS and e.get("name") in LAUNCH_NAMES) / steps,
         "ops_per_step": sum(1 for e in events if e.get("cat") == "cpu_op") / steps,
         "phases": _ranges(by_range, host, PHASE_PREFIX, steps), "modules": _ranges(by_range, host, MODULE_PREFIX, steps),
         "top": [{"name": n[:120], "s": round(v["s"] / steps, 6), "count": int(v["count"] / steps)} for n, v in top_items],
