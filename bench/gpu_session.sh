@@ -4,7 +4,8 @@
 #
 #   bash bench/gpu_session.sh                       # everything (OUT defaults to runs/gpu_session)
 #   PARTS="tests train" bash bench/gpu_session.sh   # a subset (or: bash bench/gpu_session.sh tests train)
-#   DRY_RUN=1 bash bench/gpu_session.sh             # print what would run (no CUDA needed)
+#   DRY_RUN=1 bash bench/gpu_session.sh             # print the plan, each part's expected seconds (no CUDA needed)
+#   PARTS=headline bash bench/gpu_session.sh        # the headline alone: one call of <= 540 s on an H100
 #   PARTS="tests train" bash bench/gpu_session.sh, then DEADLINE_S=330 PARTS="headline bench" ...   # two calls
 #
 # What runs, in this order (each part under `timeout`; per-part limits in seconds; the order puts
@@ -28,17 +29,19 @@
 #                             processes, default 8: Triton/inductor compiles are CPU-bound; a failing
 #                             test's traceback is printed when it fails, SCALEFOLD_EARLY_TRACEBACKS=1,
 #                             so a run cut short by its limit still says why)
-#   headline             240  bench/step_headline.py: THE figure -- the full training step at MLPerf shapes
-#                             (crop 256, 124/1024 MSA, 4 templates, recycling 0..3 in turn), bf16, three
-#                             ways here: eager / Triton kernels / CUDA graphs, each with
-#                             torch.cuda.max_memory_allocated against `scalefold estimate-memory` (computed
-#                             meanwhile on the CPUs); one JSON line per configuration as it finishes;
-#                             the eager configuration's allocator trace ($WORK/memory/, in the tarball)
-#                             and what is live at its peak by allocating line: the first GPU run measured
-#                             11.6 GiB where the memory model predicts 6.0
-#   headline_compiled    540  the same for --compile and all together (a call of its own: inductor at MLPerf
-#                             shapes took > 200 s on an H200 host and did not finish within the first
-#                             session's headline limit); group "compiled", not in the default PARTS
+#   headline             480  bench/step_headline.py: THE figure -- the full training step at MLPerf shapes
+#                             (crop 256, 124/1024 MSA, 4 templates, recycling 0..3 in turn), bf16, five ways:
+#                             eager / triton / graphs / compile / all, each in a process of its own killed at
+#                             its cap (60-110 s expected, caps 100-150 s, cut to the part's limit), so one
+#                             slow configuration cannot starve the rest; per configuration s/step per
+#                             recycling count and the mean, MFU (once bench/step_headline.py's
+#                             flops_by_recycling is connected), torch.cuda.max_memory_allocated against
+#                             `scalefold estimate-memory` (computed meanwhile on the CPUs), a torch.profiler
+#                             profile of one step ($WORK/headline/<config>_profile.json and .png: per phase,
+#                             per top-level module, top kernels, GPU busy fraction, kernel launches per step),
+#                             and the eager configuration's allocator trace ($WORK/memory/): the first GPU
+#                             run measured 11.6 GiB where the memory model predicts 6.0.
+#                             `PARTS=headline` alone (env + install + headline) fits one 540 s call.
 #   train_bf16            90  scalefold train --preset demo --precision bf16 --max-steps 20
 #                             --eval-every 10 --cuda-graphs off   (eager bf16 baseline)
 #   train_graphs          60  the same with --cuda-graphs on      (captured recycling passes)
@@ -50,13 +53,12 @@
 #   bench_adam            30  bench/kernels.py --kernel adam --shape mlperf --dtype bf16
 #   bench_cuda_graphs     35  bench/cuda_graphs.py --preset demo --precision bf16 --steps 3
 #   bench_dap             30  bench/dap.py --cuda --dap 1 [2 4 8: as many GPUs as there are]
-#                   total 880 s: more than one call's 9 minutes, and a session's device time is 15
-#                   minutes, machine start (~30 s) included. So run two calls: PARTS="tests train"
-#                   (<= 470 s) and DEADLINE_S=330 PARTS="headline bench" (the headline, then the benchmarks
-#                   that fit); the global deadline cuts the tail (SKIPPED lines in SUMMARY.txt).
+#                   total 1140 s of limits: more than one call's 9 minutes, and a session's device time
+#                   is 15 minutes, machine start (~30 s) included. So: PARTS=headline first (env + install
+#                   + headline <= 540 s: the figure the project exists for), then PARTS="tests train" (<= 470 s)
+#                   when time is left; the global deadline cuts the tail (SKIPPED lines in SUMMARY.txt).
 #
-# Groups for PARTS: env and install (always run), tests (tests_* and the probe), headline, train, bench,
-# compiled (headline_compiled: a third call, PARTS=compiled, in a session of its own or with time left);
+# Groups for PARTS: env and install (always run), tests (tests_* and the probe), headline, train, bench;
 # single part names work too. A global deadline (DEADLINE_S, default 540) caps every part's limit at the
 # time left and skips a part with < 10 s left. TIMEOUT_SCALE multiplies every limit (e.g. 1.5 when a
 # call runs only part of the list and its parts need more time).
@@ -77,7 +79,13 @@
 # Exit status: 0 all selected parts passed, 1 some part failed or timed out, 2 no CUDA.
 #
 # Environment: OUT, WORK (scratch, default a fresh mktemp dir), PYTHON, WHEELS, PARTS, DEADLINE_S,
-# TIMEOUT_SCALE, DRY_RUN, BENCH_CUDA_GRAPHS_PRESET (default demo; mlperf needs a longer limit).
+# TIMEOUT_SCALE, DRY_RUN, BENCH_CUDA_GRAPHS_PRESET (default demo; mlperf needs a longer limit), COMPILE_CACHE.
+#
+# Compile cache: inductor's and Triton's caches go to COMPILE_CACHE (default runs/compile_cache in the
+# repository: ignored by git, so it stays on the device machine between calls), a subfolder per torch /
+# Triton / Python / GPU (scalefold/compilation/cache.py), Triton's per rank: the second call with the same
+# code, shapes and versions starts warm. A new torch, Triton or GPU gets a fresh subfolder; a corrupt one
+# is rebuilt with one line.
 
 set -uo pipefail
 
@@ -96,6 +104,12 @@ DEADLINE_S=${DEADLINE_S:-540}
 TIMEOUT_SCALE=${TIMEOUT_SCALE:-1}
 DRY_RUN=${DRY_RUN:-0}
 BENCH_CUDA_GRAPHS_PRESET=${BENCH_CUDA_GRAPHS_PRESET:-demo}
+COMPILE_CACHE=${COMPILE_CACHE:-$REPO/runs/compile_cache}
+# expected seconds per part on an H100 (DRY_RUN prints them beside the limits; the limits are the caps)
+declare -A EXPECT=([install]=15 [tests_kernels]=60 [probe_attention_grid]=20 [tests_graphs]=110 [headline]=405
+                   [train_bf16]=60 [train_graphs]=45 [bench_attention]=35 [bench_layernorm]=20 [bench_adam]=20
+                   [bench_cuda_graphs]=25 [bench_dap]=20)
+EXPECTED_TOTAL=0
 if [ "$#" -gt 0 ]; then PARTS="$*"; fi
 PARTS=${PARTS:-"tests headline train bench"}
 
@@ -118,6 +132,7 @@ export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 export SCALEFOLD_EARLY_TRACEBACKS=1               # tests/conftest.py: a failing test's traceback at once
 export SCALEFOLD_AUTOTUNE_DIR="$WORK/autotune"   # tuned launch configs come back in the tarball
 export MPLBACKEND=Agg
+export SCALEFOLD_COMPILE_CACHE="$COMPILE_CACHE"  # scalefold train / bench step / step_headline: kept between runs
 unset TRITON_INTERPRET                            # the kernels must compile for the GPU here
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 
@@ -164,7 +179,8 @@ part() {
         args+=("${a//@SESSION_LIMIT@/$((limit - 15 > 20 ? limit - 15 : 20))}")
     done
     if [ "$DRY_RUN" = 1 ]; then
-        echo "(dry run) ${args[*]}" | tee "$log"; rc=dry
+        EXPECTED_TOTAL=$((EXPECTED_TOTAL + ${EXPECT[$name]:-0}))
+        echo "(dry run) expected ~${EXPECT[$name]:-?}s, limit ${limit}s: ${args[*]}" | tee "$log"; rc=dry
     else
         timeout -s INT -k 15 "$limit" "${RESET_INT[@]}" "${args[@]}" 2>&1 | tee "$log"
         rc=${PIPESTATUS[0]}
@@ -325,13 +341,15 @@ pytest_args tests_graphs
 part tests_graphs tests 150 "$PY" -m pytest "${PYTEST_ARGS[@]}" \
     tests/train/test_cuda_graphs.py tests/train/test_graphed_step.py tests/train/test_precision_compile.py
 
-# 3b. the headline: the MLPerf-shape training step, eager / compile / triton / graphs / all, peak memory vs
-# the memory model (its dry run lists the configurations; on a machine without CUDA it refuses, exit 2)
-if [ "$DRY_RUN" = 1 ] && selected headline headline; then "$PY" bench/step_headline.py --dry-run; fi
-part headline headline 240 "$PY" bench/step_headline.py --preset mlperf --precision bf16 --cycles 1 \
-    --configs eager triton graphs --memory-snapshot "$WORK/memory"
-part headline_compiled compiled 540 "$PY" bench/step_headline.py --preset mlperf --precision bf16 --cycles 1 \
-    --configs compile all --no-estimate
+# 3b. the headline: the MLPerf-shape training step, eager / triton / graphs / compile / all, each capped, with
+# s/step per recycling count, peak memory vs the memory model, and a profile of one step per configuration
+# (its dry run prints the plan with expected seconds; on a machine without CUDA it refuses, exit 2)
+if [ "$DRY_RUN" = 1 ] && selected headline headline; then
+    "$PY" bench/step_headline.py --dry-run --deadline 465 --compile-cache "$COMPILE_CACHE"
+fi
+part headline headline 480 env SCALEFOLD_AUTOTUNE=0 "$PY" bench/step_headline.py --preset mlperf --precision bf16 \
+    --cycles 1 --deadline @SESSION_LIMIT@ --out "$WORK/headline" --memory-snapshot "$WORK/memory" \
+    --compile-cache "$COMPILE_CACHE"
 
 # 4. short GPU training runs: bf16 eager, then bf16 with CUDA graphs (one synthetic store for both)
 TRAIN=(-m scalefold train --preset demo --precision bf16 --max-steps 20 --eval-every 10
@@ -351,6 +369,9 @@ for d in 2 4 8; do [ "${NGPU:-0}" -ge "$d" ] && DAP_SIZES="$DAP_SIZES $d"; done
 part bench_dap bench 30 "$PY" bench/dap.py --cuda --dap $DAP_SIZES --n-res 256 --n-seq 128 --warmup 2 --iters 5
 
 # ------------------------------------------------------------------------------------------------
+if [ "$DRY_RUN" = 1 ]; then
+    note "dry run: the selected parts expect ~${EXPECTED_TOTAL}s after env (deadline ${DEADLINE_S}s)"
+fi
 printf '%-20s %-8s %4ss total (deadline %ss); detail in results.tar.gz (WORK %s)\n' \
     TOTAL "$([ "$FAILED" = 0 ] && echo PASS || echo FAIL)" "$((SECONDS - START))" "$DEADLINE_S" "$WORK" >>"$SUMMARY"
 pack

@@ -1,23 +1,27 @@
-"""The headline GPU figure: the full training step at MLPerf shapes, five ways, with peak memory.
+"""The headline GPU figure: the full training step at MLPerf shapes, five ways, in one run.
 
 The training step of ``scalefold train --preset mlperf --precision bf16`` (crop 256, 124 MSA clusters,
 1,024 extra MSA rows, 4 templates, activation checkpointing; recycling counts 0..3 in turn, the
 uniform draw of training) timed as
 
     eager     PyTorch reference kernels, no compile, no CUDA graphs   (SCALEFOLD_KERNELS=torch)
-    compile   + torch.compile of the Evoformer / extra-MSA / template blocks (compile_blocks)
     triton    the fused Triton kernels instead of the references       (SCALEFOLD_KERNELS=triton)
     graphs    CUDA graphs of the no-grad recycling passes (GraphedStep)
+    compile   + torch.compile of the model's elementwise chains (compile_blocks' default region)
     all       Triton kernels + compile + CUDA graphs
 
-each on a freshly built model (same seed), with ``torch.cuda.max_memory_allocated`` over the
-configuration (model, optimizer, batch and steps) against the memory model's prediction
-(``scalefold estimate-memory``, computed meanwhile on the host's CPUs in two subprocesses). One JSON
-line per configuration as it finishes (a timeout keeps the finished ones), a table at the end.
+each in a process of its own (a fresh model, same seed), killed at its cap (``CONFIGS``) so one slow
+configuration cannot starve the rest, all within ``--deadline``. Per configuration: s/step per recycling
+count and their mean, MFU (once :func:`flops_by_recycling` is connected), ``torch.cuda.max_memory_allocated``
+against the memory model's prediction (``scalefold estimate-memory``, computed meanwhile on the host's CPUs),
+and a ``torch.profiler`` profile of one step (``--out``: ``<config>_profile.json`` and ``.png``, per phase,
+per top-level module and the top kernels, with the GPU's busy fraction and the kernel launches per step;
+:mod:`scalefold.perf.profile_summary`). One JSON line per configuration as it finishes, a table at the end.
+Inductor's and Triton's caches go to ``--compile-cache`` (kept between runs: the second run starts warm).
 
-    python bench/step_headline.py [--configs eager triton graphs compile all] [--cycles 1] [--dry-run]
+    python bench/step_headline.py [--configs eager triton graphs compile all] [--cycles 1] [--out DIR] [--dry-run]
 
-Needs CUDA: elsewhere it says so and exits 2 (``--dry-run`` lists what it would run, anywhere).
+Needs CUDA: elsewhere it says so and exits 2 (``--dry-run`` prints the plan with expected seconds, anywhere).
 """
 
 from __future__ import annotations
@@ -25,24 +29,67 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-CONFIGS = {  # name -> (kernels, compile, cuda graphs); run in this order: the compiled ones last, since
-    # inductor at MLPerf shapes took > 200 s on an H200 host (first GPU session) and a time limit then
-    # keeps the rows already finished
-    "eager": ("torch", False, False),
-    "triton": ("triton", False, False),
-    "graphs": ("torch", False, True),
-    "compile": ("torch", True, False),
-    "all": ("triton", True, True),
+CONFIGS = {  # name -> (kernels, compile, cuda graphs, expected s, cap s) on an H100 at MLPerf shapes; run in this order.
+    # expected: child start + model and batch (~15 s) + the warm-up cycle (4 steps, ~3.5 s each on the H200) + a
+    # timed cycle + one profiled step; compile: + inductor / Triton for the elementwise chains (cold cache)
+    "eager": ("torch", False, False, 60, 100),
+    "triton": ("triton", False, False, 65, 100),
+    "graphs": ("torch", False, True, 70, 100),
+    "compile": ("torch", True, False, 100, 150),
+    "all": ("triton", True, True, 110, 150),
 }
+#: the device's dense bf16 peak, FLOP/s, by a substring of its name (MFU); the first match wins
+PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("GH200", 989e12), ("A100", 312e12))
+
+
+def flops_by_recycling(cfg, kernels: str) -> dict[int, float] | None:
+    """MFU-HOOK (issue 26 item 4; the lead connects it): the FLOPs of one training step with ``n`` no-grad
+    recycling passes, ``{n: flops}`` for n = 0..R-1, from ``scalefold/perf/flops.py`` (the step-arithmetic
+    issue) once it has landed. Until then None: the MFU column stays empty."""
+    return None
+
+
+def mfu(step_s_by_recycling: dict[int, float], flops: dict[int, float] | None, peak_flops: float | None) -> float | None:
+    """Model FLOPs utilisation of the uniform recycling draw: total FLOPs of one step per recycling count over
+    their total time, over the device's peak; None without FLOPs, peak or times."""
+    if not flops or not peak_flops or not step_s_by_recycling:
+        return None
+    counts = [n for n in step_s_by_recycling if n in flops]
+    seconds = sum(step_s_by_recycling[n] for n in counts)
+    return round(sum(flops[n] for n in counts) / seconds / peak_flops, 4) if counts and seconds > 0 else None
+
+
+def peak_flops(device_name: str) -> float | None:
+    return next((f for key, f in PEAK_BF16_FLOPS if key in device_name), None)
+
+
+def plan(args: argparse.Namespace) -> list[str]:
+    """The dry run's lines: each configuration with its expected seconds and cap, the memory model, the total."""
+    lines = [f"step_headline (plan): preset {args.preset} {args.precision}; per configuration a process of its own "
+             f"(model, batch, one warm-up cycle of recycling counts 0..R-1, {args.cycles} timed cycle(s), one profiled "
+             f"step), killed at its cap; deadline {args.deadline} s for all"]  # fmt: skip
+    total = 0
+    for name in args.configs:
+        kernels, compiled, graphs, expect, cap = CONFIGS[name]
+        total += expect
+        lines.append(f"  {name:<8} kernels={kernels:<6} compile={str(compiled):<5} cuda_graphs={str(graphs):<5} "
+                     f"expected ~{expect:>3} s, cap {cap} s  -> s/step per recycling count, mean, MFU, peak memory, profile")  # fmt: skip
+    for kernels, cmd in ({} if args.no_estimate else estimate_commands(args)).items():
+        lines.append(f"  memory model ({kernels} kernels, on the CPUs meanwhile): {' '.join(cmd[1:])}")
+    lines.append(f"  total expected ~{total} s (caps {sum(CONFIGS[n][4] for n in args.configs)} s, cut to the deadline "
+                 f"{args.deadline} s); compile cache {args.compile_cache or '(default)'}")  # fmt: skip
+    return lines
 
 
 def estimate_commands(args: argparse.Namespace) -> dict[str, list[str]]:
@@ -53,17 +100,18 @@ def estimate_commands(args: argparse.Namespace) -> dict[str, list[str]]:
 
 
 def run_config(name: str, args: argparse.Namespace, after_warm_up=None) -> dict:
+    """One configuration, in this process: build, warm up (compilation, capture), time, profile."""
     import torch
 
+    from scalefold.compilation.cache import compile_with_rebuild
     from scalefold.compilation.graphed_step import GraphedStep
     from scalefold.compilation.regions import compile_blocks
     from scalefold.config.training import TrainConfig
+    from scalefold.perf.profile_summary import profile_step
     from scalefold.train.step import TrainingStep
 
-    kernels, compiled, graphs = CONFIGS[name]
+    kernels, compiled, graphs = CONFIGS[name][:3]
     os.environ["SCALEFOLD_KERNELS"] = kernels
-    torch._dynamo.reset()
-    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     t_build = time.perf_counter()
     cfg = TrainConfig.from_preset(args.preset, overrides={"precision": args.precision, "cuda_graphs": "on" if graphs else "off"},
@@ -78,10 +126,16 @@ def run_config(name: str, args: argparse.Namespace, after_warm_up=None) -> dict:
             return {"config": name, "error": f"CUDA graphs off: {graphed.reason}"}
         forward = graphed
     counts = list(range(step.num_ensembles))
-    for n in counts:  # warm-up: compilation, autotuning, cuDNN/cuBLAS heuristics
-        step.run(n, forward=forward)
+
+    def warm_up_cycle() -> None:  # compilation, cuDNN/cuBLAS heuristics (no autotuning: SCALEFOLD_AUTOTUNE=0)
+        for n in counts:
+            step.run(n, forward=forward)
+
+    compile_with_rebuild(warm_up_cycle)  # a corrupt compile cache: emptied with one line, compiled again
     torch.cuda.synchronize()
     setup_s = time.perf_counter() - t_build
+    if report is not None:
+        report.mark_warm()
     if after_warm_up is not None:  # e.g. stop the allocator trace: the timed steps run without it
         after_warm_up()
     times: dict[int, list[float]] = {n: [] for n in counts}
@@ -93,112 +147,195 @@ def run_config(name: str, args: argparse.Namespace, after_warm_up=None) -> dict:
             torch.cuda.synchronize()
             times[n].append(time.perf_counter() - t0)
     per_n = {n: statistics.median(ts) for n, ts in times.items()}
+    device = torch.cuda.get_device_name()
     result = {
         "config": name, "kernels": kernels, "compile": compiled, "cuda_graphs": graphs,
         "step_s": round(statistics.mean(per_n.values()), 4),  # mean over the uniform recycling draw
         "step_s_by_recycling": {n: round(t, 4) for n, t in per_n.items()}, "setup_s": round(setup_s, 1),
+        "mfu": mfu(per_n, flops_by_recycling(cfg, kernels), peak_flops(device)),
         "peak_bytes": torch.cuda.max_memory_allocated(), "reserved_bytes": torch.cuda.max_memory_reserved(),
-        "device": torch.cuda.get_device_name(),
+        "device": device,
     }  # fmt: skip
     if report is not None:
         stats = report.stats()
         result.update(graph_breaks=stats["graph_breaks"], recompiles=stats["recompiles"])
-    del step, forward
+    if args.out:  # where the step's time goes: one step without recycling passes (the grad pass), profiled
+        t0 = time.perf_counter()
+        summary = profile_step(step, 0, args.out, name, forward=forward, keep_trace=args.keep_trace)
+        result["profile"] = {k: summary[k] for k in ("wall_s", "kernel_s", "busy_fraction", "kernels_per_step",
+                                                      "launches_per_step")}  # fmt: skip
+        result["profile_s"] = round(time.perf_counter() - t0, 1)
     return result
+
+
+def run_child(name: str, args: argparse.Namespace) -> int:
+    """``--child NAME``: one configuration; its row is the line ``ROW {json}``."""
+    from scalefold.compilation.cache import configure_compile_cache
+
+    cache = configure_compile_cache(args.compile_cache)  # before anything compiles (Triton kernels, inductor)
+    print(f"{name}: {cache.describe()}", flush=True)
+    snaps: list = []
+    try:
+        if args.memory_snapshot:  # the warm-up (every recycling count, same shapes) is traced, the timed steps not
+            from scalefold.perf import cuda_snapshot
+
+            cuda_snapshot.record_history()
+            row = run_config(name, args, after_warm_up=lambda: snaps.append(cuda_snapshot.take_snapshot()))
+        else:
+            row = run_config(name, args)
+    except Exception as exc:  # noqa: BLE001 -- reported as the configuration's row
+        row = {"config": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"}
+    row["compile_cache_warm"] = cache.warm
+    print("ROW " + json.dumps(row), flush=True)
+    if args.memory_snapshot:
+        try:
+            snap = snaps[0] if snaps else cuda_snapshot.take_snapshot()
+            Path(args.memory_snapshot).mkdir(parents=True, exist_ok=True)
+            path = cuda_snapshot.dump_snapshot(snap, Path(args.memory_snapshot) / f"{name}_memory.pickle.gz")
+            print(f"{name}: allocator trace in {path}\n{cuda_snapshot.format_peak(cuda_snapshot.peak_allocations(snap))}",
+                  flush=True)  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 -- the figures above stand without it
+            print(f"{name}: no allocator trace: {type(exc).__name__}: {exc}", flush=True)
+    return 0 if "error" not in row else 1
+
+
+def child_command(name: str, args: argparse.Namespace, snapshot: bool) -> list[str]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--preset", args.preset, "--precision",
+           args.precision, "--cycles", str(args.cycles)]  # fmt: skip
+    for flag, value in (("--out", args.out), ("--compile-cache", args.compile_cache),
+                        ("--memory-snapshot", args.memory_snapshot if snapshot else None)):  # fmt: skip
+        if value:
+            cmd += [flag, str(value)]
+    return cmd + (["--keep-trace"] if args.keep_trace else [])
+
+
+def run_capped(cmd: list[str], cap: float) -> tuple[dict | None, str]:
+    """Run a child, its output passed through; ``(row, status)``: killed at ``cap`` seconds (SIGINT, then
+    SIGKILL 10 s later), so one slow configuration cannot starve the rest."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    row, deadline = None, time.monotonic() + cap
+    killer = threading.Timer(cap, lambda: _stop(proc))
+    killer.start()
+    try:
+        for line in proc.stdout:
+            if line.startswith("ROW "):
+                row = json.loads(line[4:])
+            else:
+                print(line, end="", flush=True)
+        proc.wait()
+    finally:
+        killer.cancel()
+    if row is not None:
+        return row, "ok"
+    return None, "cap reached" if time.monotonic() >= deadline - 1 else f"exit {proc.returncode}"
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS))
+    ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     ap.add_argument("--preset", default="mlperf")
     ap.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     ap.add_argument("--cycles", type=int, default=1, help="timed cycles of recycling counts 0..R-1 (default 1)")
     ap.add_argument("--no-estimate", action="store_true", help="skip the memory-model comparison")
-    ap.add_argument("--dry-run", action="store_true", help="list what would run (no CUDA needed)")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan with expected seconds (no CUDA needed)")
+    ap.add_argument("--deadline", type=float, default=480.0, help="seconds for all configurations (default 480)")
+    ap.add_argument("--out", help="folder for each configuration's profile (<config>_profile.json / .png)")
+    ap.add_argument("--keep-trace", action="store_true", help="also keep the Chrome traces (<config>_trace.json.gz)")
+    ap.add_argument("--compile-cache", default=os.environ.get("SCALEFOLD_COMPILE_CACHE"),
+                    help="persistent inductor/Triton cache (default $SCALEFOLD_COMPILE_CACHE, else ~/.cache/scalefold/compile)")
     ap.add_argument("--memory-snapshot", metavar="DIR", help="record the allocator's trace of the first "
                     "configuration, write it to DIR/<config>_memory.pickle.gz and print what is live at its peak, "
                     "by allocating line (scalefold.perf.cuda_snapshot)")  # fmt: skip
+    ap.add_argument("--child", choices=list(CONFIGS), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    estimates = {} if args.no_estimate else estimate_commands(args)
+    if args.child:
+        return run_child(args.child, args)
     if args.dry_run:
-        print(f"step_headline (dry run): preset {args.preset} {args.precision}, {args.cycles} timed cycle(s) of "
-              "recycling counts 0..R-1 after one warm-up cycle, per configuration:")  # fmt: skip
-        for name in args.configs:
-            kernels, compiled, graphs = CONFIGS[name]
-            print(f"  {name:<8} kernels={kernels} compile={compiled} cuda_graphs={graphs}  -> step_s, peak_bytes")
-        for kernels, cmd in estimates.items():
-            print(f"  memory model ({kernels} kernels, in the background): {' '.join(cmd[1:])}")
+        print("\n".join(plan(args)))
         return 0
     import torch
 
     if not torch.cuda.is_available():
         print("bench/step_headline.py: needs CUDA (the headline is a GPU figure); no CUDA device here -- nothing "
-              "measured (--dry-run lists what would run)", file=sys.stderr)  # fmt: skip
+              "measured (--dry-run prints the plan)", file=sys.stderr)  # fmt: skip
         return 2
+    return run_all(args)
+
+
+def run_all(args: argparse.Namespace) -> int:
+    t_start = time.monotonic()
+    estimates = {} if args.no_estimate else estimate_commands(args)
     procs = {k: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                  env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # fmt: skip
              for k, cmd in estimates.items()}
-    rows = []
+    rows: list[dict] = []
     predicted: dict[str, dict] = {}
-
-    def collect(wait: bool) -> None:
-        """Print each memory-model prediction as soon as it is in (a time limit that cuts the run keeps it)."""
-        for kernels, proc in list(procs.items()):
-            if not wait and proc.poll() is None:
-                continue
-            del procs[kernels]
-            try:
-                out, _ = proc.communicate(timeout=60)
-                predicted[kernels] = json.loads(out)
-                keep = ("peak_bytes", "step_peak_bytes")
-                print(json.dumps({"memory_model": kernels, **{k: predicted[kernels][k] for k in keep}}), flush=True)
-            except Exception as exc:  # noqa: BLE001
-                proc.kill()
-                print(f"memory model ({kernels}) gave no result: {type(exc).__name__}", flush=True)
-
-    snaps: list = []  # the first configuration's allocator trace, taken after its warm-up
     for i, name in enumerate(args.configs):
-        snapshot = args.memory_snapshot and i == 0
-        try:
-            if snapshot:  # the warm-up (every recycling count, same shapes) is traced, the timed steps not
-                from scalefold.perf import cuda_snapshot
-
-                cuda_snapshot.record_history()
-                row = run_config(name, args, after_warm_up=lambda: snaps.append(cuda_snapshot.take_snapshot()))
-            else:
-                row = run_config(name, args)
-        except Exception as exc:  # noqa: BLE001 -- one configuration failing must not hide the others
-            row = {"config": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"}
-        if snapshot:
-            try:
-                snap = snaps[0] if snaps else cuda_snapshot.take_snapshot()
-                Path(args.memory_snapshot).mkdir(parents=True, exist_ok=True)
-                path = cuda_snapshot.dump_snapshot(snap, Path(args.memory_snapshot) / f"{name}_memory.pickle.gz")
-                print(f"{name}: allocator trace in {path}\n{cuda_snapshot.format_peak(cuda_snapshot.peak_allocations(snap))}",
-                      flush=True)  # fmt: skip
-            except Exception as exc:  # noqa: BLE001 -- the figures above stand without it
-                print(f"{name}: no allocator trace: {type(exc).__name__}: {exc}", flush=True)
+        left = args.deadline - (time.monotonic() - t_start)
+        cap = min(CONFIGS[name][4], left - 5)
+        if cap < 20:
+            row = {"config": name, "error": f"skipped: {left:.0f} s left of the {args.deadline:.0f} s deadline"}
+        else:
+            print(f"=== {name} (cap {cap:.0f} s)", flush=True)
+            row, status = run_capped(child_command(name, args, snapshot=bool(args.memory_snapshot) and i == 0), cap)
+            row = row or {"config": name, "error": f"no result: {status} (cap {cap:.0f} s)"}
         rows.append(row)
         print(json.dumps(row), flush=True)
-        collect(wait=False)
-    collect(wait=True)
-    eager = next((r["step_s"] for r in rows if r.get("config") == "eager" and "step_s" in r), None)
-    print(f"\n{'config':<8} {'s/step':>8} {'vs eager':>9} {'peak GiB':>9} {'predicted':>10} {'error':>7}  notes")
-    for r in rows:
-        if "error" in r:
-            print(f"{r['config']:<8} {r['error']}")
-            continue
-        est = predicted.get(r["kernels"])
-        pred = None
-        if est:
-            pred = est["peak_bytes"] if r["cuda_graphs"] else est["step_peak_bytes"]
-        ratio = f"{eager / r['step_s']:.2f}x" if eager else "-"
-        notes = f"breaks {r.get('graph_breaks')}, recompiles {r.get('recompiles')}" if r["compile"] else ""
-        print(f"{r['config']:<8} {r['step_s']:>8.3f} {ratio:>9} {r['peak_bytes'] / 2**30:>9.2f} "
-              f"{(pred or 0) / 2**30:>10.2f} {(100 * (pred / r['peak_bytes'] - 1)) if pred else float('nan'):>6.1f}%  {notes}")  # fmt: skip
+        _collect(procs, predicted, wait=False)
+    _collect(procs, predicted, wait=True)
+    print("\n" + format_table(rows, predicted))
     print(json.dumps({"rows": rows, "predicted": {k: {"peak_bytes": v["peak_bytes"], "step_peak_bytes": v["step_peak_bytes"]}
                                                   for k, v in predicted.items()}}))  # fmt: skip
     return 0 if all("error" not in r for r in rows) else 1
+
+
+def _collect(procs: dict, predicted: dict, wait: bool) -> None:
+    """Print each memory-model prediction as soon as it is in (a time limit that cuts the run keeps it)."""
+    for kernels, proc in list(procs.items()):
+        if not wait and proc.poll() is None:
+            continue
+        del procs[kernels]
+        try:
+            out, _ = proc.communicate(timeout=60)
+            predicted[kernels] = json.loads(out)
+            keep = ("peak_bytes", "step_peak_bytes")
+            print(json.dumps({"memory_model": kernels, **{k: predicted[kernels][k] for k in keep}}), flush=True)
+        except Exception as exc:  # noqa: BLE001
+            proc.kill()
+            print(f"memory model ({kernels}) gave no result: {type(exc).__name__}", flush=True)
+
+
+def format_table(rows: list[dict], predicted: dict) -> str:
+    """The headline table: s/step per recycling count and mean, speed-up, MFU, peak vs predicted, profile."""
+    eager = next((r["step_s"] for r in rows if r.get("config") == "eager" and "step_s" in r), None)
+    lines = [f"{'config':<8} {'s/step by recycling 0..R-1':<28} {'mean':>7} {'vs eager':>8} {'MFU':>6} {'peak GiB':>8} "
+             f"{'model':>6} {'error':>7} {'busy':>5} {'launch/step':>11}  notes"]  # fmt: skip
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['config']:<8} {r['error']}")
+            continue
+        est = predicted.get(r["kernels"])
+        pred = (est["peak_bytes"] if r["cuda_graphs"] else est["step_peak_bytes"]) if est else None
+        by_n = "/".join(f"{t:.2f}" for t in r["step_s_by_recycling"].values())
+        prof = r.get("profile") or {}
+        err = f"{100 * (pred / r['peak_bytes'] - 1):+.1f}%" if pred else "-"
+        notes = f"setup {r['setup_s']} s" + (f", breaks {r.get('graph_breaks')}, recompiles {r.get('recompiles')}"
+                                             if r["compile"] else "")  # fmt: skip
+        ratio = f"{eager / r['step_s']:.2f}x" if eager else "-"
+        util = f"{r['mfu']:.3f}" if r.get("mfu") else "-"
+        model = f"{pred / 2**30:.2f}" if pred else "-"
+        lines.append(f"{r['config']:<8} {by_n:<28} {r['step_s']:>7.3f} {ratio:>8} {util:>6} {r['peak_bytes'] / 2**30:>8.2f} "
+                     f"{model:>6} {err:>7} {prof.get('busy_fraction') or '-':>5} {prof.get('launches_per_step') or '-':>11}  "
+                     f"{notes}")  # fmt: skip
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """``torch.compile`` of selected regions of the model and the loss (``--compile``), with a report.
 
-:func:`compile_blocks` compiles the forward of every block of the chosen stacks (and, given the loss
-module, its terms); :class:`CompileReport` says afterwards what ``torch._dynamo`` did with them (graph
+:func:`compile_blocks` compiles the model's elementwise chains (the default), or the forward of every
+block of the chosen stacks (and, given the loss module, its terms); :class:`CompileReport` says afterwards what ``torch._dynamo`` did with them (graph
 breaks, recompilations); :func:`warm_up` runs one forward and backward so compilation happens before
 ``run_start``.
 """
@@ -14,15 +14,24 @@ from typing import Any
 
 import torch
 
+from scalefold.kernels import elementwise
 from scalefold.model.precision import float_outputs, run_in_fp32
 
-#: Regions ``--compile`` compiles: the blocks of the three stacks (each block's ``forward`` separately,
-#: so one compiled graph serves all blocks of a stack with equal shapes), the structure module (its whole
-#: forward, fp32 under bf16) and the loss (:data:`LOSS_REGION`, when :func:`compile_blocks` is given the
-#: loss module). :func:`compile_blocks` also takes other module regions without blocks
+#: Regions ``compile_blocks`` can compile. :data:`ELEMENTWISE_REGION` (the default, ``--compile``): the
+#: model's memory-bound elementwise chains, each a small compiled function behind the kernels' dispatch
+#: point (:mod:`scalefold.kernels.elementwise`: attention's softmax glue and output gate, the triangle
+#: gates, dropout + residual adds) -- the part that pays on a GPU and
+#: compiles in seconds. :data:`BLOCK_REGIONS` (asked for by name): the blocks of the three stacks (each
+#: block's ``forward`` separately, so one compiled graph serves all blocks of a stack with equal shapes),
+#: the structure module (its whole forward, fp32 under bf16) and the loss (:data:`LOSS_REGION`, when
+#: :func:`compile_blocks` is given the loss module); on the 2-core box they took 2,096 s to compile cold
+#: at demo shapes (issue 26). :func:`compile_blocks` also takes other module regions without blocks
 #: (``auxiliary_heads``, the embedders): their whole forward.
 LOSS_REGION = "loss"
-COMPILE_REGIONS = ("evoformer_stack", "extra_msa_stack", "template_pair_stack", "structure_module", LOSS_REGION)
+ELEMENTWISE_REGION = "elementwise"
+BLOCK_REGIONS = ("evoformer_stack", "extra_msa_stack", "template_pair_stack", "structure_module", LOSS_REGION)
+COMPILE_REGIONS = (ELEMENTWISE_REGION,)
+ALL_REGIONS = (ELEMENTWISE_REGION, *BLOCK_REGIONS)
 #: A guard failure that only says the grad mode changed: the second, expected compilation of a region
 #: (no-grad recycling passes, then the grad pass). Any other guard failure is a recompilation.
 _GRAD_MODE_ONLY = "GLOBAL_STATE changed: grad_mode"
@@ -49,16 +58,30 @@ class CompileReport(int):
     strict: bool
     backend: str
 
-    def __new__(cls, regions: dict[str, int], codes: dict[str, object], strict: bool, backend: str) -> CompileReport:
+    def __new__(cls, regions: dict[str, int], codes: dict[str, object], strict: bool, backend: str,
+                chains: dict[str, object] | None = None) -> CompileReport:  # fmt: skip
         from torch._dynamo.utils import counters, guard_failures
 
         self = super().__new__(cls, sum(regions.values()))
         self.regions, self.strict, self.backend = dict(regions), strict, backend
         self._codes = dict(codes)  # region -> code object torch.compile wraps
+        self._chains = dict(chains or {})  # elementwise chain -> code object (one graph per dtype/rank/grad mode)
+        self._chain_graphs_warm: dict[str, int] | None = None
         self._failures0 = {name: len(guard_failures.get(code, ())) for name, code in codes.items()}
         self._breaks0 = dict(counters["graph_break"])
         self._graphs0 = counters["stats"]["unique_graphs"]
         return self
+
+    def _chain_graphs(self) -> dict[str, int]:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        return {name: len(_debug_get_cache_entry_list(code)) for name, code in self._chains.items()}
+
+    def mark_warm(self) -> None:
+        """The warm-up is over (every recycling count, both grad modes, ran once): from now on a new graph
+        of an elementwise chain counts as a recompilation (before, each new dtype / rank / broadcast
+        pattern / grad mode compiles its graph once, as expected)."""
+        self._chain_graphs_warm = self._chain_graphs()
 
     def stats(self) -> dict:
         """``graph_breaks``, ``graph_break_reasons``, ``recompiles``, ``recompile_reasons``,
@@ -77,11 +100,17 @@ class CompileReport(int):
             if unexpected:
                 recompiles[name] = unexpected
             frames[name] = len(_debug_get_cache_entry_list(code))
+        chain_graphs = self._chain_graphs()
+        if self._chain_graphs_warm is not None:
+            for name, n in chain_graphs.items():
+                if n > self._chain_graphs_warm[name]:
+                    late = f"{name}: {n - self._chain_graphs_warm[name]} graph(s) compiled after the warm-up"
+                    recompiles.setdefault(ELEMENTWISE_REGION, []).append(late)
         return {
             "graph_breaks": sum(reasons.values()), "graph_break_reasons": reasons,
             "recompiles": sum(len(v) for v in recompiles.values()), "recompile_reasons": recompiles,
             "graphs": counters["stats"]["unique_graphs"] - self._graphs0, "frames": frames, "blocks": dict(self.regions),
-            "backend": self.backend, "strict": self.strict,
+            "elementwise_graphs": chain_graphs, "backend": self.backend, "strict": self.strict,
         }  # fmt: skip
 
     def summary(self) -> str:
@@ -135,12 +164,35 @@ def _compile_target(module: torch.nn.Module, method: str = "forward") -> tuple[o
     return target, getattr(target, "__func__", target).__code__
 
 
+def elementwise_chains(region: str, device_type: str = "cpu") -> tuple[str, ...]:
+    """The chains of region ``elementwise`` (the device's default), ``elementwise:all`` or
+    ``elementwise:<chain>[+<chain>...]``; ValueError naming an unknown chain."""
+    if region == ELEMENTWISE_REGION:
+        return elementwise.default_chains(device_type)
+    names = region.split(":", 1)[1]
+    chains = elementwise.CHAINS if names == "all" else tuple(n for n in names.split("+") if n)
+    unknown = [c for c in chains if c not in elementwise.CHAINS]
+    if unknown or not chains:
+        raise ValueError(f"region {region!r}: unknown elementwise chain(s) {unknown or names!r}; expected "
+                         f"'{ELEMENTWISE_REGION}:all' or some of {'+'.join(elementwise.CHAINS)}")  # fmt: skip
+    return chains
+
+
+def _device_type(model: torch.nn.Module) -> str:
+    param = next(model.parameters(), None)
+    return param.device.type if param is not None else "cpu"
+
+
 def compile_blocks(
     model: torch.nn.Module, regions: Sequence[str] = COMPILE_REGIONS, backend: str = "inductor", strict: bool = False,
     loss_fn: torch.nn.Module | None = None,
 ) -> CompileReport:
     """``torch.compile`` the forward of every block of the ``regions`` stacks (a region without
-    ``blocks``: its whole forward); returns a :class:`CompileReport` (an ``int``: how many forwards).
+    ``blocks``: its whole forward); returns a :class:`CompileReport` (an ``int``: how many forwards, and
+    elementwise chains). Region :data:`ELEMENTWISE_REGION` (the default) switches the kernels' elementwise
+    chains (the device's default set, :data:`scalefold.kernels.elementwise.DEFAULT_CHAINS`; ``elementwise:all``
+    or ``elementwise:<chain>+<chain>``: those) to their compiled functions, process-wide (:func:`scalefold.kernels.elementwise.enable`; the
+    model is not touched: ``scalefold.kernels.elementwise.mode(None)`` runs it eager again).
 
     Region :data:`LOSS_REGION` is ``loss_fn`` (an :class:`~scalefold.losses.AlphaFoldLoss`), when given:
     its ``compute_terms`` (every loss term, the violations and the renamed ground truth) is compiled;
@@ -164,7 +216,12 @@ def compile_blocks(
         _dynamo.reset()
     counts: dict[str, int] = {}
     codes: dict[str, object] = {}
+    chains: dict[str, object] = {}
     for name in regions:
+        if name == ELEMENTWISE_REGION or name.startswith(ELEMENTWISE_REGION + ":"):
+            chains = elementwise.enable(backend, elementwise_chains(name, _device_type(model)))
+            counts[ELEMENTWISE_REGION] = len(chains)
+            continue
         region = loss_fn if name == LOSS_REGION else getattr(model, name, None)
         if region is None:
             continue
@@ -186,7 +243,7 @@ def compile_blocks(
             module._scalefold_compiled = True
             counts[name] = counts.get(name, 0) + 1
             codes[name] = code
-    return CompileReport(counts, codes, strict, backend)
+    return CompileReport(counts, codes, strict, backend, chains)
 
 
 def warm_up(
@@ -214,4 +271,7 @@ def warm_up(
     model.train(was_training)
 
 
-__all__ = ["COMPILE_REGIONS", "LOSS_REGION", "CompileCheckError", "CompileReport", "compile_blocks", "warm_up"]
+__all__ = [
+    "ALL_REGIONS", "BLOCK_REGIONS", "COMPILE_REGIONS", "ELEMENTWISE_REGION", "LOSS_REGION", "CompileCheckError",
+    "CompileReport", "compile_blocks", "elementwise_chains", "warm_up",
+]  # fmt: skip

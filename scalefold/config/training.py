@@ -39,6 +39,12 @@ CUDA_GRAPHS_MODES = ("auto", "on", "off")
 PRESET_NAMES = ("demo", "demo-scratch", "mlperf", "tiny")  # the PRESETS below
 
 
+#: region names ``--compile-regions`` takes (scalefold.compilation.regions: ELEMENTWISE_REGION, BLOCK_REGIONS;
+#: whole forwards of other top-level modules too)
+COMPILE_REGION_NAMES = ("elementwise", "evoformer_stack", "extra_msa_stack", "template_pair_stack", "structure_module",
+                        "loss", "auxiliary_heads")  # fmt: skip
+
+
 @dataclass
 class TrainConfig:
     """Everything one ``scalefold train`` run needs besides the model config.
@@ -119,9 +125,16 @@ class TrainConfig:
                      help="branch parallelism degree (2 needs --parallel-evoformer)")
     parallel_evoformer: bool = option(False, cli=True, slurm="PARALLEL_EVOFORMER",
                                       help="parallel Evoformer (the outer product mean at the end of the block)")
-    # torch.compile of the Evoformer / extra-MSA blocks (eager fallback when compilation fails)
-    compile: bool = option(False, cli=True, help="torch.compile the Evoformer blocks")
+    # torch.compile of the model's elementwise chains (or of whole regions; eager fallback when compilation fails)
+    compile: bool = option(False, cli=True, help="torch.compile the model's memory-bound elementwise chains "
+                           "(attention's softmax glue and gates, triangle gates, dropout + residual adds; --compile-regions)")
+    compile_regions: str = option("elementwise", cli=True, help="with --compile: comma-separated regions "
+                                  "(elementwise, the default; or evoformer_stack, extra_msa_stack, template_pair_stack, "
+                                  "structure_module, loss: whole blocks, slow to compile)")
     compile_backend: str = option("inductor", help="torch.compile backend (aot_eager: tracing only, fast to build)")
+    compile_cache: str | None = option(None, cli=True, help="folder of the persistent compile cache (inductor and "
+                                       "Triton, a subfolder per torch/Triton/GPU; default ~/.cache/scalefold/compile; "
+                                       "off: torch's temporary-folder defaults)")
     memory_check: bool = option(True, help="on CUDA, predict one step's peak memory per rank before training "
                                 "(scalefold estimate-memory) and warn, naming the DAP size that fits, when it exceeds the device")
     compile_strict: bool = option(False, cli=True, help="with --compile: a graph break or a recompilation in a "
@@ -175,6 +188,11 @@ class TrainConfig:
             raise ValueError(f"unknown cuda_graphs mode {self.cuda_graphs!r}; expected one of {CUDA_GRAPHS_MODES}")
         if self.keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {self.keep_last}")
+        regions = [r.strip() for r in self.compile_regions.split(",") if r.strip()]
+        unknown = [r for r in regions if r not in COMPILE_REGION_NAMES and not r.startswith("elementwise:")]
+        if unknown or not regions:  # (elementwise:<chain> names are checked where the chains are known)
+            raise ValueError(f"compile_regions {self.compile_regions!r}: unknown region(s) {unknown}; expected some of "
+                             f"{', '.join(COMPILE_REGION_NAMES)} or elementwise:<chain>[+<chain>]")  # fmt: skip
         for name in ("eval_timeout_s", "process_group_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")

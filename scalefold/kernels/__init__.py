@@ -8,6 +8,10 @@ Every fast path has a plain PyTorch reference beside it (``scalefold.kernels.ref
 * ``"torch"``  -- force the PyTorch reference;
 * ``"compile"`` -- :func:`adam_swa_` only: ``torch.compile`` of the reference.
 
+The model's memory-bound elementwise chains pass here too (:func:`sigmoid_gate`, :func:`gated_projection`,
+:func:`dropout_add`, and the glue of the PyTorch attention): plain PyTorch, or each chain
+compiled alone after :func:`scalefold.kernels.elementwise.enable` (``--compile``'s default region).
+
 The environment variable ``SCALEFOLD_KERNELS`` (``auto``/``triton``/``torch``) overrides
 ``"auto"`` globally, so a whole run can be pinned to either path.
 
@@ -26,12 +30,13 @@ registers, shared memory and spills.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 
 import torch
 
-from scalefold.kernels import reference
+from scalefold.kernels import elementwise, reference
 
 _BACKENDS = ("auto", "triton", "torch")
 
@@ -89,7 +94,12 @@ def attention(
     """
     if resolve_backend(backend, q, k, v, bias, gate) == "triton":
         return _triton_module().attention(q, k, v, bias=bias, mask=mask, gate=gate, scale=scale, inf=inf)
-    return reference.attention(q, k, v, bias=bias, mask=mask, gate=gate, scale=scale, inf=inf)
+    if not elementwise.enabled():
+        return reference.attention(q, k, v, bias=bias, mask=mask, gate=gate, scale=scale, inf=inf)
+    # the reference's steps, its glue (logits -> probabilities, output gate) compiled
+    q = q / math.sqrt(q.shape[-1]) if scale is None else q * scale
+    o = torch.matmul(elementwise.chain("masked_softmax")(torch.matmul(q, k.transpose(-1, -2)), mask, bias, inf), v)
+    return o if gate is None else _chain("sigmoid_gate", o, gate)
 
 
 def layer_norm(
@@ -103,6 +113,35 @@ def layer_norm(
     if resolve_backend(backend, x, weight, bias) == "triton":
         return _triton_module().layer_norm(x, weight, bias, eps)
     return reference.layer_norm(x, weight, bias, eps)
+
+
+def _chain(name: str, *tensors: torch.Tensor) -> torch.Tensor:
+    """Elementwise chain ``name`` on ``tensors``; compiled, operands whose dims before the last three agree
+    are merged there into one (a view, as the model's operands are laid out), so the Evoformer's, the
+    extra-MSA's and the template stack's calls share one graph whatever their rank."""
+    fn = elementwise.chain(name)
+    lead = tensors[0].shape[:-3]
+    if not elementwise.enabled() or len(lead) == 1 or any(t.dim() < 3 or t.shape[:-3] != lead for t in tensors):
+        return fn(*tensors)
+    out = fn(*(t.reshape((-1,) + t.shape[-3:]) for t in tensors))
+    return out.reshape(lead + out.shape[1:])
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(gate)`` (compiled with the other elementwise chains: :mod:`scalefold.kernels.elementwise`)."""
+    return _chain("sigmoid_gate", x, gate)
+
+
+def gated_projection(gate: torch.Tensor, mask: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(gate) * mask * proj`` (a triangle multiplication's masked, gated projection)."""
+    return _chain("gated_projection", gate, mask, proj)
+
+
+def dropout_add(x: torch.Tensor, update: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The residual update ``x + update * mask`` (``mask``: a drawn dropout mask, scaled; None: ``x + update``)."""
+    if mask is None:  # one op: nothing to fuse
+        return x + update
+    return _chain("dropout_add", x, update, mask)
 
 
 _ADAM_BACKENDS = _BACKENDS + ("compile",)
@@ -173,4 +212,7 @@ def _adam_swa_compiled(param, grad, exp_avg, exp_avg_sq, swa, compute, *, lr, st
     )  # fmt: skip
 
 
-__all__ = ["adam_swa_", "attention", "layer_norm", "resolve_backend", "reference"]
+__all__ = [
+    "adam_swa_", "attention", "dropout_add", "elementwise", "gated_projection", "layer_norm", "reference",
+    "resolve_backend", "sigmoid_gate",
+]  # fmt: skip

@@ -27,16 +27,36 @@ def attention(
     q = q / math.sqrt(q.shape[-1]) if scale is None else q * scale
     a = torch.matmul(q, k.transpose(-1, -2))
     # a: [*, H, Nq, Nk]
+    o = torch.matmul(masked_softmax(a, mask, bias, inf), v)
+    # o: [*, H, Nq, D]
+    return o if gate is None else sigmoid_gate(o, gate)
+
+
+# -- the memory-bound elementwise chains around the matmuls (scalefold.kernels.elementwise compiles them) --
+
+
+def masked_softmax(a: torch.Tensor, mask: torch.Tensor | None, bias: torch.Tensor | None, inf: float) -> torch.Tensor:
+    """``softmax(a + (mask - 1) * inf + bias)`` over the last dimension (the attention logits' glue)."""
     if mask is not None:
         a = a + (mask.to(a.dtype) - 1.0) * inf
     if bias is not None:
         a = a + bias
-    a = torch.softmax(a, dim=-1)
-    o = torch.matmul(a, v)
-    # o: [*, H, Nq, D]
-    if gate is not None:
-        o = o * torch.sigmoid(gate)
-    return o
+    return torch.softmax(a, dim=-1)
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(gate)`` (the output gates of attention and of the triangle multiplications)."""
+    return x * torch.sigmoid(gate)
+
+
+def gated_projection(gate: torch.Tensor, mask: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(gate) * mask * proj`` (the masked, gated projections of a triangle multiplication)."""
+    return torch.sigmoid(gate) * mask * proj
+
+
+def dropout_add(x: torch.Tensor, update: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The residual update ``x + update * mask`` (``mask``: a drawn, scaled dropout mask; None: no dropout)."""
+    return x + (update if mask is None else update * mask)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:

@@ -21,6 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from scalefold import kernels
+
 ROW_SHARED_DIM = -3  # rows of [*, N_rows, N_cols, C]
 COLUMN_SHARED_DIM = -2  # columns of [*, N_rows, N_cols, C]
 
@@ -59,15 +61,23 @@ class SharedDropout(nn.Module):
     def forward(self, x: torch.Tensor, plane=None, sharded: int = ROW_SHARED_DIM) -> torch.Tensor:
         """Under DAP, ``plane`` (a :class:`scalefold.model.parallel.Plane`) draws the mask at
         the single-rank size and keeps the part of ``x``'s sharded axis (``sharded``) held here."""
+        mask = self.mask(x, plane, sharded)
+        return x if mask is None else x * mask
+
+    def add(self, residual: torch.Tensor, x: torch.Tensor, plane=None, sharded: int = ROW_SHARED_DIM) -> torch.Tensor:
+        """The residual update ``residual + dropout(x)``, as one elementwise chain
+        (:func:`scalefold.kernels.dropout_add`: compiled with the others under ``--compile``)."""
+        return kernels.dropout_add(residual, x, self.mask(x, plane, sharded))
+
+    def mask(self, x: torch.Tensor, plane=None, sharded: int = ROW_SHARED_DIM) -> torch.Tensor | None:
+        """The mask for ``x`` (None in eval mode or at rate 0); arguments as :meth:`forward`."""
         if not self.training or self.p == 0.0:
-            return x
+            return None
         if plane is None:
-            mask = shared_dropout_mask(x.shape, self.p, self.share_dim, x.device, x.dtype)
-        else:
-            mask = plane.dropout_mask(
-                lambda shape: shared_dropout_mask(shape, self.p, self.share_dim, x.device, x.dtype), x.shape, sharded
-            )
-        return x * mask
+            return shared_dropout_mask(x.shape, self.p, self.share_dim, x.device, x.dtype)
+        return plane.dropout_mask(
+            lambda shape: shared_dropout_mask(shape, self.p, self.share_dim, x.device, x.dtype), x.shape, sharded
+        )
 
     def extra_repr(self) -> str:
         return f"p={self.p}, share_dim={self.share_dim}"

@@ -109,13 +109,13 @@ class EvoformerBlockCore(nn.Module):
     def pair_stack(self, z: torch.Tensor, pair_mask: torch.Tensor, pair: Plane | None = None) -> torch.Tensor:
         """Triangle updates and pair transition (Alg. 6 lines 6-11); ``z`` row-sharded in and out."""
         rows, cols = mask_rows(pair_mask, pair), mask_cols(pair_mask, pair)
-        z = z + self.pair_dropout_rowwise(self.tri_mul_out(z, mask=rows, plane=pair), pair, ROWS)
+        z = self.pair_dropout_rowwise.add(z, self.tri_mul_out(z, mask=rows, plane=pair), pair, ROWS)
         z = row_to_col(z, pair)
-        z = z + self.pair_dropout_rowwise(self.tri_mul_in(z, mask=cols, plane=pair), pair, COLS)
+        z = self.pair_dropout_rowwise.add(z, self.tri_mul_in(z, mask=cols, plane=pair), pair, COLS)
         z = col_to_row(z, pair)
-        z = z + self.pair_dropout_rowwise(self.tri_att_start(z, mask=rows, plane=pair), pair, ROWS)
+        z = self.pair_dropout_rowwise.add(z, self.tri_att_start(z, mask=rows, plane=pair), pair, ROWS)
         z = row_to_col(z, pair)
-        z = z + self.pair_dropout_columnwise(self.tri_att_end(z, mask=cols, plane=pair), pair, COLS)
+        z = self.pair_dropout_columnwise.add(z, self.tri_att_end(z, mask=cols, plane=pair), pair, COLS)
         z = z + self.pair_transition(z, mask=cols)
         return col_to_row(z, pair)
 
@@ -168,7 +168,7 @@ class MSABlock(nn.Module):
         """Row attention with pair bias, then column attention; ``m`` leaves column-sharded."""
         msa, pair = split_planes(dap)
         row_update = self.msa_att_row(m, z, mask=mask_rows(msa_mask, msa), pair_plane=pair)
-        m = m + self.msa_dropout_rowwise(row_update, msa, ROWS)
+        m = self.msa_dropout_rowwise.add(m, row_update, msa, ROWS)
         m = row_to_col(m, msa)
         return m + self.msa_att_col(m, mask=mask_cols(msa_mask, msa))
 

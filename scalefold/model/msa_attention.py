@@ -169,10 +169,10 @@ class GlobalAttention(nn.Module):
         o = kernels.attention(q, k, v, mask=mask[..., None, None, :], scale=math.sqrt(1.0 / C), inf=self.inf)
         # o: [*, N_res, 1, H, C], broadcast over the sequences below
 
-        g = torch.sigmoid(self.linear_g(m))
+        g = self.linear_g(m)
         g = g.view(g.shape[:-1] + (H, C))
         # g: [*, N_res, N_seq, H, C]
-        o = o * g
+        o = kernels.sigmoid_gate(o, g)
         o = o.reshape(o.shape[:-2] + (H * C,))
         # o: [*, N_res, N_seq, H * C]
         return self.linear_o(o)

@@ -55,13 +55,13 @@ class TemplatePairBlock(nn.Module):
         mask = mask.unsqueeze(-3)
         # mask: [*, 1, N_res, N_res], shared by all templates
         rows, cols = mask_rows(mask, pair), mask_cols(mask, pair)
-        t = t + self.dropout_rowwise(self.tri_att_start(t, mask=rows, plane=pair), pair, ROWS)
+        t = self.dropout_rowwise.add(t, self.tri_att_start(t, mask=rows, plane=pair), pair, ROWS)
         t = row_to_col(t, pair)
-        t = t + self.dropout_columnwise(self.tri_att_end(t, mask=cols, plane=pair), pair, COLS)
+        t = self.dropout_columnwise.add(t, self.tri_att_end(t, mask=cols, plane=pair), pair, COLS)
         t = col_to_row(t, pair)
-        t = t + self.dropout_rowwise(self.tri_mul_out(t, mask=rows, plane=pair), pair, ROWS)
+        t = self.dropout_rowwise.add(t, self.tri_mul_out(t, mask=rows, plane=pair), pair, ROWS)
         t = row_to_col(t, pair)
-        t = t + self.dropout_rowwise(self.tri_mul_in(t, mask=cols, plane=pair), pair, COLS)
+        t = self.dropout_rowwise.add(t, self.tri_mul_in(t, mask=cols, plane=pair), pair, COLS)
         t = t + self.pair_transition(t, mask=cols)
         return col_to_row(t, pair)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from scalefold import kernels
 from scalefold.model.memory import chunked
 from scalefold.model.parallel import Plane, gather_cols_async, gather_rows, gather_rows_async
 from scalefold.model.primitives import Attention, LayerNorm, Linear
@@ -68,11 +69,11 @@ class TriangleMultiplicativeUpdate(nn.Module):
         # x: [*, N_res, N_res, C]
         x = self.linear_z(self.layer_norm_out(x))
         # x: [*, N_res, N_res, c_z]
-        return x * torch.sigmoid(self.linear_g(z))
+        return kernels.sigmoid_gate(x, self.linear_g(z))
 
     @staticmethod
     def _project(z: torch.Tensor, mask: torch.Tensor, gate: nn.Module, proj: nn.Module) -> torch.Tensor:
-        return torch.sigmoid(gate(z)) * mask * proj(z)
+        return kernels.gated_projection(gate(z), mask, proj(z))
 
     def _combine(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """Channel-wise matrix product over the shared edge ``k``."""

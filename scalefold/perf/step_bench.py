@@ -1,13 +1,18 @@
-"""``scalefold bench step``: the training step timed eager and compiled, in one process.
+"""``scalefold bench step``: the training step timed eager and compiled, in one process, paired.
 
 The same :class:`~scalefold.train.step.TrainingStep` (model seeded as the run seeds it, synthetic batch
-of the preset's training shapes, loss, backward, clipping, Adam + SWA) is timed eager, then with
-:func:`~scalefold.train.step.compile_blocks` applied to the model and the loss (strict: a graph break or
-recompilation makes the compiled figure invalid, so it is reported and, with ``--strict``, fatal). The
-recycling count cycles through ``0 .. R-1`` so every configuration sees the step mix training draws
-(uniform); warm-up steps (one per recycling count at least: compilation for both grad modes happens
-there) are not timed; the figures are medians over ``repeats`` cycles. ``--per-region`` adds one compiled configuration per
-region alone, each on a freshly built model, to show which regions gain.
+of the preset's training shapes, loss, backward, clipping, Adam + SWA) runs eager and, built afresh with
+:func:`~scalefold.compilation.regions.compile_blocks` applied (by default the model's elementwise chains;
+strict: a graph break or recompilation makes the compiled figure invalid, so it is reported and, with
+``--strict``, fatal), compiled. A cycle is one step per recycling count ``0 .. R-1`` (the mix training
+draws, uniformly). ``compile_s``: the compiled step's first cycle (compilation for both grad modes happens
+there; cold or warm as ``--compile-cache`` is) less the same cycle once compiled; the process's one-time
+compiler set-up (imports, the C++ compiler's probe: ``compiler_setup_s``) and its first eager steps are
+taken before. Then eager and compiled cycles alternate (the order reversed every repeat, so a drifting
+load falls on both): ``eager_s`` / ``compiled_s`` are medians, with each repeat's time and the range, and
+``speedup`` is the median of the paired ratios (``speedup_range`` their range). ``--per-region`` adds one
+compiled configuration per region alone (the default: each elementwise chain alone), each on a freshly
+built model, paired with the eager step again: its ``compile_s`` and step-time ``gain_s``.
 
 Timings of a shared machine vary: the JSON carries the load average before and after, the core count,
 and every repeat's time, so a figure can be judged. Nothing here asserts a speed.
@@ -30,91 +35,218 @@ import torch
 from scalefold.config.training import TrainConfig
 
 
-def _cycle_times(step: Any, repeats: int, warmup: int) -> dict[str, Any]:
-    """Median seconds per step and per phase over ``repeats`` cycles of recycling counts 0..R-1."""
-    counts = list(range(step.num_ensembles))
+class _Config:
+    """One configuration of the paired comparison: a step, and the elementwise mode its cycles run in."""
+
+    def __init__(self, step: Any, elementwise_backend: str | None) -> None:
+        self.step, self.elementwise_backend = step, elementwise_backend
+        self.cycles: list[float] = []  # s/step of each timed cycle
+        self.phases: dict[str, list[float]] = defaultdict(list)
+
+    def cycle(self, timed: bool = True) -> float:
+        """One step per recycling count 0..R-1; the mean seconds per step (recorded when ``timed``)."""
+        from scalefold.kernels import elementwise
+
+        counts = list(range(self.step.num_ensembles))
+        phases: dict[str, float] = defaultdict(float)
+        with elementwise.mode(self.elementwise_backend):
+            t_cycle = time.perf_counter()
+            for n in counts:
+                marks: list[tuple[str, float]] = []
+                self.step.run(n, phase=lambda name, marks=marks: marks.append((name, time.perf_counter())))
+                marks.append(("end", time.perf_counter()))
+                for (name, t0), (_, t1) in zip(marks, marks[1:]):
+                    phases[name] += t1 - t0
+            seconds = (time.perf_counter() - t_cycle) / len(counts)
+        if timed:
+            self.cycles.append(seconds)
+            for name, t in phases.items():
+                self.phases[name].append(t / len(counts))
+        return seconds
+
+    def summary(self) -> dict[str, Any]:
+        c = sorted(self.cycles)
+        return {
+            "step_s": statistics.median(c), "min_s": round(c[0], 4), "max_s": round(c[-1], 4),
+            "spread": round((c[-1] - c[0]) / statistics.median(c), 3), "repeats_s": [round(t, 4) for t in self.cycles],
+            "phases_s": {k: round(statistics.median(v), 4) for k, v in self.phases.items()},
+        }  # fmt: skip
+
+
+def paired_times(configs: Sequence[_Config], repeats: int, warmup: int) -> dict[str, Any]:
+    """``warmup`` untimed, then ``repeats`` timed cycles of every configuration, alternating (the order
+    reversed every repeat, so a drifting machine load falls on both alike); the paired ratios
+    ``configs[0] / configs[i]`` of each repeat with their median and range."""
     for _ in range(warmup):
-        for n in counts:
-            step.run(n)
-    per_step: list[float] = []
-    phases: dict[str, list[float]] = defaultdict(list)
-    for _ in range(repeats):
-        cycle: dict[str, float] = defaultdict(float)
-        t_cycle = time.perf_counter()
-        for n in counts:
-            marks: list[tuple[str, float]] = []
-            step.run(n, phase=lambda name, marks=marks: marks.append((name, time.perf_counter())))
-            marks.append(("end", time.perf_counter()))
-            for (name, t0), (_, t1) in zip(marks, marks[1:]):
-                cycle[name] += t1 - t0
-        per_step.append((time.perf_counter() - t_cycle) / len(counts))
-        for name, seconds in cycle.items():
-            phases[name].append(seconds / len(counts))
-    return {
-        "step_s": statistics.median(per_step), "repeats_s": [round(t, 4) for t in per_step],
-        "phases_s": {k: round(statistics.median(v), 4) for k, v in phases.items()},
-    }  # fmt: skip
+        for c in configs:
+            c.cycle(timed=False)
+    for r in range(repeats):
+        for c in configs if r % 2 == 0 else list(reversed(configs)):
+            c.cycle()
+    base = configs[0].cycles
+    ratios = [[b / t for b, t in zip(base, c.cycles)] for c in configs[1:]]
+    return {"ratios": [sorted(x) for x in ratios],
+            "ratio_median": [round(statistics.median(x), 3) for x in ratios]}  # fmt: skip
 
 
-def _compiled_times(cfg: TrainConfig, regions: Sequence[str], backend: str, strict: bool, repeats: int,
-                    warmup: int) -> dict[str, Any]:  # fmt: skip
-    from scalefold.compilation.regions import compile_blocks
+_setup: dict[str, float] = {}  # backend -> seconds of the process's first compilation
+
+
+def compiler_setup_s(backend: str) -> float:
+    """Seconds of the first compilation in this process, once per backend: importing dynamo and inductor,
+    probing the C++ compiler and its ISA, loading the precompiled header -- paid by every run whatever the
+    cache holds, so it is reported beside ``compile_s`` (``compiler_setup_s``), not in it."""
+    if backend not in _setup:
+        t0 = time.perf_counter()
+        torch.compile(lambda x: x * 2.0 + 1.0, backend=backend, dynamic=True)(torch.ones(4))
+        _setup[backend] = time.perf_counter() - t0
+    return _setup[backend]
+
+
+def _compiled_step(cfg: TrainConfig, regions: Sequence[str], backend: str, strict: bool) -> tuple[_Config, Any, float]:
+    """A freshly built step (same seed as the eager one) with ``regions`` compiled, and the seconds from its
+    first call until it is ready (every recycling count once: both grad modes compiled) -- cold or warm as
+    the compile cache is; the execution of that cycle is taken off by :func:`_net_compile_s`."""
+    from scalefold.compilation.cache import compile_with_rebuild
+    from scalefold.compilation.regions import ELEMENTWISE_REGION, compile_blocks
+    from scalefold.kernels import elementwise
     from scalefold.train.step import TrainingStep
 
     torch._dynamo.reset()
     step = TrainingStep.build(cfg)
-    report = compile_blocks(step.model, regions=regions, backend=backend, strict=strict, loss_fn=step.loss_fn)
+    with elementwise.mode(None):
+        report = compile_blocks(step.model, regions=regions, backend=backend, strict=strict, loss_fn=step.loss_fn)
+    chains = any(r == ELEMENTWISE_REGION or r.startswith(ELEMENTWISE_REGION + ":") for r in regions)
+    config = _Config(step, backend if chains else None)
     t0 = time.perf_counter()
-    for n in range(step.num_ensembles):  # compilation happens here (both grad modes)
-        step.run(n)
+    compile_with_rebuild(lambda: config.cycle(timed=False))  # compilation happens here (a corrupt cache: rebuilt)
     compile_s = time.perf_counter() - t0
-    timed = _cycle_times(step, repeats, max(warmup - 1, 0))
+    report.mark_warm()
+    return config, report, compile_s
+
+
+def _net_compile_s(first_cycle_s: float, config: _Config) -> float:
+    """``compile_s``: the first compiled cycle less what the same cycle takes once compiled (its median)."""
+    steady = statistics.median(config.cycles) * config.step.num_ensembles if config.cycles else 0.0
+    return max(first_cycle_s - steady, 0.0)
+
+
+def _compiled_result(config: _Config, report: Any, first_cycle_s: float, strict: bool) -> dict[str, Any]:
     stats = report.stats()
     if strict:
         report.check()
-    return {**timed, "compile_s": round(compile_s, 2), "regions": list(regions), **stats}
+    return {**config.summary(), "compile_s": round(_net_compile_s(first_cycle_s, config), 2),
+            "first_cycle_s": round(first_cycle_s, 2), **stats}  # fmt: skip
 
 
 def run_step_benchmark(
     cfg: TrainConfig, compile: bool = True, regions: Sequence[str] | None = None, backend: str = "inductor",
     repeats: int = 5, warmup: int = 2, per_region: bool = False, strict: bool = False,
-    log: Any = None,
+    log: Any = None, compile_cache: Any = None, compile_only: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
-    """Eager (and compiled) step times of ``cfg``'s training step; the result printed as JSON."""
+    """Eager (and compiled) step times of ``cfg``'s training step, measured paired: eager and compiled
+    cycles alternate; the result printed as JSON. ``compile_cache``: the
+    :class:`~scalefold.compilation.cache.CompileCache` in use (reported)."""
     from scalefold.compilation.regions import COMPILE_REGIONS
     from scalefold.train.step import TrainingStep
 
     say = log or (lambda line: None)
     regions = tuple(regions or COMPILE_REGIONS)
     load0 = os.getloadavg()
-    step = TrainingStep.build(cfg)
-    say(f"eager: {warmup} warm-up + {repeats} timed cycles of recycling counts 0..{step.num_ensembles - 1}")
-    eager = _cycle_times(step, repeats, warmup)
-    del step
+    eager = _Config(TrainingStep.build(cfg), None)
+    eager.cycle(timed=False)  # the process's first steps (lazy initialisation) are not counted in compile_s
     result: dict[str, Any] = {
         "preset": cfg.model_preset, "precision": cfg.precision, "crop": cfg.crop_size,
         "recycling_counts": list(range(_num_ensembles(cfg))), "repeats": repeats, "warmup": warmup,
-        "eager_s": round(eager["step_s"], 4), "eager": eager, "compiled_s": None, "speedup": None,
-        "graph_breaks": None, "recompiles": None, "backend": backend if compile else None,
+        "compile_s": None, "eager_s": None, "compiled_s": None, "speedup": None, "graph_breaks": None,
+        "recompiles": None, "regions": list(regions) if compile else None, "backend": backend if compile else None,
+        "compile_cache": _cache_info(compile_cache),
         "torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
     }  # fmt: skip
-    if compile:
-        say(f"compiled ({backend}): regions {', '.join(regions)}")
-        compiled = _compiled_times(cfg, regions, backend, strict, repeats, warmup)
-        result.update(
-            compiled_s=round(compiled["step_s"], 4), speedup=round(eager["step_s"] / compiled["step_s"], 3),
-            graph_breaks=compiled["graph_breaks"], recompiles=compiled["recompiles"], compiled=compiled,
-        )  # fmt: skip
-        if per_region:
-            result["per_region"] = {}
-            for region in regions:
-                say(f"compiled ({backend}): {region} alone")
-                alone = _compiled_times(cfg, (region,), backend, strict, repeats, warmup)
-                result["per_region"][region] = {
-                    "step_s": round(alone["step_s"], 4), "speedup": round(eager["step_s"] / alone["step_s"], 3),
-                    "phases_s": alone["phases_s"], "graph_breaks": alone["graph_breaks"],
-                    "recompiles": alone["recompiles"], "compile_s": alone["compile_s"],
-                }  # fmt: skip
+    if not compile:
+        say(f"eager: {warmup} warm-up + {repeats} timed cycles of recycling counts 0..{eager.step.num_ensembles - 1}")
+        paired_times([eager], repeats, warmup)
+        result.update(eager_s=round(eager.summary()["step_s"], 4), eager=eager.summary())
+        return _finish(result, load0)
+    if compile_only:
+        return _finish(_compile_only(cfg, result, regions, backend, strict, per_region, say), load0)
+    result["compiler_setup_s"] = round(compiler_setup_s(backend), 2)
+    say(f"compiled ({backend}): regions {', '.join(regions)}; compiling (first call of every recycling count)")
+    compiled, report, compile_s = _compiled_step(cfg, regions, backend, strict)
+    say(f"first compiled cycle {compile_s:.1f} s; eager and compiled alternating: {warmup} warm-up + {repeats} timed cycles each")
+    paired = paired_times([eager, compiled], repeats, warmup)
+    c = _compiled_result(compiled, report, compile_s, strict)
+    e = eager.summary()
+    result.update(
+        compile_s=c["compile_s"], eager_s=round(e["step_s"], 4), compiled_s=round(c["step_s"], 4),
+        speedup=paired["ratio_median"][0], speedup_range=[round(paired["ratios"][0][0], 3), round(paired["ratios"][0][-1], 3)],
+        graph_breaks=c["graph_breaks"], recompiles=c["recompiles"], eager=e, compiled=c,
+    )  # fmt: skip
+    del compiled
+    if per_region:
+        result["per_region"] = {}
+        for region in _per_region(regions):
+            say(f"compiled ({backend}): {region} alone")
+            alone, alone_report, alone_s = _compiled_step(cfg, (region,), backend, strict)
+            eager.cycles.clear()
+            pr = paired_times([eager, alone], repeats, max(warmup - 1, 0))
+            a = _compiled_result(alone, alone_report, alone_s, strict)
+            result["per_region"][region] = {
+                "compile_s": a["compile_s"], "step_s": round(a["step_s"], 4), "eager_s": round(eager.summary()["step_s"], 4),
+                "speedup": pr["ratio_median"][0], "gain_s": round(eager.summary()["step_s"] - a["step_s"], 4),
+                "phases_s": a["phases_s"], "graph_breaks": a["graph_breaks"], "recompiles": a["recompiles"],
+            }  # fmt: skip
+            del alone
+    return _finish(result, load0)
+
+
+def _compile_only(cfg: TrainConfig, result: dict[str, Any], regions: Sequence[str], backend: str, strict: bool,
+                  per_region: bool, say: Any) -> dict[str, Any]:  # fmt: skip
+    """``compile_s`` (and each region's alone) without the paired timing: each compiled step's first cycle
+    less its second; ``eager_cycle_s``: an eager cycle, for comparison."""
+    from scalefold.train.step import TrainingStep
+
+    eager = _Config(TrainingStep.build(cfg), None)
+    eager.cycle(timed=False)  # the process's first steps (lazy initialisation)
+    t0 = time.perf_counter()
+    eager.cycle(timed=False)
+    result["eager_cycle_s"] = round(time.perf_counter() - t0, 2)  # an eager cycle, all recycling counts
+    del eager
+    result["compiler_setup_s"] = round(compiler_setup_s(backend), 2)
+    todo = [tuple(regions)] + ([(r,) for r in _per_region(regions)] if per_region else [])
+    for i, group in enumerate(todo):
+        say(f"compiled ({backend}): {', '.join(group)}")
+        config, report, first_s = _compiled_step(cfg, group, backend, strict)
+        config.cycle()  # once compiled: what the first cycle took besides compiling
+        stats = report.stats()
+        row = {"compile_s": round(_net_compile_s(first_s, config), 2), "first_cycle_s": round(first_s, 2),
+               "graph_breaks": stats["graph_breaks"], "recompiles": stats["recompiles"]}  # fmt: skip
+        if i == 0:
+            result.update(row)
+        else:
+            result.setdefault("per_region", {})[group[0]] = {**row, "step_s": None}
+        del config
+    return result
+
+
+def _per_region(regions: Sequence[str]) -> list[str]:
+    """The regions ``--per-region`` compiles one at a time: the default (the elementwise chains) one chain at a
+    time; otherwise each region given (block regions only when named: they take long to compile)."""
+    from scalefold.compilation.regions import COMPILE_REGIONS, ELEMENTWISE_REGION
+    from scalefold.kernels import elementwise
+
+    if tuple(regions) == COMPILE_REGIONS:
+        return [f"{ELEMENTWISE_REGION}:{c}" for c in elementwise.CHAINS]
+    return list(regions)
+
+
+def _cache_info(cache: Any) -> dict[str, Any] | None:
+    if cache is None or cache.path is None:
+        return None
+    return {"path": str(cache.path), "warm": cache.warm, "note": cache.note}
+
+
+def _finish(result: dict[str, Any], load0: tuple[float, float, float]) -> dict[str, Any]:
     result["loadavg_before"] = [round(x, 2) for x in load0]
     result["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     return result
@@ -131,13 +263,23 @@ def format_result(r: dict[str, Any]) -> str:
     lines = [f"bench step: preset {r['preset']}, {r['precision']}, recycling counts {r['recycling_counts']}, "
              f"median of {r['repeats']} cycles; load {r['loadavg_before'][0]} -> {r['loadavg_after'][0]} "
              f"on {r['cpus']} CPUs"]  # fmt: skip
-    lines.append(f"  eager     {r['eager_s']:.3f} s/step  {r['eager']['phases_s']}")
+    if r.get("compile_cache"):
+        cache = r["compile_cache"]
+        lines.append(f"  compile cache {cache['path']} ({'warm' if cache['warm'] else 'cold'})")
+    if r["eager_s"] is not None:
+        e = r["eager"]
+        lines.append(f"  eager     {r['eager_s']:.3f} s/step (range {e['min_s']}-{e['max_s']})  {e['phases_s']}")
+    if r["compile_s"] is not None:
+        lines.append(f"  compile   {r['compile_s']:.1f} s (first call until ready, less the cycle's run; compiler "
+                     f"set-up {r.get('compiler_setup_s')} s), regions {', '.join(r['regions'])}: "
+                     f"{r['graph_breaks']} graph breaks, {r['recompiles']} recompiles")  # fmt: skip
     if r["compiled_s"] is not None:
         c = r["compiled"]
-        lines.append(f"  compiled  {r['compiled_s']:.3f} s/step  {c['phases_s']}  speed-up {r['speedup']:.2f}x "
-                     f"({r['graph_breaks']} graph breaks, {r['recompiles']} recompiles, compile {c['compile_s']} s)")  # fmt: skip
-        for region, a in r.get("per_region", {}).items():
-            lines.append(f"  {region:<28} alone: {a['step_s']:.3f} s/step, speed-up {a['speedup']:.2f}x")
+        lines.append(f"  compiled  {r['compiled_s']:.3f} s/step (range {c['min_s']}-{c['max_s']})  {c['phases_s']}  "
+                     f"speed-up {r['speedup']:.2f}x (paired, range {r['speedup_range'][0]}-{r['speedup_range'][1]})")  # fmt: skip
+    for region, a in r.get("per_region", {}).items():
+        step = f"{a['step_s']:.3f} s/step, speed-up {a['speedup']:.2f}x" if a.get("step_s") is not None else "not timed"
+        lines.append(f"  {region:<20} alone: compile {a['compile_s']:.1f} s, {step}")
     return "\n".join(lines)
 
 
@@ -156,12 +298,27 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"scalefold bench step: {exc}", file=sys.stderr)
         return 3
+    from scalefold.compilation.cache import configure_compile_cache
+    from scalefold.compilation.regions import ALL_REGIONS, ELEMENTWISE_REGION, elementwise_chains
+
+    regions = tuple(r.strip() for r in (args.regions or "").split(",") if r.strip()) or None
+    try:
+        for r in regions or ():
+            if r.startswith(ELEMENTWISE_REGION + ":"):
+                elementwise_chains(r)
+            elif r not in ALL_REGIONS and r != "auxiliary_heads":
+                raise ValueError(f"unknown region {r!r}; expected some of {', '.join(ALL_REGIONS)} "
+                                 f"or {ELEMENTWISE_REGION}:<chain>")  # fmt: skip
+    except ValueError as exc:
+        print(f"scalefold bench step: {exc}", file=sys.stderr)
+        return 3
     if args.threads:
         torch.set_num_threads(args.threads)
-    regions = tuple(r for r in (args.regions or "").split(",") if r) or None
     log = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
+    cache = configure_compile_cache(args.compile_cache) if args.compile else None  # before anything compiles
     result = run_step_benchmark(cfg, compile=args.compile, regions=regions, backend=args.backend, repeats=args.repeats,
-                                warmup=args.warmup, per_region=args.per_region, strict=args.strict, log=log)  # fmt: skip
+                                warmup=args.warmup, per_region=args.per_region, strict=args.strict, log=log,
+                                compile_cache=cache, compile_only=args.compile_only)  # fmt: skip
     print(json.dumps(result) if args.json else format_result(result), flush=True)
     return 0
 
@@ -176,9 +333,17 @@ def add_bench_step_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--preset", default="demo", help="training preset (demo, tiny, mlperf; default demo)")
     p.add_argument("--compile", action="store_true", help="also time the step with compile_blocks applied")
-    p.add_argument("--regions", help="comma-separated regions to compile (default: those --compile compiles, "
-                   "COMPILE_REGIONS: the three stacks, structure_module, loss; also e.g. auxiliary_heads)")  # fmt: skip
-    p.add_argument("--per-region", action="store_true", help="also time each region compiled alone")
+    p.add_argument("--regions", help="comma-separated regions to compile (default: elementwise, the model's "
+                   "elementwise chains that pay on the device; elementwise:all, elementwise:<chain>+<chain>; also "
+                   "evoformer_stack, extra_msa_stack, template_pair_stack, structure_module, loss, auxiliary_heads: "
+                   "whole blocks)")  # fmt: skip
+    p.add_argument("--per-region", action="store_true", help="also each region compiled alone: its compile seconds "
+                   "and step-time gain (default regions: each elementwise chain alone)")
+    p.add_argument("--compile-cache", metavar="DIR", help="persistent inductor/Triton cache (a subfolder per "
+                   "torch/Triton/device; default ~/.cache/scalefold/compile; off: torch's defaults); a second run "
+                   "with the same code, shapes and versions starts warm")  # fmt: skip
+    p.add_argument("--compile-only", action="store_true", help="with --compile: measure compile_s only (no eager "
+                   "or compiled timing: for shapes whose steps are slow here, e.g. --preset mlperf on a CPU)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
     p.add_argument("--strict", action="store_true", help="fail on any graph break or recompilation")
     p.add_argument("--precision", choices=("fp32", "bf16"), help="default: the preset's")

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from scalefold.checkpoint.files import CheckpointManager
+from scalefold.compilation.cache import compile_with_rebuild, configure_compile_cache
 from scalefold.compilation.graphed_step import PARALLEL_EVOFORMER_UNCAPTURABLE, setup_graphed_step, synthetic_step_batch
 from scalefold.compilation.graphed_step import resolve_mode as resolve_graph_mode
 from scalefold.compilation.regions import compile_blocks, warm_up
@@ -55,6 +56,7 @@ from scalefold.evaluation.cache import validation_cache
 from scalefold.evaluation.client import AsyncEvaluation, EvaluationRanksFailed
 from scalefold.evaluation.server import serve_evaluations
 from scalefold.evaluation.sync import EvalContext, SyncEvaluation
+from scalefold.kernels import elementwise
 from scalefold.losses import AlphaFoldLoss
 from scalefold.mlperf import logger as mll
 from scalefold.mlperf.clock import RunClock
@@ -135,10 +137,17 @@ def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
         parallel_evoformer=cfg.parallel_evoformer, crop_size=features.train_sequence_crop_size,
     )  # fmt: skip
     parallel = runtime.parallel
+    # inductor's and Triton's caches in --compile-cache (a subfolder per torch/Triton/GPU), before anything
+    # compiles (--compile, or the Triton kernels on a GPU); on the CPU without --compile nothing compiles
+    compiles = cfg.compile or runtime.device.type == "cuda"
+    rank = runtime.rank if runtime.distributed else None
+    compile_cache = configure_compile_cache(cfg.compile_cache, runtime.device, rank) if compiles else None
     role = "eval" if parallel.is_eval_rank else "train"
     announce(f"scalefold: rank {runtime.rank}/{runtime.world_size} backend {runtime.backend or 'none'} role {role}")
     if parallel.is_main_train_rank:
         print(f"scalefold: parallel layout: {parallel.describe()}", flush=True)
+        if compile_cache is not None:
+            print(f"scalefold: {compile_cache.describe()}", flush=True)
     numerics = (torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.matmul.allow_tf32,
                 torch.backends.cudnn.allow_tf32)  # fmt: skip
     # from here on SIGTERM / SIGUSR1 (Slurm pre-emption; every process of every task gets it) ask for a
@@ -159,6 +168,8 @@ def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
         finished = True
         return result
     finally:  # process-wide switches go back to what the caller had
+        if cfg.compile:
+            elementwise.disable()  # the compiled elementwise chains (compile_blocks' default region)
         torch.use_deterministic_algorithms(numerics[0])
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = numerics[1:]
         shutdown(runtime, clean=finished)
@@ -299,11 +310,14 @@ class Trainer:
         cfg, model = self.cfg, self.model
         if cfg.compile:  # one warm-up step on a synthetic batch of the training shapes
             t_compile = time.perf_counter()
-            self.compiled = compile_blocks(model, backend=cfg.compile_backend, strict=cfg.compile_strict,
-                                           loss_fn=self.loss_fn)  # fmt: skip
+            regions = tuple(r.strip() for r in cfg.compile_regions.split(",") if r.strip())
+            self.compiled = compile_blocks(model, regions=regions, backend=cfg.compile_backend,
+                                           strict=cfg.compile_strict, loss_fn=self.loss_fn)  # fmt: skip
             n_warm = min(1, self.features.num_ensembles - 1)  # a no-grad recycling pass and the grad pass
             synthetic = synthetic_step_batch(self.features, model, self.device, self.dtype)
-            warm_up(model, {k: v[..., : n_warm + 1] for k, v in synthetic.items()}, self.autocast, self.loss_fn)
+            warm = {k: v[..., : n_warm + 1] for k, v in synthetic.items()}
+            compile_with_rebuild(lambda: warm_up(model, warm, self.autocast, self.loss_fn))  # a corrupt cache: rebuilt
+            self.compiled.mark_warm()
             if cfg.compile_strict:
                 self.compiled.check()  # graph breaks raised already; recompilations raise here
             if self.main:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from scalefold.compilation.regions import CompileCheckError, compile_blocks
+from scalefold.compilation.regions import BLOCK_REGIONS, CompileCheckError, compile_blocks
 
 
 @pytest.fixture(autouse=True)
@@ -149,7 +149,7 @@ def test_tiny_training_step_compiles_without_breaks_or_recompiles(precision):
 
     cfg = TrainConfig.from_preset("tiny", overrides={"precision": precision}, env={})
     step = TrainingStep.build(cfg)
-    report = compile_blocks(step.model, backend="eager", strict=True, loss_fn=step.loss_fn)
+    report = compile_blocks(step.model, BLOCK_REGIONS, backend="eager", strict=True, loss_fn=step.loss_fn)
     assert set(report.regions) == {"evoformer_stack", "extra_msa_stack", "template_pair_stack", "structure_module",
                                    "loss"}  # fmt: skip
     step.run(1)  # a no-grad recycling pass, the grad pass, backward, optimizer
@@ -158,3 +158,69 @@ def test_tiny_training_step_compiles_without_breaks_or_recompiles(precision):
     assert stats["graph_breaks"] == 0, report.summary()
     assert stats["recompiles"] == 0, report.summary()
     report.check()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_tiny_training_step_elementwise_chains_compile_without_breaks_or_recompiles(precision):
+    """The elementwise chains (all of them, ``fullgraph``): every chain the step calls is compiled, no
+    graph breaks, and after the warm-up (every recycling count once) no graph is compiled again."""
+    from scalefold.config.training import TrainConfig
+    from scalefold.kernels import elementwise
+    from scalefold.train.step import TrainingStep
+
+    cfg = TrainConfig.from_preset("tiny", overrides={"precision": precision}, env={})
+    step = TrainingStep.build(cfg)
+    try:
+        report = compile_blocks(step.model, ("elementwise:all",), backend="eager", strict=True, loss_fn=step.loss_fn)
+        assert report.regions == {"elementwise": len(elementwise.CHAINS)} and elementwise.enabled()
+        for n in range(step.num_ensembles):  # the warm-up
+            step.run(n)
+        report.mark_warm()
+        graphs = report.stats()["elementwise_graphs"]
+        assert graphs["masked_softmax"] > 0 and graphs["sigmoid_gate"] > 0 and graphs["gated_projection"] > 0, graphs
+        for n in reversed(range(step.num_ensembles)):
+            step.run(n)
+        stats = report.stats()
+        assert stats["graph_breaks"] == 0 and stats["recompiles"] == 0, report.summary()
+        assert stats["elementwise_graphs"] == graphs
+    finally:
+        elementwise.disable()
+
+
+def test_a_chain_graph_after_the_warm_up_counts_as_a_recompile():
+    from scalefold.kernels import elementwise, sigmoid_gate
+
+    model = torch.nn.Linear(2, 2)
+    torch._dynamo.reset()  # no graph of this chain from an earlier test
+    try:
+        report = compile_blocks(model, ("elementwise:sigmoid_gate",), backend="eager")
+        sigmoid_gate(torch.randn(2, 3, 4), torch.randn(2, 3, 4))
+        report.mark_warm()
+        sigmoid_gate(torch.randn(2, 3, 4, dtype=torch.float64), torch.randn(2, 3, 4, dtype=torch.float64))  # new dtype
+        stats = report.stats()
+        assert stats["recompiles"] == 1 and "sigmoid_gate" in stats["recompile_reasons"]["elementwise"][0]
+    finally:
+        elementwise.disable()
+
+
+def test_elementwise_region_names():
+    from scalefold.compilation.regions import elementwise_chains
+    from scalefold.kernels import elementwise
+
+    assert elementwise_chains("elementwise", "cuda") == elementwise.CHAINS
+    assert elementwise_chains("elementwise", "cpu") == elementwise.DEFAULT_CHAINS["cpu"]
+    assert elementwise_chains("elementwise:all") == elementwise.CHAINS
+    assert elementwise_chains("elementwise:dropout_add+sigmoid_gate") == ("dropout_add", "sigmoid_gate")
+    with pytest.raises(ValueError, match="nope"):
+        elementwise_chains("elementwise:nope")
+
+
+def test_train_compile_regions_names(tmp_path, capsys):
+    """``--compile-regions`` knows the regions compile_blocks knows; a misspelt one ends in one line naming it."""
+    from scalefold.cli import main
+    from scalefold.compilation.regions import ALL_REGIONS
+    from scalefold.config.training import COMPILE_REGION_NAMES
+
+    assert set(COMPILE_REGION_NAMES) == set(ALL_REGIONS) | {"auxiliary_heads"}
+    rc = main(["train", "--compile", "--compile-regions", "evoformer_stak", "--out", str(tmp_path / "run")])
+    assert rc == 3 and "evoformer_stak" in capsys.readouterr().err

@@ -257,13 +257,18 @@ def test_compiled_run_warms_up_on_a_synthetic_batch_before_run_start(tiny_run, t
     for compiled in (False, True):
         out = tmp_path / f"compile{int(compiled)}"
         run_cfg = cfg.replace(out=str(out), max_steps=2, eval_every=0, checkpoint_every=0, compile=compiled,
-                              compile_backend="eager", compile_strict=True)  # fmt: skip (dynamo only: the
+                              compile_backend="eager", compile_strict=True,
+                              compile_cache=str(tmp_path / "cache"))  # fmt: skip (dynamo only: the
         # compiled-vs-eager numerics of every region are tests/train/test_precision_compile.py's)
         train(run_cfg)
         losses[compiled] = [r["loss"] for r in _records(out / "metrics.jsonl")[0]]
     assert events == ["run_start", "chain_table", "warm_up", "run_start", "chain_table"]  # eager run, then compiled
     printed = capsys.readouterr().out
     assert re.search(r"torch.compile: [1-9]\d* blocks compiled in .* \(strict\)", printed)  # no break, no recompile
+    assert f"compile cache: {tmp_path / 'cache'}" in printed and "(cold)" in printed  # --compile-cache, before compiling
+    from scalefold.kernels import elementwise
+
+    assert not elementwise.enabled()  # the run's process-wide switch is off again
     assert len(losses[True]) == 2
     assert losses[True] == pytest.approx(losses[False], rel=1e-5)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from scalefold.compilation.regions import compile_blocks, warm_up
+from scalefold.compilation.regions import BLOCK_REGIONS, compile_blocks, warm_up
 from scalefold.model import AlphaFold, AlphaFoldConfig
 from scalefold.model.features import make_synthetic_batch
 from scalefold.model.precision import FP32_REGIONS, keep_fp32_regions
@@ -78,8 +78,8 @@ def test_compiled_blocks_equal_eager():
     n_blocks += 1  # the structure module, compiled whole (the loss region needs loss_fn: not given here)
     _dynamo.reset()
     _dynamo.utils.counters.clear()
-    assert compile_blocks(compiled, backend="aot_eager") == n_blocks
-    assert compile_blocks(compiled, backend="aot_eager") == 0  # idempotent
+    assert compile_blocks(compiled, BLOCK_REGIONS, backend="aot_eager") == n_blocks
+    assert compile_blocks(compiled, BLOCK_REGIONS, backend="aot_eager") == 0  # idempotent
     batch = _batch()
     out_e, out_c = eager(batch), compiled(batch)
     frames = _dynamo.utils.counters["frames"]
@@ -108,21 +108,22 @@ def test_compiled_blocks_equal_eager():
 
 
 def test_compiled_training_step_with_loss_equals_eager():
-    """Every region ``--compile`` compiles, the loss included (``compile_blocks(..., loss_fn=...)``: the
+    """Every block region (``BLOCK_REGIONS``), the loss included (``compile_blocks(..., loss_fn=...)``: the
     loss's ``compute_terms``), on the tiny training step's batch (``aot_eager``: dynamo + AOTAutograd,
     strict): the loss, every reported term and every parameter gradient equal the eager step's."""
     from torch import _dynamo
 
-    from scalefold.compilation.regions import COMPILE_REGIONS, LOSS_REGION
+    from scalefold.compilation.regions import LOSS_REGION
     from scalefold.config.training import TrainConfig
     from scalefold.train.step import TrainingStep
 
     cfg = TrainConfig.from_preset("tiny", overrides={"precision": "fp32"}, env={})
     eager, compiled = TrainingStep.build(cfg), TrainingStep.build(cfg)  # same seed: same weights and batch
     _dynamo.reset()
-    report = compile_blocks(compiled.model, backend="aot_eager", strict=True, loss_fn=compiled.loss_fn)
-    assert set(report.regions) == set(COMPILE_REGIONS) and report.regions[LOSS_REGION] == 1
-    assert compile_blocks(compiled.model, backend="aot_eager", loss_fn=compiled.loss_fn) == 0  # idempotent
+    report = compile_blocks(compiled.model, BLOCK_REGIONS, backend="aot_eager", strict=True, loss_fn=compiled.loss_fn)
+    assert set(report.regions) == set(BLOCK_REGIONS) and report.regions[LOSS_REGION] == 1
+    again = compile_blocks(compiled.model, BLOCK_REGIONS, backend="aot_eager", loss_fn=compiled.loss_fn)
+    assert again == 0  # idempotent
     batch = eager.sliced(1)  # one no-grad recycling pass, then the grad pass
     results = []
     for step in (eager, compiled):
