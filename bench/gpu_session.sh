@@ -22,7 +22,7 @@
 #                             ([1, N, N] x 4 heads, 1 query, 4 templates): Z*H = N*N*4 blocks, past
 #                             CUDA's 65535 of grid axes 1/2 from crop 128 on (the launchers put Z*H on
 #                             axis 0 since d3f1b36; this checks it on a GPU); exits 1 if any size fails
-#   tests_graphs         150  pytest tests/train/test_cuda_graphs.py tests/train/test_graphed_step.py
+#   tests_graphs         150  pytest tests/compilation/test_cuda_graphs.py tests/compilation/test_graphed_step.py
 #                             tests/train/test_precision_compile.py (real CUDA-graph capture, bf16;
 #                             the compile tests run inductor)
 #                             (pytest: with pytest-xdist, as the device image has, PYTEST_WORKERS
@@ -339,7 +339,7 @@ EOF
 part probe_attention_grid tests 40 "$PY" "$WORK/probe_attention_grid.py"
 pytest_args tests_graphs
 part tests_graphs tests 150 "$PY" -m pytest "${PYTEST_ARGS[@]}" \
-    tests/train/test_cuda_graphs.py tests/train/test_graphed_step.py tests/train/test_precision_compile.py
+    tests/compilation/test_cuda_graphs.py tests/compilation/test_graphed_step.py tests/train/test_precision_compile.py
 
 # 3b. the headline: the MLPerf-shape training step, eager / triton / graphs / compile / all, each capped, with
 # s/step per recycling count, peak memory vs the memory model, and a profile of one step per configuration
