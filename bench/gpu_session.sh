@@ -45,9 +45,11 @@
 #   train_bf16            90  scalefold train --preset demo --precision bf16 --max-steps 20
 #                             --eval-every 10 --cuda-graphs off   (eager bf16 baseline)
 #   train_graphs          60  the same with --cuda-graphs on      (captured recycling passes)
-#                             (both with SCALEFOLD_AUTOTUNE=0: each kernel's default launch config; with
-#                             autotuning on, timing every candidate at each new shape class took the
-#                             whole 70 s before the first step on an H200 -- bench_* parts autotune)
+#                             (the kernels launch the shipped launch-config table's configs, nothing is
+#                             timed at start-up; with run-time autotuning, SCALEFOLD_AUTOTUNE=1, timing
+#                             every candidate at each new shape class took the whole 70 s on an H200)
+#   tune_kernels         270  (PARTS=tune only) scalefold tune-kernels --out $WORK/launch_configs.json
+#                             --max-seconds 240: times the launch configs at the MLPerf call sites, writes the table
 #   bench_attention       55  bench/kernels.py --kernel attention --shape mlperf --dtype bf16
 #   bench_layernorm       30  bench/kernels.py --kernel layernorm --shape mlperf --dtype bf16
 #   bench_adam            30  bench/kernels.py --kernel adam --shape mlperf --dtype bf16
@@ -106,7 +108,7 @@ DRY_RUN=${DRY_RUN:-0}
 BENCH_CUDA_GRAPHS_PRESET=${BENCH_CUDA_GRAPHS_PRESET:-demo}
 COMPILE_CACHE=${COMPILE_CACHE:-$REPO/runs/compile_cache}
 # expected seconds per part on an H100 (DRY_RUN prints them beside the limits; the limits are the caps)
-declare -A EXPECT=([install]=15 [tests_kernels]=60 [probe_attention_grid]=20 [tests_graphs]=110 [headline]=405
+declare -A EXPECT=([install]=15 [tests_kernels]=60 [probe_attention_grid]=20 [tests_graphs]=110 [headline]=405 [tune_kernels]=240
                    [train_bf16]=60 [train_graphs]=45 [bench_attention]=35 [bench_layernorm]=20 [bench_adam]=20
                    [bench_cuda_graphs]=25 [bench_dap]=20)
 EXPECTED_TOTAL=0
@@ -357,6 +359,11 @@ TRAIN=(-m scalefold train --preset demo --precision bf16 --max-steps 20 --eval-e
 # (4 loader workers: with the demo's default 1 the first GPU run waited 92 ms a step for data, 19 % of it)
 part train_bf16 train 90 env SCALEFOLD_AUTOTUNE=0 "$PY" "${TRAIN[@]}" --out "$WORK/train_bf16" --cuda-graphs off
 part train_graphs train 60 env SCALEFOLD_AUTOTUNE=0 "$PY" "${TRAIN[@]}" --out "$WORK/train_bf16_graphs" --cuda-graphs on
+
+# 4b. fill the launch-config table for this GPU (PARTS=tune; not in the default PARTS): the file comes back
+# in the tarball; check it with `python -m scalefold.kernels.aot --table FILE`, then copy it over
+# scalefold/kernels/launch_configs.json
+part tune_kernels tune 270 "$PY" -m scalefold tune-kernels --out "$WORK/launch_configs.json" --max-seconds 240
 
 # 5. benchmarks (stdout is the result; each is tee'd to $WORK/<part>.log)
 part bench_attention bench 55 "$PY" bench/kernels.py --kernel attention --shape mlperf --dtype bf16 --iters 50
