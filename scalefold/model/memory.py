@@ -6,11 +6,23 @@ Both trade compute for memory and leave the numbers unchanged:
   (MSA rows, residues) one after the other instead of all at once;
 * :func:`run_block` recomputes a block's activations in backward (training) when
   :func:`use_checkpointing` says it applies.
+
+Activation checkpointing is a *policy* (:func:`parse_checkpointing`): ``on`` (every block of the
+template-pair, extra-MSA and Evoformer stacks recomputes), ``off`` (none), ``N`` (the first ``N``
+blocks of the step in forward order recompute: the template-pair blocks, then the extra-MSA blocks,
+then Evoformer blocks; the rest keep their activations), or ``auto`` (the fewest that fit the
+device's memory: resolved to an ``N`` by :mod:`scalefold.perf.recompute` before the model is built).
+Why a prefix: the template-pair and extra-MSA blocks free the most activation bytes per recomputed
+FLOP (their attention logits span 4 templates / 1,024 extra rows), and the blocks recomputed first in
+forward are backpropagated last, when the kept blocks' activations are already freed, so a
+recomputation never adds to the peak of the kept activations. :func:`checkpointed_blocks` turns a
+policy into ``{stack: blocks that recompute}``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Union
 
 import torch
 import torch.nn as nn
@@ -41,6 +53,75 @@ def chunked(
     return torch.cat(outputs, dim=out_dim)
 
 
+#: The stacks whose blocks activation checkpointing recomputes, in the order the forward runs them.
+CHECKPOINT_STACKS = ("template_pair_stack", "extra_msa_stack", "evoformer_stack")
+#: A parsed policy: True (on), False (off), an int N (the first N blocks recompute) or "auto".
+Policy = Union[bool, int, str]
+_ON = ("on", "true", "yes", "all")
+_OFF = ("off", "false", "no", "none")
+
+
+def parse_checkpointing(value: object) -> Policy:
+    """``value`` as a policy: ``True`` / ``"on"`` -> ``True``; ``False`` / ``None`` / ``"off"`` -> ``False``;
+    an integer ``N >= 0`` or its decimal string -> ``N``; ``"auto"`` -> ``"auto"``. Anything else raises
+    ``ValueError`` naming the value. (``"1"`` is one block, not "on": say ``on``.)"""
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"activation checkpointing {value}: the number of recomputing blocks must be >= 0")
+        return value
+    text = str(value).strip().lower()
+    if text in _ON:
+        return True
+    if text in _OFF:
+        return False
+    if text == "auto":
+        return "auto"
+    if text.isdigit():
+        return int(text)
+    raise ValueError(f"activation checkpointing {value!r}: expected on, off, auto or a number of blocks N >= 0")
+
+
+def checkpointed_blocks(policy: object, stacks: Sequence[tuple[str, int]]) -> dict[str, int]:
+    """``{stack name: number of its leading blocks that recompute}`` under ``policy`` for ``stacks``
+    (``(name, number of blocks)`` in forward order): all for ``on``, none for ``off``, the first ``N``
+    blocks in forward order for ``N`` (``N`` larger than the blocks there are is refused, naming them).
+    ``auto`` must be resolved first (:func:`scalefold.perf.recompute.resolve_policy`)."""
+    policy = parse_checkpointing(policy)
+    total = sum(n for _, n in stacks)
+    if policy == "auto":
+        raise ValueError("activation checkpointing 'auto' must be resolved against the device memory before the "
+                         "model is built (scalefold.perf.recompute.resolve_policy)")  # fmt: skip
+    if policy is True or policy is False:
+        return {name: n if policy else 0 for name, n in stacks}
+    if policy > total:
+        sizes = ", ".join(f"{name} {n}" for name, n in stacks)
+        raise ValueError(f"activation checkpointing {policy}: the model has {total} blocks ({sizes}); "
+                         f"N must be 0 .. {total}")  # fmt: skip
+    plan, left = {}, policy
+    for name, n in stacks:
+        plan[name] = min(n, left)
+        left -= plan[name]
+    return plan
+
+
+def blocks_to_recompute(requested: bool | int, num_blocks: int) -> int:
+    """A stack's ``gradient_checkpointing`` argument as a number of leading blocks: ``True`` all,
+    ``False`` none, an int that many (at most ``num_blocks``)."""
+    if requested is True or requested is False:
+        return num_blocks if requested else 0
+    return max(0, min(int(requested), num_blocks))
+
+
+def stack_request(plan: bool | Mapping[str, int], stack: str) -> bool | int:
+    """What to hand ``stack``'s forward as ``gradient_checkpointing`` from a model-level request: a bool
+    (every block or none) or a plan from :func:`checkpointed_blocks` (its count for this stack)."""
+    if isinstance(plan, Mapping):
+        return int(plan.get(stack, 0))
+    return bool(plan)
+
+
 def use_checkpointing(module: nn.Module, requested: bool) -> bool:
     """Activation checkpointing applies only when requested, in training, with grad enabled."""
     return requested and module.training and torch.is_grad_enabled()
@@ -57,4 +138,7 @@ def run_block(block: nn.Module, with_checkpoint: bool, *args: torch.Tensor, **kw
     return block(*args, **kwargs)
 
 
-__all__ = ["chunked", "run_block", "use_checkpointing"]
+__all__ = [
+    "CHECKPOINT_STACKS", "Policy", "blocks_to_recompute", "checkpointed_blocks", "chunked", "parse_checkpointing",
+    "run_block", "stack_request", "use_checkpointing",
+]  # fmt: skip

@@ -24,18 +24,12 @@ from scalefold.train.config import TrainConfig
 
 
 def model_config(cfg: TrainConfig) -> Any:
-    """The model preset with the run's data-pipeline overrides (as the training loop builds it)."""
-    from scalefold.model import AlphaFoldConfig
+    """The model preset with the run's overrides, as the training loop builds it
+    (:func:`scalefold.train.build.build_model_config`: crop, MSA sizes, recycling, structure-module
+    iterations)."""
+    from scalefold.train.build import build_model_config
 
-    overrides = {
-        "train_sequence_crop_size": cfg.crop_size, "max_msa_clusters": cfg.max_msa_clusters,
-        "max_extra_msa": cfg.max_extra_msa, "num_recycling_iters": cfg.num_recycling_iters,
-        "clip_grad_max_norm": cfg.clip_grad_max_norm, "swa_decay_rate": cfg.swa_decay,
-    }  # fmt: skip
-    precision = "fp32" if cfg.precision in ("fp64", "tf32") else cfg.precision
-    return AlphaFoldConfig.from_preset(
-        cfg.model_preset, precision=precision, overrides={k: v for k, v in overrides.items() if v is not None}
-    )
+    return build_model_config(cfg)
 
 
 def build_model(cfg: TrainConfig, model_cfg: Any, device: torch.device | str = "cpu") -> torch.nn.Module:
