@@ -174,18 +174,19 @@ class _Search:
             return None
         if self(0).fits:
             return 0
-        lo, hi, previous = 0, self.total, None
+        lo, hi, moves = 0, self.total, []
         while hi - lo > 1:
             c_lo, c_hi = self(lo).calibrated_bytes, self(hi).calibrated_bytes
             guess = lo + math.ceil((c_lo - self.usable) / max(c_lo - c_hi, 1) * (hi - lo))  # the peak ~ linear in N
-            if previous is not None and hi - lo > previous / 2:  # the last probe did not halve the bracket
+            if moves[-2:] in (["lo", "lo"], ["hi", "hi"]):  # interpolation creeping from one side: bisect
                 guess = (lo + hi) // 2
-            previous = hi - lo
             guess = min(max(guess, lo + 1), hi - 1)
             if self(guess).fits:
                 hi = guess
+                moves.append("hi")
             else:
                 lo = guess
+                moves.append("lo")
         return hi
 
     def choice(self, n: int) -> PolicyChoice:
