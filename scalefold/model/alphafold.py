@@ -19,6 +19,7 @@ Output keys (last iteration): ``msa`` (cluster rows only), ``pair``, ``single``,
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from typing import Any, Union
 
 import torch
@@ -153,11 +154,10 @@ class AlphaFold(nn.Module):
         recycled: Recycled | None,
         gradient_checkpointing: bool | Mapping[str, int] = False,
     ) -> tuple[dict[str, torch.Tensor], Recycled]:
-        """One pass of Algorithm 2 on one recycling slice of the batch (no trailing ``R``).
-
-        ``recycled`` is ``(m0_prev, z_prev, x_prev)`` from the previous pass, ``None`` at first.
-        ``gradient_checkpointing``: every block recomputes (``True``), none, or ``{stack: blocks}``.
-        """
+        """One pass of Algorithm 2 on one recycling slice of the batch (no trailing ``R``). ``recycled`` is
+        ``(m0_prev, z_prev, x_prev)`` from the previous pass, ``None`` at first. ``gradient_checkpointing``:
+        every block recomputes (``True``), none, or ``{stack: leading blocks that recompute}``."""
+        recompute = partial(stack_request, gradient_checkpointing)
         seq_mask = feats["seq_mask"]
         pair_mask = seq_mask.unsqueeze(-1) * seq_mask.unsqueeze(-2)
         # pair_mask: [B, N_res, N_res]
@@ -184,9 +184,7 @@ class AlphaFold(nn.Module):
 
         # Templates (Alg. 2 lines 7-13).
         if self.templates_enabled:
-            z = z + self.embed_template_pair(
-                feats, z, pair_mask, stack_request(gradient_checkpointing, "template_pair_stack")
-            )
+            z = z + self.embed_template_pair(feats, z, pair_mask, recompute("template_pair_stack"))
             if self.embed_template_torsion_angles:
                 angle_feat = features.build_template_angle_feat(
                     feats["template_aatype"],
@@ -212,7 +210,7 @@ class AlphaFold(nn.Module):
             z,
             msa_mask=feats["extra_msa_mask"].to(m.dtype),
             pair_mask=pair_mask.to(m.dtype),
-            gradient_checkpointing=stack_request(gradient_checkpointing, "extra_msa_stack"),
+            gradient_checkpointing=recompute("extra_msa_stack"),
         )
 
         # Evoformer (Alg. 6).
@@ -221,7 +219,7 @@ class AlphaFold(nn.Module):
             z,
             msa_mask=msa_mask.to(m.dtype),
             pair_mask=pair_mask.to(z.dtype),
-            gradient_checkpointing=stack_request(gradient_checkpointing, "evoformer_stack"),
+            gradient_checkpointing=recompute("evoformer_stack"),
         )
         # m: [B, N_seq, N_res, C_m], z: [B, N_res, N_res, C_z], s: [B, N_res, C_s]
 

@@ -210,18 +210,17 @@ class OpCounter(TorchDispatchMode):
         return self._run_owners[i] if i >= 0 and seq < self._ends[i] else ""
 
     def __enter__(self) -> OpCounter:
-        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+        from scalefold.perf.memory import hook_every_module
 
         self._last = torch._C._autograd._get_sequence_nr()
-        self._handles = [register_module_forward_pre_hook(self._enter_module),
-                         register_module_forward_hook(self._exit_module, always_call=True)]  # fmt: skip
+        self._handles = hook_every_module(self._enter_module, self._exit_module)
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
+        from scalefold.perf.memory import remove_hooks
+
         super().__exit__(*exc)
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        remove_hooks(self._handles)
 
     # -- counting ------------------------------------------------------------------------------------
 

@@ -113,6 +113,21 @@ def _up(x: Any) -> Any:
     return x.float() if isinstance(x, torch.Tensor) and x.dtype in _REDUCED else x
 
 
+def hook_every_module(enter: Callable[..., None], leave: Callable[..., None]) -> list[Any]:
+    """Global forward hooks: ``enter(module, args)`` before every module's forward, ``leave(module, args,
+    output)`` after it, also when it raises (activation checkpointing stops a recomputation early by an
+    exception). Returns the handles for :func:`remove_hooks`."""
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    return [register_module_forward_pre_hook(enter), register_module_forward_hook(leave, always_call=True)]
+
+
+def remove_hooks(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+
+
 class AutocastProbe(TorchFunctionMode):
     """Whether CPU autocast is on where the torch function that issued an operator was called (``on``),
     for the dispatch-level modes below it: there autocast's dispatch key is always excluded, so
@@ -130,17 +145,12 @@ class AutocastProbe(TorchFunctionMode):
         self._handles: list[Any] = []
 
     def __enter__(self) -> AutocastProbe:
-        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-
-        self._handles = [register_module_forward_pre_hook(self._enter_module),
-                         register_module_forward_hook(self._exit_module, always_call=True)]  # fmt: skip
+        self._handles = hook_every_module(self._enter_module, self._exit_module)
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        remove_hooks(self._handles)
 
     def _enter_module(self, module: torch.nn.Module, args: Any) -> None:
         self.modules_running += 1
@@ -431,11 +441,9 @@ def estimate_memory(
     peak within 1 %: 0.14 % on ``tiny``, the batch slices copied differ by one recycling slice). ``cuda_graphs``: add the graph pool (default: as
     ``--cuda-graphs`` resolves on the target: CUDA without DAP/BP, unless ``cfg.cuda_graphs`` is off).
     ``origins``: also report what was live at the peak by category, module and creating operator
-    (``MemoryEstimate.origins``; debugging). ``observe(step, tracker)``: a context manager entered around
-    the same fake step, outside the tracker (a dispatch mode entered there sees every operator the
-    tracker passes on, its CUDA-autocast casts included): :mod:`scalefold.perf.flops` counts FLOPs so.
-    ``cfg.activation_checkpointing`` is a policy (on, off, N); ``auto`` must be resolved first
-    (:func:`scalefold.perf.recompute.resolve_policy`).
+    (``MemoryEstimate.origins``; debugging). ``observe(step, tracker)``: a context entered around the step
+    outside the tracker, so a dispatch mode there sees its casts too (:mod:`scalefold.perf.flops`).
+    Checkpointing policy: on, off or N (``auto``: :func:`scalefold.perf.recompute.resolve_policy` first).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -558,7 +566,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 __all__ = [
-    "format_estimate", "format_table", "check_fits", "policy_name", "AutocastProbe", "usable_bytes", "measure_cpu_peak", "MemoryEstimate", "StorageTracker", "estimate_memory", "fake_process_group", "CUDA_BLOCK_BYTES", "DAP_SIZES",
+    "format_estimate", "format_table", "check_fits", "policy_name", "AutocastProbe", "hook_every_module", "remove_hooks", "usable_bytes", "measure_cpu_peak", "MemoryEstimate", "StorageTracker", "estimate_memory", "fake_process_group", "CUDA_BLOCK_BYTES", "DAP_SIZES",
 ]  # fmt: skip
 
 
