@@ -11,8 +11,10 @@ one fake run gives the peak memory and the arithmetic together. Per operator, ea
   ``Linear``, ``matmul`` and ``einsum`` lowers to these --, convolutions and SDPA, by
   ``torch.utils.flop_counter``'s formulas (2 per multiply-add; addmm's bias add not counted); and
   ScaleFold's Triton attention (``scalefold::attention_fwd``: QK^T and PV, ``4 Z H Q K D``;
-  ``attention_bwd``: the 7 products its two kernels run -- the scores recomputed in each, dP in each,
-  dV, dK, dQ -- ``14 Z H Q K D``). Split by the products' input dtype (bf16 / fp32 / fp64).
+  ``attention_bwd``: the 7 products its two kernels run, ``14 Z H Q K D``: dV, dP, dK, dQ -- the 4 of
+  the PyTorch path's backward -- plus the scores recomputed in each kernel and dP again, 3 products
+  counted as ``recompute``, so that ``model_flops`` is the same on both kernel paths). Split by the
+  products' input dtype (bf16 / fp32 / fp64).
 * **elementwise FLOPs** (``flops_elementwise``, not part of MFU): 1 per output element of each pointwise
   operator (torch's ``pointwise`` tag: add, mul, sigmoid, relu, dropout masks, ...) and 1 per input
   element of reductions, softmax, log-softmax and layer norm (and their backward operators, the
@@ -92,11 +94,16 @@ def _nbytes(t: torch.Tensor) -> int:
     return _numel(t) * t.element_size()
 
 
-def _triton_attention_flops(name: str, args: tuple) -> int:
-    """``scalefold::attention_fwd`` (q, k, ...): 2 products; ``attention_bwd`` (do, q, k, ...): 7."""
+#: Products of ScaleFold's Triton attention kernels: (those the PyTorch path runs too, recomputations).
+_ATTENTION_PRODUCTS = {"attention_fwd": (2, 0), "attention_bwd": (4, 3)}
+
+
+def _triton_attention_flops(name: str, args: tuple, recomputed: bool = False) -> int:
+    """``scalefold::attention_fwd`` (q, k, ...): QK^T and PV; ``attention_bwd`` (do, q, k, ...): dV, dP,
+    dK, dQ, and (``recomputed``) the scores in both kernels and dP in the second."""
     q, k = (args[0], args[1]) if name == "attention_fwd" else (args[1], args[2])
     z, h, nq, d = q.shape
-    products = 2 if name == "attention_fwd" else 7
+    products = _ATTENTION_PRODUCTS[name][1 if recomputed else 0]
     return products * 2 * z * h * nq * k.shape[-2] * d
 
 
@@ -107,6 +114,7 @@ class _OpInfo:
     skip: bool  # not counted at all (collectives, host reads)
     view: bool  # no traffic (views, allocations)
     matrix: Callable[..., int] | None  # FLOP formula of a matrix product
+    recomputed: Callable[..., int] | None  # ... of the products a kernel recomputes (Triton attention backward)
     pointwise: bool
     reduction: bool
     written_args: tuple[str, ...]  # arguments the operator writes
@@ -122,20 +130,21 @@ def _op_info(func: Any) -> _OpInfo:
     write_only = tuple(a.name for a in schema.arguments if a.name in written and a.kwarg_only and a.name.startswith("out"))
     aliasing = bool(schema.returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
     metadata = not written and not any("Tensor" in str(r.type) for r in schema.returns)  # t.device, sizes, ...
-    matrix = flop_registry.get(func.overloadpacket)
-    if namespace == "scalefold" and name in ("attention_fwd", "attention_bwd"):
-        matrix = _attention_formula(name)
+    matrix, recomputed = flop_registry.get(func.overloadpacket), None
+    if namespace == "scalefold" and name in _ATTENTION_PRODUCTS:
+        matrix, recomputed = _attention_formula(name), _attention_formula(name, recomputed=True)
     tags = set(func.tags)
     return _OpInfo(
         skip=namespace in _UNCOUNTED_NAMESPACES, view=aliasing or metadata or name in _NO_TRAFFIC, matrix=matrix,
+        recomputed=recomputed if recomputed is not None and _ATTENTION_PRODUCTS[name][1] else None,
         pointwise=torch.Tag.pointwise in tags and name not in _MOVES,
         reduction=torch.Tag.reduction in tags or name in _NORMS, written_args=written, write_only=write_only,
     )  # fmt: skip
 
 
-def _attention_formula(name: str) -> Callable[..., int]:
+def _attention_formula(name: str, recomputed: bool = False) -> Callable[..., int]:
     def flops(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
-        return _triton_attention_flops(name, args)
+        return _triton_attention_flops(name, args, recomputed)
 
     return flops
 
@@ -242,8 +251,10 @@ class OpCounter(TorchDispatchMode):
         if info is None:
             info = self._info[func] = _op_info(func)
         if not info.skip:
-            counts = self.counts[self.where()]
-            _count(counts, info, func, args, kwargs, out)
+            category, module = self.where()
+            _count(self.counts[category, module], info, func, args, kwargs, out)
+            if info.recomputed is not None:  # a kernel's own recomputation (flash-style attention backward)
+                self.counts["recompute", module][_MM_FIELD.get(args[1].dtype, 1)] += info.recomputed(*args)
         return out
 
 
@@ -337,7 +348,8 @@ class StepCount:
         return sum(self.totals(n)[i] for i in MM)
 
     def model_flops(self, n: int) -> int:
-        """Matrix FLOPs without activation checkpointing's recomputation (the MFU convention)."""
+        """Matrix FLOPs without recomputation -- activation checkpointing's and the Triton attention
+        backward's -- the MFU convention; the same on both kernel paths."""
         return sum(self.totals(n, tuple(c for c in CATEGORIES if c != "recompute"))[i] for i in MM)
 
     def flops_by_dtype(self, n: int) -> dict[str, int]:

@@ -170,6 +170,14 @@ def test_any_recycling_count_follows_from_one_pass(tiny_step):
     assert one.flops_mean == pytest.approx(sum(one.flops(n) for n in range(3)) / 3)
 
 
+def test_model_flops_do_not_depend_on_the_kernels():
+    """The Triton attention backward recomputes the scores (7 products against PyTorch's 4): executed
+    FLOPs differ, model FLOPs (without recomputation) do not."""
+    torch_path = count_step(_tiny(activation_checkpointing="off"), target="cuda", kernels="torch", cache=False)
+    triton_path = count_step(_tiny(activation_checkpointing="off"), target="cuda", kernels="triton", cache=False)
+    assert triton_path.model_flops(1) == torch_path.model_flops(1) == torch_path.flops(1) < triton_path.flops(1)
+
+
 def test_step_throughput_gives_mfu_only_for_a_known_gpu(tiny_step, monkeypatch):
     step = tiny_step[2]
     monkeypatch.setattr("scalefold.perf.flops.count_step", lambda *a, **k: step)
