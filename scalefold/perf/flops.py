@@ -53,7 +53,7 @@ import contextlib
 import time
 from bisect import bisect_right
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -375,23 +375,31 @@ class StepCount:
     def recycling_counts(self) -> range:
         return range(self.num_ensembles)
 
-    def floor(self, n: int, spec: Any) -> dict[str, float]:
-        """The roofline floor of a step with ``n`` no-grad passes on ``spec`` (a
-        :class:`~scalefold.perf.devices.DeviceSpec`): ``compute_s``, ``memory_s``, ``floor_s``."""
-        from scalefold.perf.devices import floor_seconds
+    def floors(self) -> dict[str, dict[str, dict[str, float]]]:
+        """The roofline floor of each recycling count on the cards of
+        :data:`~scalefold.perf.devices.FLOOR_DEVICES`: :func:`floor_table` of the step's totals."""
+        return floor_table(self.totals, self.recycling_counts(), self.settings["precision"])
 
-        t = self.totals(n)
-        return floor_seconds({"bf16": t[0], "fp32": t[1], "fp64": t[2]}, t[4] + t[5], spec, self.settings["precision"])
 
-    def floors(self) -> dict[str, dict[str, float]]:
-        """``{card: {"0": floor_s, ..., "mean": ...}}`` on the cards of :data:`~scalefold.perf.devices.FLOOR_DEVICES`."""
-        from scalefold.perf.devices import DEVICES, FLOOR_DEVICES
+def floor_table(totals: Callable[[int], list[int]], counts: Iterable[int], precision: str) -> dict[str, dict[str, Any]]:
+    """``{card: {"floor_s" | "compute_s" | "memory_s": {"0": s, ..., "mean": s}}}`` for counts ``totals(n)``
+    (:data:`FIELDS`) on the cards of :data:`~scalefold.perf.devices.FLOOR_DEVICES`
+    (:func:`~scalefold.perf.devices.floor_seconds`: matrix FLOPs over the dense peak of their dtype, bytes
+    over the bandwidth, the larger)."""
+    from scalefold.perf.devices import DEVICES, FLOOR_DEVICES, floor_seconds
 
-        out = {}
-        for key in FLOOR_DEVICES:
-            per_n = {str(n): self.floor(n, DEVICES[key])["floor_s"] for n in self.recycling_counts()}
-            out[key] = {**per_n, "mean": sum(per_n.values()) / len(per_n)}
-        return out
+    out = {}
+    for key in FLOOR_DEVICES:
+        card: dict[str, dict[str, float]] = {"floor_s": {}, "compute_s": {}, "memory_s": {}}
+        for n in counts:
+            t = totals(n)
+            seconds = floor_seconds({"bf16": t[0], "fp32": t[1], "fp64": t[2]}, t[4] + t[5], DEVICES[key], precision)
+            for name, per_n in card.items():
+                per_n[str(n)] = seconds[name]
+        for per_n in card.values():
+            per_n["mean"] = sum(per_n.values()) / len(per_n)
+        out[key] = card
+    return out
 
 
 def group(module: str, depth: int) -> str:

@@ -105,7 +105,9 @@ class Probe:
             out["flops"] = {str(n): step.flops(n) for n in step.recycling_counts()}
             out["model_flops"] = {str(n): step.model_flops(n) for n in step.recycling_counts()}
             out["bytes"] = {str(n): step.bytes(n) for n in step.recycling_counts()}
-            out["floor_s"] = {card: v["mean"] for card, v in step.floors().items()}
+            floors = step.floors()
+            out["floor_s"] = {card: v["floor_s"]["mean"] for card, v in floors.items()}
+            out["compute_s"] = {card: v["compute_s"]["mean"] for card, v in floors.items()}
         return out
 
 

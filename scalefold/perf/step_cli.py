@@ -116,23 +116,8 @@ def _per_n(step: Any, fn: Any) -> dict[str, float]:
     return {str(n): fn(n) for n in step.recycling_counts()}
 
 
-def _floors(step: Any, counts_of: Any, precision: str) -> dict[str, dict[str, float]]:
-    """``{card: {"0": s, ..., "mean": s}}``: the roofline floor of ``counts_of(n)`` on each card."""
-    from scalefold.perf.devices import DEVICES, FLOOR_DEVICES, floor_seconds
-
-    out = {}
-    for key in FLOOR_DEVICES:
-        per_n = {}
-        for n in step.recycling_counts():
-            t = counts_of(n)
-            per_n[str(n)] = floor_seconds({"bf16": t[0], "fp32": t[1], "fp64": t[2]}, t[4] + t[5], DEVICES[key],
-                                          precision)["floor_s"]  # fmt: skip
-        out[key] = {**per_n, "mean": sum(per_n.values()) / len(per_n)}
-    return out
-
-
 def _modules(step: Any, depth: int, precision: str) -> dict[str, Any]:
-    from scalefold.perf.flops import CATEGORIES, FIELDS, group
+    from scalefold.perf.flops import CATEGORIES, FIELDS, floor_table, group
 
     grouped: dict[str, dict[int, dict[str, list[int]]]] = {}
     for n in step.recycling_counts():
@@ -151,7 +136,7 @@ def _modules(step: Any, depth: int, precision: str) -> dict[str, Any]:
             "flops": _per_n(step, lambda n: sum(totals(n)[:3])),
             "flops_by_category": {c: sum(v[:3]) for c, v in per_n.get(0, {}).items()},  # at n = 0
             "bytes": _per_n(step, lambda n: totals(n)[4] + totals(n)[5]),
-            "floor_s": {gpu: v["mean"] for gpu, v in _floors(step, totals, precision).items()},
+            "floor_s": {card: v["floor_s"]["mean"] for card, v in floor_table(totals, step.recycling_counts(), precision).items()},
         }
     return dict(sorted(out.items(), key=lambda kv: -sum(kv[1]["flops"].values())))
 
@@ -159,8 +144,9 @@ def _modules(step: Any, depth: int, precision: str) -> dict[str, Any]:
 def report(step: Any, choice: Any = None, depth: int = 1) -> dict[str, Any]:
     """The JSON of ``estimate-step``: per recycling count ``n`` (keys ``"0"`` ..) the matrix FLOPs
     (``flops``, recomputation included; ``model_flops`` without), elementwise FLOPs, bytes, and the
-    roofline floor per card; their means over the training's uniform recycling counts; the predicted
-    peak, the policy and its recomputing blocks; the same per module; and the policy search."""
+    roofline floor per card (``floor_s``, the larger of ``compute_s`` and ``memory_s``); their means over
+    the training's uniform recycling counts; the predicted peak, the policy and its recomputing blocks;
+    the same per module; and the policy search."""
     precision = step.settings["precision"]
     mem = step.memory
     out = {
@@ -172,10 +158,12 @@ def report(step: Any, choice: Any = None, depth: int = 1) -> dict[str, Any]:
         "bytes_mean": step.mean(step.bytes), "peak_bytes": mem.peak_bytes, "peak_gib": round(mem.peak_gib, 3),
         "memory_breakdown": mem.breakdown, "activation_checkpointing": step.settings["activation_checkpointing"],
         "checkpointed_blocks": step.settings["checkpointed_blocks"],
-        "floor_s": {}, "floor_s_by_recycling": step.floors(),
         "modules": _modules(step, depth, precision), "seconds": round(step.seconds, 1),
     }  # fmt: skip
-    out["floor_s"] = {gpu: v["mean"] for gpu, v in out["floor_s_by_recycling"].items()}
+    floors = step.floors()
+    for kind in ("floor_s", "compute_s", "memory_s"):  # means over n, then per n
+        out[kind] = {card: v[kind]["mean"] for card, v in floors.items()}
+        out[f"{kind}_by_recycling"] = {card: {n: s for n, s in v[kind].items() if n != "mean"} for card, v in floors.items()}
     if choice is not None:
         out["policy"] = choice.to_json()
     return out
@@ -218,8 +206,10 @@ def format_report(out: dict[str, Any]) -> str:
     lines += [f"{'recycling passes n':<28}" + "".join(f"{n:>10}" for n in ns) + f"{'mean':>10}",
               row(f"matrix {flop}", out["flops"], flop_scale), row("  without recomputation", out["model_flops"], flop_scale),
               row(f"elementwise {flop}", out["flops_elementwise"], flop_scale), row(f"bytes moved ({byte})", out["bytes"], byte_scale)]  # fmt: skip
-    for gpu, per_n in out["floor_s_by_recycling"].items():
-        lines.append(row(f"floor {DEVICES[gpu].name} ({sec})", {n: per_n[n] for n in ns}, sec_scale))
+    for card, per_n in out["floor_s_by_recycling"].items():
+        lines.append(row(f"floor {DEVICES[card].name} ({sec})", per_n, sec_scale))
+        lines.append(row("  compute (matrix FLOPs)", out["compute_s_by_recycling"][card], sec_scale))
+        lines.append(row("  memory (bytes moved)", out["memory_s_by_recycling"][card], sec_scale))
     lines += ["", f"{'by module (mean over n)':<42} {flop:>8} {'fwd':>8} {'recomp':>8} {'bwd':>8} {byte:>8} {'H100 ' + sec:>8}"]
     for name, m in list(out["modules"].items())[:30]:
         cat = m["flops_by_category"]
