@@ -67,6 +67,23 @@ def test_one_evoformer_block_matches_its_flops_counted_by_hand():
     assert _matrix(counter, "backward", "block") == _matrix(counter, "backward") == 2 * (expected - opm_norm)
 
 
+def test_bytes_are_what_each_operator_reads_and_writes():
+    a, b = torch.ones(8, 16), torch.ones(16, 4)
+    row = torch.ones(1, 16)
+    with OpCounter({}) as counter:
+        torch.mm(a, b)  # reads both, writes the product
+        a.t().contiguous()  # a view, then a copy: reads a and writes as much
+        a + row  # the broadcast row is read once
+        a.add_(1.0)  # in place: reads and writes a
+        torch.mul(a, 2.0, out=torch.empty(8, 16))  # out=: written, not read
+    read, written = (sum(v[i] for v in counter.counts.values()) for i in (4, 5))
+    f = 4  # float32
+    assert read == f * ((8 * 16 + 16 * 4) + 8 * 16 + (8 * 16 + 16) + 8 * 16 + 8 * 16)
+    assert written == f * (8 * 4 + 16 * 8 + 8 * 16 + 8 * 16 + 8 * 16)
+    assert sum(v[MM[1]] for v in counter.counts.values()) == 2 * 8 * 16 * 4
+    assert sum(v[3] for v in counter.counts.values()) == 3 * 8 * 16  # add, add_, mul: one per element
+
+
 class _Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
