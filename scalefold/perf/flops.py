@@ -291,9 +291,9 @@ def _count(counts: list[int], info: _OpInfo, func: Any, args: tuple, kwargs: dic
 # ---------------------------------------------------------------------------------------------
 
 
-def _add(a: list[int], b: list[int], times: int = 1) -> None:
+def _add(a: list[int], b: list[int]) -> None:
     for i, v in enumerate(b):
-        a[i] += v * times
+        a[i] += v
 
 
 @dataclass
@@ -323,6 +323,8 @@ class StepCount:
     def _check(self, n: int) -> None:
         if not 0 <= n < self.num_ensembles:
             raise ValueError(f"recycling count {n} outside 0 .. {self.num_ensembles - 1}")
+        if n and not self.recycling_run:
+            raise ValueError("the counted step ran no recycling pass: count it with recycling=1 for n > 0")
 
     def by_module(self, n: int, categories: tuple[str, ...] = CATEGORIES) -> dict[str, list[int]]:
         """``{module: counts}`` of a step with ``n`` no-grad passes, over ``categories``."""
@@ -331,8 +333,7 @@ class StepCount:
         for category in categories:
             for module, counts in self.parts.get(category, {}).items():
                 if category == "recycling":
-                    if self.recycling_run:
-                        _add(out[module], [c * n // self.recycling_run for c in counts])
+                    _add(out[module], [c * n // self.recycling_run for c in counts] if n else [0] * len(FIELDS))
                 else:
                     _add(out[module], counts)
         return dict(out)
