@@ -1,4 +1,5 @@
-"""``scalefold estimate-memory``: argument parsing; the work is in :mod:`scalefold.perf.memory`."""
+"""``scalefold estimate-memory`` (argument parsing; the work is in :mod:`scalefold.perf.memory`) and
+``scalefold estimate-step`` (:mod:`scalefold.commands.estimate_step`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import argparse
 import json
 import sys
 from typing import Any
+
+from scalefold.commands.estimate_step import add_common_arguments, check_arguments, resolve, train_config
+from scalefold.commands.estimate_step import add_parser as add_step_parser
 
 EXIT_BAD_INPUT = 3
 
@@ -18,16 +22,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
         "tensors and report its peak memory per rank, with what is live at the peak. See scalefold/perf/memory.py "
         "for the method and what it leaves out.",
     )  # fmt: skip
-    p.add_argument("--preset", default="mlperf", help="training preset (mlperf, demo, tiny; default mlperf)")
-    p.add_argument("--precision", choices=("bf16", "fp32"), help="default: the preset's")
-    p.add_argument("--crop", type=int, help="crop size (default: the preset's; MLPerf 256)")
-    p.add_argument("--dap", type=int, default=1, help="DAP size: the prediction is per rank (default 1)")
-    p.add_argument("--kernels", choices=("triton", "torch"), help="kernel path (default: triton for --target cuda)")
-    p.add_argument("--target", choices=("cuda", "cpu"), default="cuda",
-                   help="allocator and autocast rules of this device (default cuda)")  # fmt: skip
-    p.add_argument("--cuda-graphs", choices=("auto", "off"), default="auto",
-                   help="count the CUDA-graph pool where --cuda-graphs auto would capture (default auto)")  # fmt: skip
-    p.add_argument("--activation-checkpointing", choices=("on", "off"), help="default: the preset's")
+    add_common_arguments(p)
     p.add_argument("--recycling", type=int, help="no-grad recycling passes to run (default 1 where the run recycles)")
     p.add_argument("--device-memory-gib", type=float,
                    help="also check the prediction against a device of this size (names a DAP size that fits)")  # fmt: skip
@@ -36,34 +31,30 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--origins", action="store_true",
                    help="also list what is live at the peak by category, module and the operator that created it "
                    "(debugging)")  # fmt: skip
-    p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=_run)
+    add_step_parser(subparsers)
 
 
 def _config(args: argparse.Namespace, **extra: Any) -> Any:
-    from scalefold.config.training import TrainConfig
-
-    overrides = {"precision": args.precision, "crop_size": args.crop, "dap": args.dap, "cuda_graphs": args.cuda_graphs}
-    if args.activation_checkpointing:
-        overrides["activation_checkpointing"] = args.activation_checkpointing == "on"
-    overrides.update(extra)
-    return TrainConfig.from_preset(args.preset, overrides={k: v for k, v in overrides.items() if v is not None}, env={})
+    return train_config(args, **extra)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from scalefold.config.training import PRESETS
     from scalefold.perf import memory
 
-    if args.preset not in PRESETS:
-        return _bad(f"unknown preset {args.preset!r}; expected one of {sorted(PRESETS)}")
-    if args.dap < 1:
-        return _bad(f"--dap {args.dap}: must be >= 1")
+    problem = check_arguments(args)
+    if problem:
+        return _bad(problem)
     if args.table:
         return _table(args)
     try:
         cfg = _config(args)
-        est = memory.estimate_memory(cfg, target=args.target, kernels=args.kernels, recycling=args.recycling,
-                                     origins=args.origins)  # fmt: skip
+        choice = None
+        if args.activation_checkpointing == "auto":  # the fewest recomputing blocks that fit (scalefold.perf.recompute)
+            cfg, choice = resolve(args, cfg, estimate=lambda c: memory.estimate_memory(
+                c, target=args.target, kernels=args.kernels, recycling=args.recycling))  # fmt: skip
+        est = choice.probe.estimate if choice and not args.origins else memory.estimate_memory(
+            cfg, target=args.target, kernels=args.kernels, recycling=args.recycling, origins=args.origins)  # fmt: skip
     except ValueError as exc:  # a layout DAP cannot take (crop not divisible, ...), a bad option value
         return _bad(str(exc))
     out = est.to_json()

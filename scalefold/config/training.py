@@ -77,7 +77,9 @@ class TrainConfig:
     num_recycling_iters: int | None = option(None, help="recycling iterations (default: the model preset's)")
     structure_module_iterations: int | None = option(
         None, help="structure-module iterations (shared weights; default: the model preset's, 8 for mlperf)")
-    activation_checkpointing: bool = option(False, help="recompute block activations in backward")
+    activation_checkpointing: str = option("off", help="recompute block activations in backward: on, off, N (the "
+                                           "first N blocks in forward order: template pair, extra MSA, Evoformer) or auto "
+                                           "(the fewest that fit the device memory; scalefold estimate-step)")
     precision: str = option("fp32", cli=True, choices=PRECISIONS, slurm="PRECISION",
                             help="fp32, tf32, bf16 (autocast, fp32 master weights) or fp64")
     # schedule
@@ -184,6 +186,9 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         # the rank layout (dap, bp, num_async_eval_ranks against the world size) is validated once, by
         # scalefold.distributed.layout.ParallelLayout; --cuda-graphs on with DAP/BP by graphed_step.resolve_mode
+        from scalefold.config.recompute import parse_checkpointing  # raises naming a policy it cannot read
+
+        parse_checkpointing(self.activation_checkpointing)
         if self.cuda_graphs not in CUDA_GRAPHS_MODES:
             raise ValueError(f"unknown cuda_graphs mode {self.cuda_graphs!r}; expected one of {CUDA_GRAPHS_MODES}")
         if self.keep_last < 1:
@@ -292,7 +297,7 @@ def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
 def _mlperf() -> dict[str, Any]:
     return {
         "out": "runs/mlperf", "store": "data/store.h5", "model_preset": "mlperf", "num_workers": 8,
-        "activation_checkpointing": True, "max_steps": 20000, "eval_every": 40, "warmup_steps": 0,
+        "activation_checkpointing": "on", "max_steps": 20000, "eval_every": 40, "warmup_steps": 0,
         "checkpoint_every": 400, "eval_baseline": False,  # no untimed-data work, no extra timed evaluation
     }  # fmt: skip
 

@@ -19,11 +19,13 @@ Output keys (last iteration): ``msa`` (cluster rows only), ``pair``, ``single``,
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from typing import Any, Union
 
 import torch
 import torch.nn as nn
 
+from scalefold.config.recompute import parse_checkpointing
 from scalefold.model import features
 from scalefold.model.all_atom import atom14_to_atom37, pseudo_beta_fn
 from scalefold.model.config import AlphaFoldConfig
@@ -37,6 +39,7 @@ from scalefold.model.embedders import (
 from scalefold.model.evoformer import EvoformerStack
 from scalefold.model.extra_msa import ExtraMSAStack
 from scalefold.model.heads import AuxiliaryHeads
+from scalefold.model.memory import CHECKPOINT_STACKS, checkpointed_blocks, stack_request
 from scalefold.model.parallel import ParallelStack
 from scalefold.model.structure_module import StructureModule
 from scalefold.model.template import TemplatePairStack, TemplatePointwiseAttention
@@ -52,7 +55,10 @@ class AlphaFold(nn.Module):
     Args:
         config: an :class:`AlphaFoldConfig` or the reference's plain config dict.
         activation_checkpointing: recompute block activations in backward during training
-            (the reference does so for the differentiated iteration); numerics are unchanged.
+            (the reference does so for the differentiated iteration); numerics are unchanged. A
+            policy (:func:`~scalefold.model.memory.parse_checkpointing`): ``True`` / ``"on"`` every
+            block, ``False`` / ``"off"`` none, ``N`` the first ``N`` blocks in forward order
+            (template pair, extra MSA, Evoformer); ``"auto"`` must be resolved first.
         parallel_evoformer: HelixFold's Parallel Evoformer (outer product mean at the end of each
             Evoformer block; required by Branch Parallelism). Not part of the reference model.
     """
@@ -60,14 +66,14 @@ class AlphaFold(nn.Module):
     def __init__(
         self,
         config: Union[AlphaFoldConfig, Mapping[str, Any]],
-        activation_checkpointing: bool = True,
+        activation_checkpointing: bool | int | str = True,
         parallel_evoformer: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(config, AlphaFoldConfig):
             config = AlphaFoldConfig.from_dict(dict(config))
         self.config = config
-        self.activation_checkpointing = activation_checkpointing
+        self.activation_checkpointing = parse_checkpointing(activation_checkpointing)
         self.templates_enabled = config.templates_enabled
         self.embed_template_torsion_angles = config.embed_template_torsion_angles
 
@@ -84,6 +90,7 @@ class AlphaFold(nn.Module):
         self.evoformer_stack = EvoformerStack(config.evoformer_stack_config, parallel=parallel_evoformer)
         self.structure_module = StructureModule(config.structure_module_config)
         self.auxiliary_heads = AuxiliaryHeads(config.auxiliary_heads_config)
+        self.checkpointed_blocks()  # an unresolved "auto" or an N beyond the blocks is refused here
 
         self._model_features = features.required_features("model", templates_enabled=self.templates_enabled)
         self._feature_symbols = {
@@ -99,6 +106,12 @@ class AlphaFold(nn.Module):
         stacks: list[ParallelStack] = [self.template_pair_stack] if self.templates_enabled else []
         return stacks + [self.extra_msa_stack, self.evoformer_stack]
 
+    def checkpointed_blocks(self) -> dict[str, int]:
+        """``{stack name: blocks that recompute in the grad pass}`` under ``activation_checkpointing``
+        (the stacks this model has, in forward order; training with grad only)."""
+        stacks = [(name, len(getattr(self, name).blocks)) for name in CHECKPOINT_STACKS if hasattr(self, name)]
+        return checkpointed_blocks(self.activation_checkpointing, stacks)
+
     def validate_batch(self, batch: Mapping[str, torch.Tensor]) -> dict[str, int]:
         """Raise ``ValueError`` naming the feature if a model input is missing or malformed."""
         return features.validate_batch(batch, self._model_features, symbols=self._feature_symbols)
@@ -113,6 +126,7 @@ class AlphaFold(nn.Module):
         grad_enabled = torch.is_grad_enabled()
         recycled: Recycled | None = None
         outputs: dict[str, torch.Tensor] = {}
+        plan = self.checkpointed_blocks() if self.training else False
         for it in range(num_iters):
             is_last = it == num_iters - 1
             feats = {name: batch[name][..., it] for name in self._model_features}
@@ -125,7 +139,7 @@ class AlphaFold(nn.Module):
                 outputs, recycled = self.iteration(
                     feats,
                     recycled,
-                    gradient_checkpointing=self.training and self.activation_checkpointing and is_last,
+                    gradient_checkpointing=plan if is_last else False,
                 )
             if not is_last:
                 # m0_prev is a view of the pass's whole final MSA: copy the row out, so that the next pass
@@ -139,12 +153,15 @@ class AlphaFold(nn.Module):
         self,
         feats: Mapping[str, torch.Tensor],
         recycled: Recycled | None,
-        gradient_checkpointing: bool = False,
+        gradient_checkpointing: bool | Mapping[str, int] = False,
     ) -> tuple[dict[str, torch.Tensor], Recycled]:
         """One pass of Algorithm 2 on one recycling slice of the batch (no trailing ``R``).
 
         ``recycled`` is ``(m0_prev, z_prev, x_prev)`` from the previous pass, ``None`` at first.
+        ``gradient_checkpointing``: every block recomputes (``True``), none, or ``{stack: leading blocks
+        that recompute}``.
         """
+        recompute = partial(stack_request, gradient_checkpointing)
         seq_mask = feats["seq_mask"]
         pair_mask = seq_mask.unsqueeze(-1) * seq_mask.unsqueeze(-2)
         # pair_mask: [B, N_res, N_res]
@@ -154,8 +171,8 @@ class AlphaFold(nn.Module):
 
         m, z = self.embed_inputs_and_recycling(feats, recycled)
         if self.templates_enabled:
-            m, z, msa_mask = self.embed_templates(feats, m, z, msa_mask, pair_mask, gradient_checkpointing)
-        z = self.embed_extra_msa(feats, z, pair_mask, m.dtype, gradient_checkpointing)
+            m, z, msa_mask = self.embed_templates(feats, m, z, msa_mask, pair_mask, recompute("template_pair_stack"))
+        z = self.embed_extra_msa(feats, z, pair_mask, m.dtype, recompute("extra_msa_stack"))
 
         # Evoformer (Alg. 6).
         m, z, s = self.evoformer_stack(
@@ -163,7 +180,7 @@ class AlphaFold(nn.Module):
             z,
             msa_mask=msa_mask.to(m.dtype),
             pair_mask=pair_mask.to(z.dtype),
-            gradient_checkpointing=gradient_checkpointing,
+            gradient_checkpointing=recompute("evoformer_stack"),
         )
         # m: [B, N_seq, N_res, C_m], z: [B, N_res, N_res, C_z], s: [B, N_res, C_s]
 
@@ -204,7 +221,7 @@ class AlphaFold(nn.Module):
         z: torch.Tensor,
         msa_mask: torch.Tensor,
         pair_mask: torch.Tensor,
-        gradient_checkpointing: bool = False,
+        gradient_checkpointing: bool | int = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Templates (Alg. 2 lines 7-13): the template pair embedding added to ``z`` and, with
         ``embed_template_torsion_angles``, one template torsion-angle row per template appended to
@@ -232,7 +249,7 @@ class AlphaFold(nn.Module):
         z: torch.Tensor,
         pair_mask: torch.Tensor,
         dtype: torch.dtype,
-        gradient_checkpointing: bool = False,
+        gradient_checkpointing: bool | int = False,
     ) -> torch.Tensor:
         """Extra MSA embedding and stack (Alg. 18): updates ``z`` only; the masks are cast to
         ``dtype`` (the MSA representation's)."""
@@ -266,7 +283,7 @@ class AlphaFold(nn.Module):
         feats: Mapping[str, torch.Tensor],
         z: torch.Tensor,
         pair_mask: torch.Tensor,
-        gradient_checkpointing: bool = False,
+        gradient_checkpointing: bool | int = False,
     ) -> torch.Tensor:
         """Template pair features -> embedder -> pair stack -> pointwise attention.
 

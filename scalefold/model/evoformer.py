@@ -240,11 +240,12 @@ class EvoformerStack(ParallelStack):
     ``s = Linear(m[first row])`` (Supplementary Alg. 2 line 17 / Alg. 6).
 
     Built from its config: ``EvoformerStack(config.evoformer_stack_config)``.
-    ``checkpointing`` recomputes each block's activations in backward (training with grad only);
+    ``checkpointing`` recomputes block activations in backward (training with grad only; True every
+    block, an int the first that many);
     ``parallel`` builds Parallel Evoformer blocks (the stack Branch Parallelism splits).
     """
 
-    def __init__(self, cfg: EvoformerStackConfig, checkpointing: bool = False, parallel: bool = False) -> None:
+    def __init__(self, cfg: EvoformerStackConfig, checkpointing: bool | int = False, parallel: bool = False) -> None:
         super().__init__((EvoformerBlock(cfg, parallel) for _ in range(cfg.num_blocks)), checkpointing)
         self.branch_parallel = parallel
         self.linear = Linear(cfg.c_m, cfg.c_s, bias=True, init="default")
@@ -258,18 +259,18 @@ class EvoformerStack(ParallelStack):
         z: torch.Tensor,
         msa_mask: torch.Tensor,
         pair_mask: torch.Tensor,
-        gradient_checkpointing: bool | None = None,
+        gradient_checkpointing: bool | int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns ``(m, z, s)`` with ``s`` ``[*, N_res, c_s]``.
 
         ``gradient_checkpointing`` (the reference's forward argument) overrides the constructor's
         ``checkpointing`` when given.
         """
-        with_checkpoint = self.with_checkpoint(gradient_checkpointing)
+        recompute = self.checkpointed(gradient_checkpointing)
         dap, m, z = self.enter(m, z, n_seq=m.shape[-3])
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
             m, z = run_block(
-                block, with_checkpoint, m, z, msa_mask=msa_mask, pair_mask=pair_mask, dap=dap, branch=self.branch
+                block, i < recompute, m, z, msa_mask=msa_mask, pair_mask=pair_mask, dap=dap, branch=self.branch
             )
         if dap is not None:
             m, z = dap.msa.gather_rows(m, grad="split"), dap.pair.gather_rows(z, grad="split")

@@ -38,10 +38,11 @@ class ExtraMSAStack(ParallelStack):
     """``num_blocks`` extra-MSA blocks; returns only the updated pair representation.
 
     Built from its config: ``ExtraMSAStack(config.extra_msa_stack_config)``.
-    ``checkpointing`` recomputes each block's activations in backward (training with grad only).
+    ``checkpointing`` recomputes block activations in backward (training with grad only; True every
+    block, an int the first that many).
     """
 
-    def __init__(self, cfg: ExtraMSAStackConfig, checkpointing: bool = False) -> None:
+    def __init__(self, cfg: ExtraMSAStackConfig, checkpointing: bool | int = False) -> None:
         super().__init__((ExtraMSABlock(cfg) for _ in range(cfg.num_blocks)), checkpointing)
 
     def forward(
@@ -50,17 +51,17 @@ class ExtraMSAStack(ParallelStack):
         z: torch.Tensor,
         msa_mask: torch.Tensor,
         pair_mask: torch.Tensor,
-        gradient_checkpointing: bool | None = None,
+        gradient_checkpointing: bool | int | None = None,
     ) -> torch.Tensor:
         """Returns the updated ``z`` ``[*, N_res, N_res, c_z]``.
 
         ``gradient_checkpointing`` (the reference's forward argument) overrides the constructor's
         ``checkpointing`` when given.
         """
-        with_checkpoint = self.with_checkpoint(gradient_checkpointing)
+        recompute = self.checkpointed(gradient_checkpointing)
         dap, m, z = self.enter(m, z, n_seq=m.shape[-3])
-        for block in self.blocks:
-            m, z = run_block(block, with_checkpoint, m, z, msa_mask=msa_mask, pair_mask=pair_mask, dap=dap)
+        for i, block in enumerate(self.blocks):
+            m, z = run_block(block, i < recompute, m, z, msa_mask=msa_mask, pair_mask=pair_mask, dap=dap)
         if dap is not None:
             z = dap.pair.gather_rows(z, grad="split")
         return z

@@ -44,7 +44,7 @@ def build_model(cfg: TrainConfig, model_cfg: AlphaFoldConfig, device: torch.devi
     if training:
         torch.manual_seed(cfg.seed)
     return AlphaFold(
-        model_cfg, activation_checkpointing=cfg.activation_checkpointing and training,
+        model_cfg, activation_checkpointing=cfg.activation_checkpointing if training else False,
         parallel_evoformer=cfg.parallel_evoformer,
     ).to(device, dtype)  # fmt: skip
 

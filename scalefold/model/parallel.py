@@ -40,7 +40,7 @@ from scalefold.distributed.axial import (
 )
 from scalefold.distributed.branch_parallel import MSA_BRANCH, PAIR_BRANCH, Branches, branch_rng, branch_seeds
 from scalefold.distributed.group import DAPGroup
-from scalefold.model.memory import use_checkpointing
+from scalefold.model.memory import blocks_to_recompute, use_checkpointing
 
 
 def split_planes(dap: Axial | None) -> tuple[Plane | None, Plane | None]:
@@ -62,14 +62,14 @@ class ParallelStack(nn.Module):
     """A stack of ``blocks`` that DAP shards: scatter by rows on entry, gather on exit.
 
     Subclasses build their blocks, call :meth:`enter` at the top of ``forward`` and gather the
-    outputs they return. ``checkpointing`` recomputes each block's activations in backward
-    (training with grad only). ``branch_parallel`` is true for a stack of Parallel Evoformer
+    outputs they return. ``checkpointing`` recomputes the blocks' activations in backward
+    (training with grad only): ``True`` every block, an int the first that many. ``branch_parallel`` is true for a stack of Parallel Evoformer
     blocks, the only stack Branch Parallelism splits.
     """
 
     branch_parallel: bool = False
 
-    def __init__(self, blocks: Iterable[nn.Module], checkpointing: bool = False) -> None:
+    def __init__(self, blocks: Iterable[nn.Module], checkpointing: bool | int = False) -> None:
         super().__init__()
         self.checkpointing = checkpointing
         self.dap_group: DAPGroup | None = None  # set from outside: set_parallelism
@@ -99,11 +99,13 @@ class ParallelStack(nn.Module):
 
     # -- what the subclasses' forward uses ---------------------------------------------------------
 
-    def with_checkpoint(self, gradient_checkpointing: bool | None) -> bool:
-        """Whether to recompute block activations: ``gradient_checkpointing`` (the reference's
-        forward argument) overrides the constructor's ``checkpointing`` when given."""
+    def checkpointed(self, gradient_checkpointing: bool | int | None) -> int:
+        """How many leading blocks recompute their activations in backward: ``gradient_checkpointing``
+        (the reference's forward argument: ``True`` all, ``False`` none, an int that many) overrides the
+        constructor's ``checkpointing`` when given; 0 outside grad-enabled training."""
         requested = self.checkpointing if gradient_checkpointing is None else gradient_checkpointing
-        return use_checkpointing(self, requested)
+        n = blocks_to_recompute(requested, len(self.blocks))
+        return n if use_checkpointing(self, n > 0) else 0
 
     def enter(self, m: torch.Tensor | None, z: torch.Tensor, n_seq: int | None):
         """:func:`enter_stack` with this stack's DAP group: ``(dap, m, z)``."""

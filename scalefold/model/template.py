@@ -70,22 +70,23 @@ class TemplatePairStack(ParallelStack):
     """``num_blocks`` template pair blocks and a final LayerNorm (Supplementary Alg. 16).
 
     Built from its config: ``TemplatePairStack(config.template_pair_stack_config)``.
-    ``checkpointing`` recomputes each block's activations in backward (training with grad only).
+    ``checkpointing`` recomputes block activations in backward (training with grad only; True every
+    block, an int the first that many).
     """
 
-    def __init__(self, cfg: TemplatePairStackConfig, checkpointing: bool = False) -> None:
+    def __init__(self, cfg: TemplatePairStackConfig, checkpointing: bool | int = False) -> None:
         super().__init__((TemplatePairBlock(cfg) for _ in range(cfg.num_blocks)), checkpointing)
         self.layer_norm = LayerNorm(cfg.c_t)
 
-    def forward(self, t: torch.Tensor, mask: torch.Tensor, gradient_checkpointing: bool | None = None) -> torch.Tensor:
+    def forward(self, t: torch.Tensor, mask: torch.Tensor, gradient_checkpointing: bool | int | None = None) -> torch.Tensor:
         """``t`` ``[*, N_templ, N_res, N_res, c_t]``, ``mask`` ``[*, N_res, N_res]`` (pair mask)
         -> ``t`` of the same shape. ``gradient_checkpointing`` (the reference's forward argument)
         overrides the constructor's ``checkpointing`` when given."""
-        with_checkpoint = self.with_checkpoint(gradient_checkpointing)
+        recompute = self.checkpointed(gradient_checkpointing)
         dap, _, t = self.enter(None, t, n_seq=None)
         pair = None if dap is None else dap.pair
-        for block in self.blocks:
-            t = run_block(block, with_checkpoint, t, mask=mask, pair=pair)
+        for i, block in enumerate(self.blocks):
+            t = run_block(block, i < recompute, t, mask=mask, pair=pair)
         if pair is not None:
             t = pair.gather_rows(t, grad="split")
         return self.layer_norm(t)

@@ -7,6 +7,10 @@ shapes, so they measure the step the Trainer takes by construction.
 * :mod:`scalefold.perf.memory`     -- ``scalefold estimate-memory``: peak memory per rank predicted by
   running that step on fake tensors (shapes only), and :func:`~scalefold.perf.memory.check_fits` for
   the start-up check;
+* :mod:`scalefold.perf.flops`      -- ``scalefold estimate-step``: the same fake step's FLOPs and bytes
+  per operator, by module and recycling count (:func:`~scalefold.perf.flops.step_throughput`: a logged
+  step's TFLOP/s and MFU); :mod:`scalefold.perf.devices` the GPUs' peaks and the roofline floor;
+  :mod:`scalefold.perf.recompute` the activation-checkpointing policy that fits a device (``auto``);
 * :mod:`scalefold.perf.step_bench` -- ``scalefold bench step``: the step timed eager and compiled in
   one process, with graph breaks and recompilations counted.
 """

@@ -45,12 +45,13 @@ import time
 import warnings
 import weakref
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -73,7 +74,6 @@ _CUDA_FP32_OPS = frozenset({
     "renorm", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "nll_loss_forward", "kl_div",
     "binary_cross_entropy_with_logits",
 })  # fmt: skip
-_FP32_REGION_NAMES = ("structure_module", "auxiliary_heads", "loss")  # no autocast there (steps.FP32_REGIONS)
 _REDUCED = (torch.bfloat16, torch.float16)
 
 
@@ -113,6 +113,59 @@ def _up(x: Any) -> Any:
     return x.float() if isinstance(x, torch.Tensor) and x.dtype in _REDUCED else x
 
 
+def hook_every_module(enter: Callable[..., None], leave: Callable[..., None]) -> list[Any]:
+    """Global forward hooks: ``enter(module, args)`` before every module's forward, ``leave(module, args,
+    output)`` after it, also when it raises (activation checkpointing stops a recomputation early by an
+    exception). Returns the handles for :func:`remove_hooks`."""
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    return [register_module_forward_pre_hook(enter), register_module_forward_hook(leave, always_call=True)]
+
+
+def remove_hooks(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+
+
+class AutocastProbe(TorchFunctionMode):
+    """Whether CPU autocast is on where the torch function that issued an operator was called (``on``),
+    for the dispatch-level modes below it: there autocast's dispatch key is always excluded, so
+    ``torch.is_autocast_enabled()`` reads False inside ``__torch_dispatch__`` even under autocast (the
+    CUDA fp32 rule of :class:`StorageTracker` never fired before this probe: softmax outputs were
+    predicted in bf16, not fp32). Nested calls keep the outermost call's state. ``loss.backward()`` is
+    itself such a call, so the whole backward reads the state at that call (off); activation
+    checkpointing's recomputation inside it is told apart by the module forwards running there
+    (``recomputing``: module forward hooks, counted while active)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on = False
+        self.modules_running = 0  # module forwards now running (in backward: a recomputation)
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> AutocastProbe:
+        self._handles = hook_every_module(self._enter_module, self._exit_module)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        remove_hooks(self._handles)
+
+    def _enter_module(self, module: torch.nn.Module, args: Any) -> None:
+        self.modules_running += 1
+
+    def _exit_module(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self.modules_running -= 1  # always_call: also when a recomputation stops early by an exception
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        before, self.on = self.on, torch.is_autocast_enabled("cpu")
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.on = before
+
+
 class StorageTracker(TorchDispatchMode):
     """Live bytes of every storage an operator creates (and of the ones :meth:`register` names), the
     peak of their sum, and what was live at the peak by ``category`` and top-level module.
@@ -128,8 +181,8 @@ class StorageTracker(TorchDispatchMode):
     mode decides. ``origins``: also keep the live bytes by creating operator (debugging). ``block``
     rounds every storage up (512 on CUDA). ``cuda_autocast``: the operators CUDA autocasts to fp32 get fp32 inputs
     where CUDA bf16 autocast would be on (the casts counted), at the dispatch level, so that activation
-    checkpointing's recomputation in backward sees the same rule as the forward. Works on real and on
-    fake tensors alike.
+    checkpointing's recomputation in backward sees the same rule as the forward; where autocast is on
+    is read by an :class:`AutocastProbe` above the dispatcher. Works on real and on fake tensors alike.
     """
 
     def __init__(self, block: int = 1, cuda_autocast: bool = False, origins: bool = False) -> None:
@@ -149,6 +202,7 @@ class StorageTracker(TorchDispatchMode):
         self._stack: list[str] = []  # the attributed modules whose forward is running
         self._hooks: list[Any] = []
         self._undo: list[Any] = []
+        self._probe = AutocastProbe() if cuda_autocast else None
 
     # -- bookkeeping --------------------------------------------------------------------------------
 
@@ -227,26 +281,38 @@ class StorageTracker(TorchDispatchMode):
             self._stack.pop()
 
     def _autocast_region(self) -> bool:
-        """Whether CUDA autocast would be on here: under autocast in the forward; in backward, inside a
-        module being recomputed by activation checkpointing, except the fp32 regions (the recompute
-        re-enters autocast; a rule applied in the forward but not in the recomputation would fail the
-        checkpoint's metadata check, as an autocast-state test did in backward)."""
+        """Whether CUDA autocast would be on here (:class:`AutocastProbe`): in the forward where the
+        torch function that issued the operator ran under autocast (not in the fp32 regions); in
+        backward inside activation checkpointing's recomputation (a module forward running: only blocks
+        of the autocast stacks are checkpointed, and the recomputation re-enters autocast), not the
+        backward's own operators (autocast does not apply to them)."""
+        if self._probe is None:
+            return False
         if self.phase_name == "backward":
-            return bool(self._stack) and self._stack[-1] not in _FP32_REGION_NAMES
-        return self.phase_name == "forward" and torch.is_autocast_enabled("cpu")
+            return self._probe.modules_running > 0
+        return self._probe.on
 
     def _module(self) -> str:
         return self._stack[-1] if self._stack else ""
 
-    def _category(self) -> str:
+    def category(self) -> str:
+        """What a storage created now counts as: ``recycling``, ``activations`` (grad pass), ``loss``,
+        ``backward``, ``optimizer_temp`` (or the phase's name, e.g. ``setup``)."""
         if self.phase_name == "forward":
             return "recycling" if self._recycling() else "activations"
         return {"optimizer": "optimizer_temp"}.get(self.phase_name, self.phase_name)
 
     # -- modes -------------------------------------------------------------------------------------
 
+    def __enter__(self) -> StorageTracker:
+        if self._probe is not None:
+            self._probe.__enter__()
+        return super().__enter__()
+
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
+        if self._probe is not None:
+            self._probe.__exit__(*exc)
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
@@ -266,7 +332,7 @@ class StorageTracker(TorchDispatchMode):
         out = func(*args, **kwargs)
         tensors = casts + [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if tensors:
-            tag = (self._category(), self._module()) + ((func.overloadpacket.__name__,) if self.origins else ())
+            tag = (self.category(), self._module()) + ((func.overloadpacket.__name__,) if self.origins else ())
             for t in tensors:
                 self._add(t.untyped_storage(), tag)
         return out
@@ -364,6 +430,7 @@ def estimate_memory(
     recycling: int | None = None,
     cuda_graphs: bool | None = None,
     origins: bool = False,
+    observe: Callable[[Any, StorageTracker], contextlib.AbstractContextManager] | None = None,
 ) -> MemoryEstimate:
     """Predicted peak memory per rank of one training step of ``cfg`` (DAP size ``cfg.dap``).
 
@@ -374,7 +441,9 @@ def estimate_memory(
     peak within 1 %: 0.14 % on ``tiny``, the batch slices copied differ by one recycling slice). ``cuda_graphs``: add the graph pool (default: as
     ``--cuda-graphs`` resolves on the target: CUDA without DAP/BP, unless ``cfg.cuda_graphs`` is off).
     ``origins``: also report what was live at the peak by category, module and creating operator
-    (``MemoryEstimate.origins``; debugging).
+    (``MemoryEstimate.origins``; debugging). ``observe(step, tracker)``: a context entered around the step
+    outside the tracker, so a dispatch mode there sees its casts too (:mod:`scalefold.perf.flops`).
+    Checkpointing policy: on, off or N (``auto``: :func:`scalefold.perf.recompute.resolve_policy` first).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -413,7 +482,7 @@ def estimate_memory(
         tracker.register(batch.values(), "batch")
         tracker.attribute({**dict(model.named_children()), "loss": step.loss_fn})
         tracker.passes(model)  # recycling vs grad pass by the pass's grad mode, not the operator's
-        with tracker:
+        with observe(step, tracker) if observe else contextlib.nullcontext(), tracker:
             step.run(n, phase=tracker.phase)
     by_cat, by_mod = tracker.breakdown()
     step_peak = tracker.peak
@@ -427,13 +496,24 @@ def estimate_memory(
     settings = {
         "preset": cfg.model_preset, "precision": cfg.precision, "crop": _crop(model_cfg), "dap": cfg.dap,
         "target": target, "kernels": kernels,
-        "recycling_passes": n, "activation_checkpointing": cfg.activation_checkpointing, "cuda_graphs": bool(cuda_graphs),
+        "recycling_passes": n, "activation_checkpointing": policy_name(cfg.activation_checkpointing),
+        "checkpointed_blocks": model.checkpointed_blocks(), "cuda_graphs": bool(cuda_graphs),
     }  # fmt: skip
     return MemoryEstimate(
         peak_bytes=int(peak), step_peak_bytes=int(step_peak), cuda_graph_pool_bytes=int(pool), breakdown=by_cat,
         modules=by_mod, phase_peaks=dict(tracker.phase_peaks), origins=tracker.origins_at_peak() if origins else {},
         settings=settings, seconds=time.perf_counter() - t0,
     )  # fmt: skip
+
+
+def policy_name(policy: object) -> str:
+    """An activation-checkpointing policy as the command line writes it: ``on``, ``off``, ``N``, ``auto``."""
+    from scalefold.config.recompute import parse_checkpointing
+
+    parsed = parse_checkpointing(policy)
+    if isinstance(parsed, bool):
+        return "on" if parsed else "off"
+    return str(parsed)
 
 
 def _crop(model_cfg: Any) -> int:
@@ -458,7 +538,7 @@ def format_estimate(est: MemoryEstimate) -> str:
     """Human-readable summary: the peak, what is live at it, the largest modules."""
     s = est.settings
     lines = [f"{s['preset']} crop {s['crop']} {s['precision']} DAP {s['dap']} on {s['target']} "
-             f"(kernels {s['kernels']}, activation checkpointing {'on' if s['activation_checkpointing'] else 'off'}, "
+             f"(kernels {s['kernels']}, activation checkpointing {s['activation_checkpointing']}, "
              f"{s['recycling_passes']} recycling pass(es) run): peak {est.peak_bytes / GiB:.2f} GiB per rank"]  # fmt: skip
     if est.cuda_graph_pool_bytes:
         lines.append(f"  incl. CUDA-graph pool {est.cuda_graph_pool_bytes / GiB:.2f} GiB "
@@ -487,7 +567,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 __all__ = [
-    "format_estimate", "format_table", "check_fits", "usable_bytes", "measure_cpu_peak", "MemoryEstimate", "StorageTracker", "estimate_memory", "fake_process_group", "CUDA_BLOCK_BYTES", "DAP_SIZES",
+    "format_estimate", "format_table", "check_fits", "policy_name", "AutocastProbe", "hook_every_module", "remove_hooks", "usable_bytes", "measure_cpu_peak", "MemoryEstimate", "StorageTracker", "estimate_memory", "fake_process_group", "CUDA_BLOCK_BYTES", "DAP_SIZES",
 ]  # fmt: skip
 
 

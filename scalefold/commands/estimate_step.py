@@ -1,0 +1,247 @@
+"""``scalefold estimate-step``: the step's FLOPs, bytes, roofline floor and peak memory, and the
+activation-checkpointing policy that fits a device. The work is in :mod:`scalefold.perf.flops`,
+:mod:`scalefold.perf.recompute` and :mod:`scalefold.perf.devices`; this module parses and prints."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+EXIT_BAD_INPUT = 3
+GiB = 2**30
+
+
+def add_common_arguments(p: argparse.ArgumentParser) -> None:
+    """The options ``estimate-memory`` and ``estimate-step`` share."""
+    p.add_argument("--preset", default="mlperf", help="training preset (mlperf, demo, tiny; default mlperf)")
+    p.add_argument("--precision", choices=("bf16", "fp32"), help="default: the preset's")
+    p.add_argument("--crop", type=int, help="crop size (default: the preset's; MLPerf 256)")
+    p.add_argument("--dap", type=int, default=1, help="DAP size: the prediction is per rank (default 1)")
+    p.add_argument("--kernels", choices=("triton", "torch"), help="kernel path (default: triton for --target cuda)")
+    p.add_argument("--target", choices=("cuda", "cpu"), default="cuda",
+                   help="allocator and autocast rules of this device (default cuda)")  # fmt: skip
+    p.add_argument("--cuda-graphs", choices=("auto", "off"), default="auto",
+                   help="count the CUDA-graph pool where --cuda-graphs auto would capture (default auto)")  # fmt: skip
+    p.add_argument("--activation-checkpointing", metavar="POLICY",
+                   help="on, off, N (the first N blocks in forward order recompute: template pair, extra MSA, "
+                   "Evoformer) or auto (the fewest that fit --device-memory-gib or the CUDA device); default: the preset's")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "estimate-step",
+        help="count the FLOPs and bytes of one training step, its roofline floor and peak memory (no GPU needed)",
+        description="Run one training step on fake tensors (as estimate-memory) counting every operator's "
+        "matrix and elementwise FLOPs and the bytes it reads and writes, for each recycling count, by module; "
+        "print the roofline floor on H100 / H200 / A100 and the predicted peak memory. With "
+        "--device-memory-gib (or on CUDA) the activation-checkpointing policy is checked against the device: "
+        "auto picks the fewest recomputing blocks that fit; a policy that cannot fit is refused, naming the "
+        "smallest N that does. See scalefold/perf/flops.py for what is counted.",
+    )  # fmt: skip
+    add_common_arguments(p)
+    p.add_argument("--device-memory-gib", type=float,
+                   help="check the policy against a device of this many GiB (default: the CUDA device, if any)")  # fmt: skip
+    p.add_argument("--depth", type=int, default=1, help="module levels in the per-module table (default 1)")
+    p.set_defaults(handler=_run)
+
+
+def train_config(args: argparse.Namespace, **extra: Any) -> Any:
+    """The :class:`~scalefold.config.training.TrainConfig` of the shared options."""
+    from scalefold.config.training import TrainConfig
+
+    overrides = {"precision": args.precision, "crop_size": args.crop, "dap": args.dap, "cuda_graphs": args.cuda_graphs,
+                 "activation_checkpointing": args.activation_checkpointing}  # fmt: skip
+    overrides.update(extra)
+    return TrainConfig.from_preset(args.preset, overrides={k: v for k, v in overrides.items() if v is not None}, env={})
+
+
+def check_arguments(args: argparse.Namespace) -> str | None:
+    """A message for an option no estimate can use, else None."""
+    from scalefold.config.recompute import parse_checkpointing
+    from scalefold.config.training import PRESETS
+
+    if args.preset not in PRESETS:
+        return f"unknown preset {args.preset!r}; expected one of {sorted(PRESETS)}"
+    if args.dap < 1:
+        return f"--dap {args.dap}: must be >= 1"
+    if getattr(args, "device_memory_gib", None) is not None and not args.device_memory_gib > 0:
+        return f"--device-memory-gib {args.device_memory_gib:g}: must be > 0"
+    try:
+        parse_checkpointing(args.activation_checkpointing)
+    except ValueError as exc:
+        return f"--activation-checkpointing: {exc}"
+    return None
+
+
+def resolve(args: argparse.Namespace, cfg: Any, estimate: Any = None) -> tuple[Any, Any]:
+    """``(cfg with the policy resolved, PolicyChoice or None)`` against --device-memory-gib or the CUDA
+    device; raises ``ValueError`` (``PolicyDoesNotFit``) for a policy that cannot fit."""
+    from dataclasses import replace
+
+    from scalefold.perf.recompute import resolve_policy
+
+    capacity = int(args.device_memory_gib * GiB) if getattr(args, "device_memory_gib", None) else None
+    choice = resolve_policy(cfg, capacity_bytes=capacity, estimate=estimate)
+    if choice is not None:
+        cfg = replace(cfg, activation_checkpointing=choice.policy)
+    return cfg, choice
+
+
+def _run(args: argparse.Namespace) -> int:
+    from scalefold.perf.flops import count_step
+
+    problem = check_arguments(args)
+    if problem:
+        return _bad(problem)
+    try:
+        cfg = train_config(args)
+        cfg, choice = resolve(args, cfg, estimate=lambda c: count_step(c, target=args.target, kernels=args.kernels))
+        step = count_step(cfg, target=args.target, kernels=args.kernels)
+    except ValueError as exc:  # a policy that cannot fit, a layout DAP cannot take, a bad option value
+        return _bad(str(exc))
+    out = report(step, choice, depth=args.depth)
+    print(json.dumps(out, indent=1) if args.json else format_report(out))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
+
+
+def _per_n(step: Any, fn: Any) -> dict[str, float]:
+    return {str(n): fn(n) for n in step.recycling_counts()}
+
+
+def _modules(step: Any, depth: int, precision: str) -> dict[str, Any]:
+    from scalefold.perf.flops import CATEGORIES, FIELDS, floor_table, group
+
+    grouped: dict[str, dict[int, dict[str, list[int]]]] = {}
+    for n in step.recycling_counts():
+        for category in CATEGORIES:
+            for module, counts in step.by_module(n, (category,)).items():
+                slot = grouped.setdefault(group(module, depth), {}).setdefault(n, {})
+                acc = slot.setdefault(category, [0] * len(FIELDS))
+                for i, v in enumerate(counts):
+                    acc[i] += v
+    out = {}
+    for name, per_n in grouped.items():
+        def totals(n: int, per_n=per_n) -> list[int]:
+            return [sum(c[i] for c in per_n.get(n, {}).values()) for i in range(len(FIELDS))]
+
+        out[name] = {
+            "flops": _per_n(step, lambda n: sum(totals(n)[:3])),
+            "flops_by_category": {c: sum(v[:3]) for c, v in per_n.get(0, {}).items()},  # at n = 0
+            "bytes": _per_n(step, lambda n: totals(n)[4] + totals(n)[5]),
+            "floor_s": {card: v["floor_s"]["mean"] for card, v in floor_table(totals, step.recycling_counts(), precision).items()},
+        }
+    return dict(sorted(out.items(), key=lambda kv: -sum(kv[1]["flops"].values())))
+
+
+def report(step: Any, choice: Any = None, depth: int = 1) -> dict[str, Any]:
+    """The JSON of ``estimate-step``: per recycling count ``n`` (keys ``"0"`` ..) the matrix FLOPs
+    (``flops``, recomputation included; ``model_flops`` without), elementwise FLOPs, bytes, and the
+    roofline floor per card (``floor_s``, the larger of ``compute_s`` and ``memory_s``); their means over
+    the training's uniform recycling counts; the predicted peak, the policy and its recomputing blocks;
+    the same per module; and the policy search."""
+    precision = step.settings["precision"]
+    mem = step.memory
+    out = {
+        "settings": step.settings, "recycling_counts": list(step.recycling_counts()),
+        "flops": _per_n(step, step.flops), "flops_mean": step.flops_mean,
+        "model_flops": _per_n(step, step.model_flops), "model_flops_mean": step.mean(step.model_flops),
+        "flops_by_dtype": _per_n(step, step.flops_by_dtype),
+        "flops_elementwise": _per_n(step, step.elementwise_flops), "bytes": _per_n(step, step.bytes),
+        "bytes_mean": step.mean(step.bytes), "peak_bytes": mem.peak_bytes, "peak_gib": round(mem.peak_gib, 3),
+        "memory_breakdown": mem.breakdown, "activation_checkpointing": step.settings["activation_checkpointing"],
+        "checkpointed_blocks": step.settings["checkpointed_blocks"],
+        "modules": _modules(step, depth, precision), "seconds": round(step.seconds, 1),
+    }  # fmt: skip
+    floors = step.floors()
+    for kind in ("floor_s", "compute_s", "memory_s"):  # means over n, then per n
+        out[kind] = {card: v[kind]["mean"] for card, v in floors.items()}
+        out[f"{kind}_by_recycling"] = {card: {n: s for n, s in v[kind].items() if n != "mean"} for card, v in floors.items()}
+    if choice is not None:
+        out["policy"] = choice.to_json()
+    return out
+
+
+def _unit(value: float, units: tuple[tuple[str, float], ...]) -> tuple[str, float]:
+    """The largest unit (name, scale) in which ``value`` is at least 0.1."""
+    for name, scale in units:
+        if value >= 0.1 * scale:
+            return name, scale
+    return units[-1]
+
+
+_FLOP_UNITS = (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6))
+_BYTE_UNITS = (("GB", 1e9), ("MB", 1e6))
+_TIME_UNITS = (("s", 1.0), ("ms", 1e-3), ("us", 1e-6))
+
+
+def _memory(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 2**20:.1f} MiB"
+
+
+def format_report(out: dict[str, Any]) -> str:
+    """The readable table of :func:`report`."""
+    from scalefold.perf.devices import DEVICES
+
+    s, ns = out["settings"], [str(n) for n in out["recycling_counts"]]
+    blocks = ", ".join(f"{k} {v}" for k, v in out["checkpointed_blocks"].items())
+    flop, flop_scale = _unit(out["flops_mean"], _FLOP_UNITS)
+    byte, byte_scale = _unit(out["bytes_mean"], _BYTE_UNITS)
+    sec, sec_scale = _unit(max(out["floor_s"].values()), _TIME_UNITS)
+    lines = [f"{s['preset']} crop {s['crop']} {s['precision']} DAP {s['dap']} (target {s['target']}, kernels {s['kernels']}): "
+             f"activation checkpointing {out['activation_checkpointing']} (recomputing blocks: {blocks})",
+             f"predicted peak memory {_memory(out['peak_bytes'])} per rank; per rank and step:", ""]  # fmt: skip
+
+    def row(label: str, per_n: dict[str, float], scale: float, fmt: str = "{:10.3f}") -> str:
+        vals = [per_n[n] / scale for n in ns]
+        return f"{label:<28}" + "".join(fmt.format(v) for v in vals) + fmt.format(sum(vals) / len(vals))
+
+    lines += [f"{'recycling passes n':<28}" + "".join(f"{n:>10}" for n in ns) + f"{'mean':>10}",
+              row(f"matrix {flop}", out["flops"], flop_scale), row("  without recomputation", out["model_flops"], flop_scale),
+              row(f"elementwise {flop}", out["flops_elementwise"], flop_scale), row(f"bytes moved ({byte})", out["bytes"], byte_scale)]  # fmt: skip
+    for card, per_n in out["floor_s_by_recycling"].items():
+        lines.append(row(f"floor {DEVICES[card].name} ({sec})", per_n, sec_scale))
+        lines.append(row("  compute (matrix FLOPs)", out["compute_s_by_recycling"][card], sec_scale))
+        lines.append(row("  memory (bytes moved)", out["memory_s_by_recycling"][card], sec_scale))
+    lines += ["", f"{'by module (mean over n)':<42} {flop:>8} {'fwd':>8} {'recomp':>8} {'bwd':>8} {byte:>8} {'H100 ' + sec:>8}"]
+    for name, m in list(out["modules"].items())[:30]:
+        cat = m["flops_by_category"]
+        mean = sum(m["flops"].values()) / len(m["flops"]) / flop_scale
+        part = [cat.get(c, 0) / flop_scale for c in ("forward", "recompute", "backward")]
+        moved = sum(m["bytes"].values()) / len(m["bytes"]) / byte_scale
+        lines.append(f"  {name[:40]:<40} {mean:8.3f} {part[0]:8.3f} {part[1]:8.3f} {part[2]:8.3f} {moved:8.2f} "
+                     f"{m['floor_s'].get('h100-sxm', 0) / sec_scale:8.3f}")  # fmt: skip
+    lines.append("  (fwd / recomp / bwd: the grad pass's forward, its recomputation and its backward at n = 0)")
+    if "policy" in out:
+        lines += ["", _format_policy(out["policy"], flop, flop_scale)]
+    return "\n".join(lines)
+
+
+def _format_policy(p: dict[str, Any], flop: str, scale: float) -> str:
+    lines = [f"policy for a {p['capacity_bytes'] / GiB:g} GiB device ({_memory(p['usable_bytes'])} usable; margin "
+             f"{p['margin']:.2f}x on activations): {p['policy']} = {p['blocks']} of {p['total_blocks']} blocks recompute, "
+             f"predicted peak {_memory(p['peak_bytes'])} ({_memory(p['calibrated_peak_bytes'])} with the margin)"]  # fmt: skip
+    flops = {n: probe["flops_mean"] for n, probe in p["probes"].items() if "flops_mean" in probe}
+    for n, probe in p["probes"].items():
+        f = f", {flops[n] / scale:.3f} {flop} mean" if n in flops else ""
+        lines.append(f"  N = {n:>3}: predicted {_memory(probe['peak_bytes']):>10}, with the margin "
+                     f"{_memory(probe['calibrated_peak_bytes']):>10}, {'fits' if probe['fits'] else 'does not fit'}{f}")  # fmt: skip
+    on, mine = flops.get(str(p["total_blocks"])), flops.get(str(p["blocks"]))
+    if on and mine is not None:
+        lines.append(f"  saves {(on - mine) / scale:.3f} {flop} per step (mean) against on ({(on - mine) / on:.1%})")
+    return "\n".join(lines)
+
+
+def _bad(message: str) -> int:
+    print(f"scalefold estimate-step: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+__all__ = ["add_common_arguments", "add_parser", "check_arguments", "format_report", "report", "resolve", "train_config"]
