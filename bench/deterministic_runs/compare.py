@@ -10,7 +10,7 @@ for n in names:
         fb = b / f"{n}.metrics.jsonl"
     ra = [json.loads(l) for l in fa.read_text().splitlines()]
     rb = [json.loads(l) for l in fb.read_text().splitlines()]
-    strip = lambda r: {k: v for k, v in r.items() if not k.startswith("time_")}
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith("time_") and k not in ("tflops", "mfu", "hfu")}
     sa, sb = [strip(r) for r in ra], [strip(r) for r in rb]
     fields = sorted({k for r in sa for k in r if k.startswith(("loss", "eval", "grad"))})
     same = sa == sb

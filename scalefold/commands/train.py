@@ -26,10 +26,39 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_run_train)
 
 
-def run_hooks():
+def resolve_recompute_policy(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with its activation-checkpointing policy checked against the device before anything runs
+    (:func:`scalefold.perf.recompute.resolve_policy`): ``auto`` becomes the fewest recomputing blocks whose
+    predicted peak, with the calibrated margin, fits the device memory; on CUDA with the memory check on, an
+    explicit policy that cannot fit raises ``PolicyDoesNotFit`` (a ``ValueError`` naming the prediction and
+    the smallest ``N`` that fits). Elsewhere (CPU) an explicit policy is taken as it is; ``auto`` there is
+    refused (no device memory to fit)."""
+    import torch
+
+    from scalefold.config.recompute import parse_checkpointing
+
+    policy = parse_checkpointing(cfg.activation_checkpointing)
+    if policy != "auto" and not (cfg.memory_check and torch.cuda.is_available()):
+        return cfg
+    from scalefold.perf.recompute import resolve_policy
+
+    choice = resolve_policy(cfg)
+    if choice is None:
+        return cfg
+    if policy == "auto":
+        print(f"scalefold train: activation checkpointing auto -> {choice.policy} ({choice.blocks} of "
+              f"{choice.total_blocks} blocks recompute: {choice.checkpointed_blocks}; predicted peak "
+              f"{choice.probe.estimate.peak_bytes / 2**30:.2f} GiB, {choice.probe.calibrated_bytes / 2**30:.2f} GiB "
+              f"with the margin, of {choice.usable_bytes / 2**30:.2f} GiB usable)", flush=True)  # fmt: skip
+    return cfg.replace(activation_checkpointing=choice.policy)
+
+
+def run_hooks(cfg: TrainConfig | None = None):
     """The optional features ``scalefold train`` wires into the Trainer: the start-up memory check
-    (:func:`scalefold.perf.memory.check_fits`) and the Cα trace picture
-    (:func:`scalefold.inference.trace_plot.plot_checkpoints_on_chain`), each imported when it runs."""
+    (:func:`scalefold.perf.memory.check_fits`), the Cα trace picture
+    (:func:`scalefold.inference.trace_plot.plot_checkpoints_on_chain`), each imported when it runs, and,
+    given ``cfg`` with ``count_flops``, the step's FLOPs per recycling count and the device's peak for the
+    ``tflops`` / ``mfu`` of every step (:func:`step_flops_hooks`)."""
     from scalefold.train.trainer import RunHooks
 
     def memory_check(cfg, model_cfg, device):
@@ -42,7 +71,30 @@ def run_hooks():
 
         return plot_checkpoints_on_chain(store, chain, panels, path)
 
-    return RunHooks(memory_check=memory_check, trace_picture=trace_picture)
+    flops = step_flops_hooks(cfg) if cfg is not None and cfg.count_flops else {}
+    return RunHooks(memory_check=memory_check, trace_picture=trace_picture, **flops)
+
+
+def step_flops_hooks(cfg: TrainConfig) -> dict:
+    """``flops`` (:func:`scalefold.perf.flops.run_flops_table`: one fake step per configuration and machine,
+    then a cached file), ``peak_flops`` and ``device_name`` (:mod:`scalefold.perf.devices`; an unknown GPU
+    or the CPU: no peak, so FLOPs without MFU). Counted here, before the run's process group exists (the
+    fake DAP group needs that). A count that fails costs one line, never the run."""
+    import torch
+
+    from scalefold.perf.devices import current_device_spec
+    from scalefold.perf.flops import run_flops_table
+
+    try:
+        table = run_flops_table(cfg)
+    except Exception as exc:  # noqa: BLE001 -- a measuring aid, not a requirement
+        print(f"scalefold train: the step's FLOPs could not be counted ({type(exc).__name__}: {exc}); "
+              "no tflops / mfu in metrics.jsonl", file=sys.stderr, flush=True)  # fmt: skip
+        return {}
+    spec = current_device_spec()
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {"flops": table, "peak_flops": spec.peak_flops(cfg.precision) if spec is not None else None,
+            "device_name": spec.name if spec is not None else name}  # fmt: skip
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -70,7 +122,12 @@ def _run_train(args: argparse.Namespace) -> int:
         print(f"scalefold train: configuration error: {text}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     try:
-        result = train(cfg, run_hooks())
+        cfg = resolve_recompute_policy(cfg)
+    except ValueError as exc:  # PolicyDoesNotFit, or auto without a device memory
+        print(f"scalefold train: configuration error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    try:
+        result = train(cfg, run_hooks(cfg))
     except TrainingAborted as exc:
         print(f"scalefold train: aborted: {exc}", file=sys.stderr, flush=True)
         return EXIT_ABORTED

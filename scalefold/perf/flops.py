@@ -50,6 +50,8 @@ fake step per shape class and nothing per step (:func:`step_flops`).
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import time
 from bisect import bisect_right
 from collections import defaultdict
@@ -517,6 +519,104 @@ def step_throughput(
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# What a training run logs: a small table per configuration, cached on disk
+# ---------------------------------------------------------------------------------------------
+
+FLOPS_CACHE_ENV = "SCALEFOLD_FLOPS_CACHE"  # a directory; "off": no disk cache
+
+
+def _code_digest() -> str:
+    """A digest of the code a count depends on (the model, the losses, the kernels' references, this
+    counter): a change there gives a new cache entry."""
+    import hashlib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for folder in ("model", "losses", "kernels", "perf"):
+        for path in sorted((root / folder).glob("*.py")):
+            digest.update(path.name.encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _flops_cache_file(cfg: TrainConfig, target: str, kernels: str | None) -> Any:
+    import hashlib
+    from pathlib import Path
+
+    where = os.environ.get(FLOPS_CACHE_ENV, "")
+    if where.strip().lower() == "off":
+        return None
+    root = Path(where) if where else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "scalefold" / "flops"
+    key = repr((cache_key(cfg, target, kernels), torch.__version__, _code_digest()))
+    return root / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+
+
+def run_flops_table(cfg: TrainConfig, target: str | None = None, kernels: str | None = None,
+                    isolated: bool = True) -> dict[int, tuple[int, int]]:  # fmt: skip
+    """``{n: (executed FLOPs, model FLOPs)}`` per rank of a training step of ``cfg`` with ``n`` no-grad
+    recycling passes, for every ``n`` the run samples: what ``scalefold train`` logs as ``tflops`` / ``mfu``.
+
+    One fake step (:func:`count_step`) the first time a configuration is seen on a machine; the table is
+    kept in ``~/.cache/scalefold/flops`` (``$SCALEFOLD_FLOPS_CACHE``; ``off``: not kept), keyed on the step's
+    shape options, the torch version and a digest of the model / loss / kernel / counter code, so a run of
+    the same configuration costs a file read. An unreadable entry is counted again and rewritten.
+
+    ``isolated``: count in a child process. A fake step leaves fake tensors behind in the model code's
+    lazily built constant tables when it is the first to build them, and a real step of the same process
+    then fails on them (``DataDependentOutputException``); the child keeps the caller's process clean.
+    """
+    if target is None:
+        target = "cuda" if torch.cuda.is_available() else "cpu"
+    path = _flops_cache_file(cfg, target, kernels)
+    if path is not None and path.is_file():
+        try:
+            return {int(n): (int(f), int(m)) for n, (f, m) in json.loads(path.read_text()).items()}
+        except (OSError, ValueError, TypeError):
+            pass  # counted again below
+    if isolated:
+        table = _count_in_child(cfg, target, kernels)
+    else:
+        count = count_step(cfg, target=target, kernels=kernels)
+        table = {n: (count.flops(n), count.model_flops(n)) for n in range(count.num_ensembles)}
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps({str(n): list(v) for n, v in table.items()}))
+            tmp.replace(path)
+        except OSError:
+            pass  # a cache that cannot be written costs the next run a count, nothing else
+    return table
+
+
+def _count_in_child(cfg: TrainConfig, target: str, kernels: str | None) -> dict[int, tuple[int, int]]:
+    import pickle
+    import subprocess
+    import sys
+
+    code = "import sys; from scalefold.perf.flops import _child_main; _child_main()"
+    proc = subprocess.run([sys.executable, "-c", code], input=pickle.dumps((cfg, target, kernels)),
+                          capture_output=True, check=False)  # fmt: skip
+    if proc.returncode != 0:
+        lines = proc.stderr.decode(errors="replace").strip().splitlines()
+        raise RuntimeError(f"the FLOP count failed: {lines[-1] if lines else 'exit status ' + str(proc.returncode)}")
+    return {int(n): (int(f), int(m)) for n, (f, m) in json.loads(proc.stdout).items()}
+
+
+def _child_main() -> None:
+    """The child of :func:`_count_in_child`: ``(cfg, target, kernels)`` pickled on stdin, the table as JSON
+    on stdout (the disk cache is written here too)."""
+    import pickle
+    import sys
+
+    cfg, target, kernels = pickle.loads(sys.stdin.buffer.read())
+    table = run_flops_table(cfg, target, kernels, isolated=False)
+    sys.stdout.write(json.dumps({str(n): list(v) for n, v in table.items()}))
+
+
 __all__ = [
-    "step_throughput", "CATEGORIES", "FIELDS", "OpCounter", "StepCount", "SHAPE_OPTIONS", "cache_key", "count_step", "group", "step_flops",
+    "CATEGORIES", "FIELDS", "OpCounter", "SHAPE_OPTIONS", "StepCount", "cache_key", "count_step", "group",
+    "run_flops_table", "step_flops", "step_throughput",
 ]  # fmt: skip

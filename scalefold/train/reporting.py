@@ -55,6 +55,8 @@ class TrainResult:
     notes: list[str] = field(default_factory=list)  # extra end-of-run lines (e.g. the CUDA-graph summary)
     start_step: int = 0  # the step this process started from (a resumed run's checkpoint)
     time_to_train_s: float | None = None  # run_start to run_stop, summed over resumed segments
+    throughput: list[tuple[float, float | None]] = field(default_factory=list)  # (tflops, mfu) of each step
+    device_name: str | None = None  # the GPU the mfu figures refer to
 
 
 class MetricsLog:
@@ -124,9 +126,25 @@ def print_breakdown(result: TrainResult, file: Any = None) -> None:
         lines.append(f"data: {len(result.skipped_samples)} sample(s) skipped and replaced: " + ", ".join(
             f"{s['chain_id']} ({s['reason']})" for s in result.skipped_samples))  # fmt: skip
     lines.extend(result.notes)
+    if result.throughput:
+        lines.append(throughput_line(result))
     if result.eval_history:
         lines.append("eval lDDT-Cα: " + ", ".join(f"step {s}: {v:.4f}" for s, v in result.eval_history))
     print("\n".join(lines), file=file, flush=True)
+
+
+def throughput_line(result: TrainResult) -> str:
+    """The median step's TFLOP/s per rank and, where the device's peak is known, its MFU."""
+    import statistics
+
+    tflops = statistics.median(t for t, _ in result.throughput)
+    mfus = [m for _, m in result.throughput if m is not None]
+    line = f"step throughput: {tflops:.4g} TFLOP/s per rank (median of {len(result.throughput)} steps, executed FLOPs"
+    if mfus:
+        line += f"); MFU {100 * statistics.median(mfus):.2f} % of the {result.device_name or 'device'}'s dense peak"
+    else:
+        line += "; MFU: the device's peak is not known"
+    return line + ("" if mfus else ")")
 
 
 def final_report(preset: str, out: Path, metrics_path: Path, result: TrainResult, target: float | None = None,

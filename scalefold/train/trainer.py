@@ -32,7 +32,7 @@ from __future__ import annotations
 import gc
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,12 +110,19 @@ class RunHooks:
     ``memory_check(cfg, model_cfg, device)`` returns a warning or ``None``: the start-up prediction of
     the step's peak memory (``cfg.memory_check``, main training rank, CUDA only); ``trace_picture(store,
     chain, panels, path)`` draws ``trace.png`` and returns ``(path, traces)`` (``cfg.trace_plot``).
-    ``scalefold train`` wires both (:func:`scalefold.commands.train.run_hooks`); without a hook the
-    feature is off.
+    ``flops`` / ``peak_flops``: the step's FLOPs per recycling count and the device's peak, for the
+    ``tflops`` / ``mfu`` of every step. ``scalefold train`` wires them all
+    (:func:`scalefold.commands.train.run_hooks`); without a hook the feature is off.
     """
 
     memory_check: Callable[[TrainConfig, AlphaFoldConfig, torch.device], str | None] | None = None
     trace_picture: Callable[..., tuple[Any, list]] | None = None
+    #: ``{n: (executed FLOPs, model FLOPs)}`` per rank of a step with ``n`` no-grad recycling passes
+    #: (``scalefold.perf.flops.run_flops_table``): each step's record gets ``tflops``
+    flops: Mapping[int, tuple[float, float]] | None = None
+    #: the device's dense peak FLOP/s at the run's precision (None: unknown): records get ``mfu`` / ``hfu``
+    peak_flops: float | None = None
+    device_name: str | None = None
 
 
 def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
@@ -488,7 +495,7 @@ class Trainer:
         timings["optimizer"] += t3 - t2
 
         record = {
-            "step": step, "loss": mean_loss, "recycling_iters": n, "lr": lr,
+            "step": step, "loss": mean_loss, "recycling_iters": n, "lr": lr, **self._throughput(n, t3 - t0),
             "grad_norm": float(clip.grad_norm), "skipped": skipped, "skipped_total": result.skipped_steps,
             **{(k if k.startswith("loss") else f"loss_{k}"): float(v) for k, v in terms.items()},
             "time_data_wait": timings["data_wait"], "time_step": t3 - t0,
@@ -503,6 +510,21 @@ class Trainer:
         self.progress.set_postfix(loss=f"{mean_loss:.3f}", recycling=n)
         self.guard.check(step, self.metrics.flush)
         return stop
+
+    def _throughput(self, n: int, seconds: float) -> dict[str, float]:
+        """``tflops`` (executed FLOPs per second, recomputation included, / 10^12) of a step with ``n``
+        no-grad passes that took ``seconds``, and ``mfu`` (model FLOPs, no recomputation) / ``hfu`` (executed)
+        over the device's peak where it is known. Empty without a FLOP table."""
+        flops = self.hooks.flops
+        if not flops or n not in flops or seconds <= 0:
+            return {}
+        executed, model = flops[n]
+        out = {"tflops": executed / seconds / 1e12}
+        peak = self.hooks.peak_flops
+        if peak:
+            out["mfu"], out["hfu"] = model / seconds / peak, executed / seconds / peak
+        self.result.throughput.append((out["tflops"], out.get("mfu")))
+        return out
 
     def after_cycle(self, step: int, stop: bool) -> bool:
         """The end of a train-eval cycle: the SWA weights are evaluated; ``True`` when the run is done."""
@@ -551,6 +573,7 @@ class Trainer:
             if self.main:
                 print(time_to_train_line(self.clock, result), flush=True)
         result.timings = dict(self.timings)
+        result.device_name = self.hooks.device_name
         if self.device.type == "cuda":  # graphed / eager step counts (on CPU the forward is always eager)
             result.notes.append(self.forward.summary())
         if getattr(self, "compiled", None) is not None:  # graph breaks / recompilations of the compiled regions
