@@ -15,7 +15,8 @@ requires_cuda = pytest.mark.skipif(
 # Triton before 3.5 rejects tl.dot on fp64 operands (compiler and interpreter alike); the dispatch
 # then runs fp64 attention through the reference (tests/kernels/test_triton_fallback.py)
 requires_fp64_dot = pytest.mark.skipif(
-    triton_version() < FP64_DOT_TRITON, reason=f"fp64 tl.dot needs Triton >= 3.5 (found {triton_version()})"
+    triton_version() < FP64_DOT_TRITON,
+    reason="fp64 tl.dot needs Triton >= 3.5 (found {}.{})".format(*triton_version()),
 )
 
 TOL = {torch.float64: 1e-12, torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
