@@ -6,7 +6,14 @@
 #
 # run.sub mounts the dataset read-only at /data and the results directory at /results, and runs
 # /workspace/scalefold/launch/run_and_time.sh on every rank.
-ARG FROM_IMAGE=nvcr.io/nvidia/pytorch:25.01-py3
+#
+# Base image: NGC PyTorch 25.12, which carries torch 2.10.0a0+b4e4ee81d3 (NVIDIA's 25.12 release notes)
+# and NVIDIA's Triton build for it. ScaleFold is tested with torch 2.6 to 2.13 and Triton 3.2 to 3.9
+# (CI runs both ends: torch 2.13.0 / triton 3.9.0, and the floor torch 2.6.0 / triton 3.2.0), so the
+# build first checks the image's torch and Triton against that range (scalefold/tested_versions.py)
+# and stops outside it. (The previous base, 25.01, ships torch 2.6.0a0: a snapshot from before 2.6.0.)
+# A site image given as FROM_IMAGE passes the same check.
+ARG FROM_IMAGE=nvcr.io/nvidia/pytorch:25.12-py3
 FROM ${FROM_IMAGE}
 
 ENV PIP_NO_CACHE_DIR=1 \
@@ -23,12 +30,14 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /workspace/scalefold
-# The base image's torch (a pre-release build such as 2.6.0a0+...) is pinned so pip never replaces
-# it with a PyPI wheel; mpi4py builds against the image's HPC-X Open MPI.
-COPY pyproject.toml README.md ./
+# The base image's torch (a pre-release build such as 2.10.0a0+...) is pinned so pip never replaces
+# it with a PyPI wheel, and its Triton is used as it is (no `triton` extra: a PyPI triton would shadow
+# NVIDIA's build); mpi4py builds against the image's HPC-X Open MPI.
+COPY pyproject.toml README.md LICENSE ./
 COPY scalefold ./scalefold
-RUN python -c "import torch; print(f'torch=={torch.__version__}')" > /tmp/torch-pin.txt \
- && pip install --constraint /tmp/torch-pin.txt ".[triton,mpi]" "mlperf-logging>=3.0" \
+RUN python scalefold/tested_versions.py \
+ && python -c "import torch; print(f'torch=={torch.__version__}')" > /tmp/torch-pin.txt \
+ && pip install --constraint /tmp/torch-pin.txt ".[mpi]" "mlperf-logging>=3.0" \
  && python -c "import scalefold, mlperf_logging, mpi4py; print('scalefold', scalefold.__version__)" \
  && rm /tmp/torch-pin.txt
 

@@ -1,12 +1,14 @@
 # Two commands on a fresh machine:
 #   make demo   -- create .venv, install ScaleFold (no test extras), run the built-in default job (`scalefold train`)
 #   make test   -- create .venv, install ScaleFold + test extras, run the test suite
-# On a CPU-only machine torch==2.13.0 is pinned (a local CPU wheel); set TORCH_SPEC="torch" on GPU hosts
-# (or use the NGC container, see Dockerfile).
+# On a CPU-only machine torch==2.13.0 is pinned (a local CPU wheel) and `make test` pins triton==3.9.0:
+# the newest versions CI tests (scalefold/tested_versions.py; .ci/run also tests the oldest). On GPU
+# hosts set TORCH_SPEC="torch" TRITON_SPEC="triton" (or use the NGC container, see Dockerfile).
 
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+TRITON_SPEC ?= triton==3.9.0
 # extra `scalefold train` arguments of `make demo` (e.g. DEMO_ARGS=--overwrite to run it again afresh)
 DEMO_ARGS ?=
 PY := $(VENV)/bin/python
@@ -24,7 +26,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e ".[test]" "$(TRITON_SPEC)"
 	touch $@
 
 venv: $(VENV)/.installed

@@ -22,7 +22,8 @@ ARCHITECTURE_PAGE = REPO_ROOT / "docs" / "architecture.md"
 #: Ground floor first. A module belongs to the longest prefix listed; a module may import its own
 #: unit (the prefix it belongs to) and any unit on a lower layer. Units on one layer are independent.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("scalefold.errors", "scalefold.residue_constants", "scalefold.config", "scalefold.__init__"),
+    ("scalefold.errors", "scalefold.residue_constants", "scalefold.config", "scalefold.tested_versions",
+     "scalefold.__init__"),
     ("scalefold.distributed", "scalefold.kernels"),
     ("scalefold.model", "scalefold.lddt"),
     ("scalefold.losses", "scalefold.data"),

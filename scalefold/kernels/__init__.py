@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -55,20 +57,74 @@ def resolve_backend(backend: str, *tensors: torch.Tensor | None) -> str:
     return backend
 
 
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
+def _cuda_present() -> bool:
     return torch.cuda.is_available()
+
+
+#: ``(usable, why not)`` of the Triton kernels in this process, found once (see :func:`_triton_available`)
+_triton_status: tuple[bool, str] | None = None
+
+
+@torch.compiler.assume_constant_result  # under torch.compile: run once, eagerly, and used as a constant
+def _triton_available() -> bool:
+    """Whether ``"auto"`` may pick the Triton kernels: CUDA present and ``triton_ops`` importable.
+
+    A Triton that is installed but unusable (a version whose ``torch.library.custom_op`` or
+    compiler rejects the kernels, a broken install: any exception, not only ``ImportError``)
+    never stops a run: the PyTorch reference is used, and one line on stderr says why. Found
+    once per process.
+    """
+    global _triton_status
+    if _triton_status is None:
+        if not _cuda_present():
+            _triton_status = (False, "no CUDA device")
+        else:
+            try:
+                from scalefold.kernels import triton_ops  # noqa: F401
+            except Exception as exc:  # noqa: BLE001 - any failure means: use the reference
+                lines = str(exc).strip().splitlines()
+                _triton_status = (False, (f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__)[:300])
+                print(f"scalefold.kernels: Triton kernels unavailable ({_triton_status[1]}); "
+                      "using the PyTorch reference kernels", file=sys.stderr, flush=True)  # fmt: skip
+            else:
+                _triton_status = (True, "")
+    return _triton_status[0]
 
 
 def _triton_module():
     try:
         from scalefold.kernels import triton_ops  # type: ignore[attr-defined]
-    except ImportError as exc:  # pragma: no cover - depends on the kernels issue
-        raise RuntimeError(f"backend='triton' requested but the Triton kernels are unavailable: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - reported with its cause: the backend was asked for by name
+        raise RuntimeError(
+            f"backend='triton' requested but the Triton kernels are unavailable: {type(exc).__name__}: {exc}"
+        ) from exc
     return triton_ops
+
+
+def triton_version() -> tuple[int, int] | None:
+    """``(major, minor)`` of the installed Triton (local/pre-release suffixes ignored), None without one."""
+    try:
+        import triton
+    except Exception:  # noqa: BLE001 - absent or broken: no version
+        return None
+    match = re.match(r"(\d+)\.(\d+)", str(getattr(triton, "__version__", "")))
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+#: ``tl.dot`` on fp64 operands (the fp64 attention kernels) needs Triton 3.5; older ones reject it
+FP64_DOT_TRITON = (3, 5)
+
+
+@torch.compiler.assume_constant_result
+def _triton_lacks_fp64_dot() -> bool:
+    version = triton_version()
+    return version is not None and version < FP64_DOT_TRITON
+
+
+def _fp64_attention_falls_back(backend: str, dtype: torch.dtype) -> bool:
+    """fp64 attention uses the reference when Triton has no fp64 ``tl.dot``, unless ``backend="triton"``
+    asks for the kernel by name (which then fails in Triton's compiler)."""
+    return backend != "triton" and dtype == torch.float64 and _triton_lacks_fp64_dot()
 
 
 def attention(
@@ -92,7 +148,7 @@ def attention(
     ``[*, 1, 1, Nk]``; ``gate`` ``[*, H, Nq, D]`` (pre-sigmoid). ``scale`` defaults to
     ``1/sqrt(D)``. Masked logits get the finite ``-inf`` offset of the reference model.
     """
-    if resolve_backend(backend, q, k, v, bias, gate) == "triton":
+    if resolve_backend(backend, q, k, v, bias, gate) == "triton" and not _fp64_attention_falls_back(backend, q.dtype):
         return _triton_module().attention(q, k, v, bias=bias, mask=mask, gate=gate, scale=scale, inf=inf)
     if not elementwise.enabled():
         return reference.attention(q, k, v, bias=bias, mask=mask, gate=gate, scale=scale, inf=inf)

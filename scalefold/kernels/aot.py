@@ -77,6 +77,10 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, 
 KERNELS = ("attention_fwd", "attention_bwd", "layer_norm_fwd", "layer_norm_bwd", "adam_swa")
 
 EXIT_BAD_INPUT = 3
+#: the oldest Triton whose compiler internals this module drives (``create_function_from_signature(signature,
+#: params, backend)`` returning bound args, specialisation and options; ``JITFunction._pack_args``): Triton 3.2
+#: returns another tuple, 3.3 and 3.4 have no ``_pack_args``. The kernels themselves need only Triton 3.2.
+AOT_MIN_TRITON = (3, 5)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -827,6 +831,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def triton_problem() -> str | None:
+    """Why this module cannot compile with the installed Triton (absent, or older than ``AOT_MIN_TRITON``), or None."""
+    from scalefold.kernels import triton_version
+
+    version = triton_version()
+    if version is None:
+        return "Triton is not installed (or does not import): pip install 'triton>=3.5'"
+    if version < AOT_MIN_TRITON:
+        return (
+            f"python -m scalefold.kernels.aot needs Triton >= 3.5 (found {version[0]}.{version[1]}): it drives "
+            "Triton's compiler internals, which changed in 3.3 and 3.5 (the kernels themselves run with Triton >= 3.2)"
+        )
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     # Triton 3.9 warns once that fp fusion defaults to on; the compile keeps the runtime's default
@@ -836,6 +855,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     if args.from_json:
         return _summarise_json(args)
+    problem = triton_problem()
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
     if args.no_compile and args.table is None:
         print("--no-compile applies to --table", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -13,9 +13,10 @@ Ops (canonical layouts, see each kernel module):
 
 Without CUDA the kernels run in Triton's interpreter: ``TRITON_INTERPRET=1`` is set here, before
 any kernel is defined, unless the environment already says otherwise.
-"""
 
-from __future__ import annotations
+No ``from __future__ import annotations`` here: ``torch.library.custom_op`` infers each op's schema
+from its annotations, and torch 2.4 (the floor, see ``pyproject.toml``) cannot read them as strings.
+"""
 
 import math
 import os

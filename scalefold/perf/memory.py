@@ -486,13 +486,7 @@ def estimate_memory(
             step.run(n, phase=tracker.phase)
     by_cat, by_mod = tracker.breakdown()
     step_peak = tracker.peak
-    pool = 0
-    peak = step_peak
-    if cuda_graphs and n > 0:
-        base = tracker.phase_start["forward"]
-        pool = max(tracker.phase_peaks.get("recycling", 0) - base, 0)
-        grad_part = max(v for k, v in tracker.phase_peaks.items() if k != "recycling")
-        peak = max(grad_part + pool, tracker.phase_peaks.get("recycling", 0))
+    peak, pool = _with_graph_pool(tracker, bool(cuda_graphs and n > 0))
     settings = {
         "preset": cfg.model_preset, "precision": cfg.precision, "crop": _crop(model_cfg), "dap": cfg.dap,
         "target": target, "kernels": kernels,
@@ -504,6 +498,17 @@ def estimate_memory(
         modules=by_mod, phase_peaks=dict(tracker.phase_peaks), origins=tracker.origins_at_peak() if origins else {},
         settings=settings, seconds=time.perf_counter() - t0,
     )  # fmt: skip
+
+
+def _with_graph_pool(tracker: StorageTracker, graphed: bool) -> tuple[int, int]:
+    """(peak, CUDA-graph pool) of the tracked step: with graphed recycling passes the pool (what the
+    recycling pass held above the forward's start) stays allocated under the grad pass."""
+    if not graphed:
+        return tracker.peak, 0
+    base = tracker.phase_start["forward"]
+    pool = max(tracker.phase_peaks.get("recycling", 0) - base, 0)
+    grad_part = max(v for k, v in tracker.phase_peaks.items() if k != "recycling")
+    return max(grad_part + pool, tracker.phase_peaks.get("recycling", 0)), pool
 
 
 def policy_name(policy: object) -> str:

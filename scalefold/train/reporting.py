@@ -100,8 +100,14 @@ def truncate_metrics(path: Path, last_step: int) -> None:
 
 
 def progress_bar(total: int, start: int, enabled: bool):
+    """tqdm's bar on a terminal; plain lines at a modest rate when standard error is a file or pipe (a
+    Slurm job's log), not one carriage-return update per step (``scalefold.train.plain_progress``)."""
     from tqdm import tqdm
 
+    from scalefold.train.plain_progress import PlainProgress, is_terminal
+
+    if enabled and not is_terminal(sys.stderr):
+        return PlainProgress(total, start)
     return tqdm(total=total, initial=start, desc="train", unit="step", disable=not enabled, dynamic_ncols=True)
 
 

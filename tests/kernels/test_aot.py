@@ -40,6 +40,9 @@ PROGRAMS = {
 def _cuda_toolchain_or_skip() -> None:
     """Skip (with the reason) unless Triton's CUDA backend and its ptxas/cuobjdump can run here."""
     triton = pytest.importorskip("triton")
+    problem = aot.triton_problem()
+    if problem:
+        pytest.skip(problem)
     from triton.backends import backends
 
     if "nvidia" not in backends:
@@ -161,6 +164,22 @@ def test_unknown_site_is_a_short_error():
     proc = _run_aot("--site", "msa_rows", "--no-progress")
     assert proc.returncode == aot.EXIT_BAD_INPUT
     assert "msa_rows" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("version", [(3, 2), (3, 4), None])
+def test_too_old_or_missing_triton_is_a_short_error(version, monkeypatch, capsys):
+    """With a Triton whose compiler internals differ (before 3.5) or none at all, the command says which
+    Triton it needs (exit 2), instead of failing inside Triton; 3.5 and later pass the check."""
+    from scalefold import kernels
+
+    monkeypatch.setattr(kernels, "triton_version", lambda: version)
+    assert aot.main(["--default-only", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "triton>=3.5" in err.replace(" ", "").lower() and "\n" not in err
+    if version:
+        assert f"found {version[0]}.{version[1]}" in err
+    monkeypatch.setattr(kernels, "triton_version", lambda: (3, 5))
+    assert aot.triton_problem() is None
 
 
 def _record(**kw) -> aot.Record:

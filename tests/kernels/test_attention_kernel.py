@@ -7,10 +7,16 @@ import torch
 
 pytest.importorskip("triton")
 
-from scalefold.kernels import reference, triton_ops  # noqa: E402
+from scalefold.kernels import FP64_DOT_TRITON, reference, triton_ops, triton_version  # noqa: E402
 
 requires_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="bf16 needs a GPU (interpreter bf16 dot is wrong)"
+)
+# Triton before 3.5 rejects tl.dot on fp64 operands (compiler and interpreter alike); the dispatch
+# then runs fp64 attention through the reference (tests/kernels/test_triton_fallback.py)
+requires_fp64_dot = pytest.mark.skipif(
+    triton_version() < FP64_DOT_TRITON,
+    reason="fp64 tl.dot needs Triton >= 3.5 (found {}.{})".format(*triton_version()),
 )
 
 TOL = {torch.float64: 1e-12, torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
@@ -56,7 +62,7 @@ def _compare(q, k, v, bias, mask, g, do, ref_dtype=None):
         assert (a.to(b.dtype) - b).abs().max().item() <= tol * scale, name
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.float64, marks=requires_fp64_dot)])
 def test_msa_row_attention_bias_shared_over_sequences(dtype, device):
     """MSA row attention: bias [B,1,H,N,N] shared by the S sequences (gradient reduced over S in the
     kernel), odd N, padding mask with one fully masked sequence, gate: o and dq/dk/dv/dbias/dgate
@@ -100,6 +106,7 @@ def test_fp16_against_fp32_reference(device):
                       mask_shape=(1, 2, 1, 1, 17), masked_rows=[(0, 1)]), ref_dtype=torch.float32)  # fmt: skip
 
 
+@requires_fp64_dot
 def test_fully_masked_row_matches_reference_semantics(device):
     """A fully masked row behaves like the reference's finite -1e9 offset: in fp64 it is the softmax
     of the remaining score+bias terms, in fp32 the uniform average of v -- never NaN."""
