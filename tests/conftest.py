@@ -14,6 +14,10 @@ import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# `scalefold train` counts its step's FLOPs once per configuration (a fake step in a child process) for the
+# tflops / mfu of metrics.jsonl; the suite's many short CLI runs skip that, tests/train/test_throughput.py
+# runs it (SCALEFOLD_COUNT_FLOPS=1).
+os.environ.setdefault("SCALEFOLD_COUNT_FLOPS", "0")
 
 
 def _shared_root() -> Path:

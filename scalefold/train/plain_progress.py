@@ -1,7 +1,7 @@
 """Training progress as plain lines, for a standard error that is not a terminal.
 
 A Slurm job's log file (``#SBATCH --output``, ``> log 2>&1``) holds every carriage-return update a
-progress bar draws: one per step. :func:`scalefold.train.run_log.progress_bar` returns a
+progress bar draws: one per step. :func:`scalefold.train.reporting.progress_bar` returns a
 :class:`PlainProgress` instead when standard error is not a terminal; it writes one line now and
 then (the first step, then at most one line every ``interval_s`` seconds, and the last step)::
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from scalefold.train.run_log import progress_bar
+from scalefold.train.reporting import progress_bar
 
 from scalefold.train.plain_progress import PlainProgress, format_duration
 
