@@ -34,8 +34,8 @@
 #                             eager / triton / graphs / compile / all, each in a process of its own killed at
 #                             its cap (60-110 s expected, caps 100-150 s, cut to the part's limit), so one
 #                             slow configuration cannot starve the rest; per configuration s/step per
-#                             recycling count and the mean, MFU (once bench/step_headline.py's
-#                             flops_by_recycling is connected), torch.cuda.max_memory_allocated against
+#                             recycling count and the mean, MFU (model FLOPs from `scalefold estimate-step`, counted
+#                             meanwhile on the CPUs, over the GPU's dense peak), torch.cuda.max_memory_allocated against
 #                             `scalefold estimate-memory` (computed meanwhile on the CPUs), a torch.profiler
 #                             profile of one step ($WORK/headline/<config>_profile.json and .png: per phase,
 #                             per top-level module, top kernels, GPU busy fraction, kernel launches per step),

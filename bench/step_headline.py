@@ -12,7 +12,7 @@ uniform draw of training) timed as
 
 each in a process of its own (a fresh model, same seed), killed at its cap (``CONFIGS``) so one slow
 configuration cannot starve the rest, all within ``--deadline``. Per configuration: s/step per recycling
-count and their mean, MFU (once :func:`flops_by_recycling` is connected), ``torch.cuda.max_memory_allocated``
+count and their mean, MFU (model FLOPs from ``scalefold estimate-step``, counted on the host CPUs meanwhile, over the device's dense peak), ``torch.cuda.max_memory_allocated``
 against the memory model's prediction (``scalefold estimate-memory``, computed meanwhile on the host's CPUs),
 and a ``torch.profiler`` profile of one step (``--out``: ``<config>_profile.json`` and ``.png``, per phase,
 per top-level module and the top kernels, with the GPU's busy fraction and the kernel launches per step;
@@ -49,15 +49,20 @@ CONFIGS = {  # name -> (kernels, compile, cuda graphs, expected s, cap s) on an 
     "compile": ("torch", True, False, 100, 150),
     "all": ("triton", True, True, 110, 150),
 }
-#: the device's dense bf16 peak, FLOP/s, by a substring of its name (MFU); the first match wins
-PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("GH200", 989e12), ("A100", 312e12))
 
 
-def flops_by_recycling(cfg, kernels: str) -> dict[int, float] | None:
-    """MFU-HOOK (issue 26 item 4; the lead connects it): the FLOPs of one training step with ``n`` no-grad
-    recycling passes, ``{n: flops}`` for n = 0..R-1, from ``scalefold/perf/flops.py`` (the step-arithmetic
-    issue) once it has landed. Until then None: the MFU column stays empty."""
-    return None
+def flops_command(args: argparse.Namespace) -> list[str]:
+    """``scalefold estimate-step``: the step's model FLOPs per recycling count (no recomputation: the
+    same for every configuration), counted on the host's CPUs while the configurations run."""
+    return [sys.executable, "-m", "scalefold", "estimate-step", "--preset", args.preset, "--precision", args.precision,
+            "--kernels", "triton", "--json"]  # fmt: skip
+
+
+def flops_by_recycling(estimate: dict | None) -> dict[int, float] | None:
+    """``{n: model FLOPs}`` of a step with ``n`` no-grad recycling passes from ``estimate-step``'s JSON."""
+    if not estimate or "model_flops" not in estimate:
+        return None
+    return {int(n): float(f) for n, f in estimate["model_flops"].items()}
 
 
 def mfu(step_s_by_recycling: dict[int, float], flops: dict[int, float] | None, peak_flops: float | None) -> float | None:
@@ -70,8 +75,12 @@ def mfu(step_s_by_recycling: dict[int, float], flops: dict[int, float] | None, p
     return round(sum(flops[n] for n in counts) / seconds / peak_flops, 4) if counts and seconds > 0 else None
 
 
-def peak_flops(device_name: str) -> float | None:
-    return next((f for key, f in PEAK_BF16_FLOPS if key in device_name), None)
+def peak_flops(device_name: str, precision: str = "bf16") -> float | None:
+    """The device's dense peak at ``precision`` (:mod:`scalefold.perf.devices`; None: unknown)."""
+    from scalefold.perf.devices import device_spec
+
+    spec = device_spec(device_name)
+    return spec.peak_flops(precision) if spec is not None else None
 
 
 def plan(args: argparse.Namespace) -> list[str]:
@@ -152,7 +161,7 @@ def run_config(name: str, args: argparse.Namespace, after_warm_up=None) -> dict:
         "config": name, "kernels": kernels, "compile": compiled, "cuda_graphs": graphs,
         "step_s": round(statistics.mean(per_n.values()), 4),  # mean over the uniform recycling draw
         "step_s_by_recycling": {n: round(t, 4) for n, t in per_n.items()}, "setup_s": round(setup_s, 1),
-        "mfu": mfu(per_n, flops_by_recycling(cfg, kernels), peak_flops(device)),
+        "peak_flops": peak_flops(device, args.precision),  # MFU: added by run_all from the FLOP count
         "peak_bytes": torch.cuda.max_memory_allocated(), "reserved_bytes": torch.cuda.max_memory_reserved(),
         "device": device,
     }  # fmt: skip
@@ -272,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_all(args: argparse.Namespace) -> int:
     t_start = time.monotonic()
-    estimates = {} if args.no_estimate else estimate_commands(args)
+    estimates = {} if args.no_estimate else {**estimate_commands(args), "flops": flops_command(args)}
     procs = {k: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                  env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # fmt: skip
              for k, cmd in estimates.items()}
@@ -291,6 +300,11 @@ def run_all(args: argparse.Namespace) -> int:
         print(json.dumps(row), flush=True)
         _collect(procs, predicted, wait=False)
     _collect(procs, predicted, wait=True)
+    flops = flops_by_recycling(predicted.pop("flops", None))
+    for row in rows:
+        if "step_s_by_recycling" in row:
+            per_n = {int(n): t for n, t in row["step_s_by_recycling"].items()}
+            row["mfu"] = mfu(per_n, flops, row.get("peak_flops"))
     print("\n" + format_table(rows, predicted))
     print(json.dumps({"rows": rows, "predicted": {k: {"peak_bytes": v["peak_bytes"], "step_peak_bytes": v["step_peak_bytes"]}
                                                   for k, v in predicted.items()}}))  # fmt: skip
@@ -306,7 +320,7 @@ def _collect(procs: dict, predicted: dict, wait: bool) -> None:
         try:
             out, _ = proc.communicate(timeout=60)
             predicted[kernels] = json.loads(out)
-            keep = ("peak_bytes", "step_peak_bytes")
+            keep = ("model_flops",) if kernels == "flops" else ("peak_bytes", "step_peak_bytes")
             print(json.dumps({"memory_model": kernels, **{k: predicted[kernels][k] for k in keep}}), flush=True)
         except Exception as exc:  # noqa: BLE001
             proc.kill()

@@ -277,6 +277,10 @@ def format_result(r: dict[str, Any]) -> str:
         c = r["compiled"]
         lines.append(f"  compiled  {r['compiled_s']:.3f} s/step (range {c['min_s']}-{c['max_s']})  {c['phases_s']}  "
                      f"speed-up {r['speedup']:.2f}x (paired, range {r['speedup_range'][0]}-{r['speedup_range'][1]})")  # fmt: skip
+    if r.get("flops_mean"):
+        rates = ", ".join(f"{k} {r[f'{k}_tflops']:.4g} TFLOP/s" + (f" (MFU {100 * r[f'{k}_mfu']:.2f} %)" if r.get(f"{k}_mfu") else "")
+                          for k in ("eager", "compiled") if r.get(f"{k}_tflops"))  # fmt: skip
+        lines.append(f"  FLOPs     {r['flops_mean'] / 1e12:.4g} TFLOP per step (mean over the recycling counts): {rates}")
     for region, a in r.get("per_region", {}).items():
         step = f"{a['step_s']:.3f} s/step, speed-up {a['speedup']:.2f}x" if a.get("step_s") is not None else "not timed"
         lines.append(f"  {region:<20} alone: compile {a['compile_s']:.1f} s, {step}")
@@ -319,8 +323,37 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
     result = run_step_benchmark(cfg, compile=args.compile, regions=regions, backend=args.backend, repeats=args.repeats,
                                 warmup=args.warmup, per_region=args.per_region, strict=args.strict, log=log,
                                 compile_cache=cache, compile_only=args.compile_only)  # fmt: skip
+    add_throughput(result, cfg)
     print(json.dumps(result) if args.json else format_result(result), flush=True)
     return 0
+
+
+def add_throughput(result: dict[str, Any], cfg: TrainConfig) -> None:
+    """``flops_mean`` / ``model_flops_mean`` of the step (:func:`scalefold.perf.flops.run_flops_table`, over
+    the uniform recycling draw a cycle takes) and each timed configuration's ``<config>_tflops`` (executed
+    FLOPs per second) and, where the device's peak is known, ``<config>_mfu`` (model FLOPs over the peak).
+    Not with ``count_flops`` off (``SCALEFOLD_COUNT_FLOPS=0``)."""
+    if not cfg.count_flops:
+        return
+    from scalefold.perf.devices import current_device_spec
+    from scalefold.perf.flops import run_flops_table
+
+    try:
+        table = run_flops_table(cfg, target="cuda" if torch.cuda.is_available() else "cpu")
+    except Exception as exc:  # noqa: BLE001 -- the timings stand without it
+        result["flops_error"] = f"{type(exc).__name__}: {exc}"
+        return
+    executed = statistics.mean(f for f, _ in table.values())
+    model = statistics.mean(m for _, m in table.values())
+    spec = current_device_spec()
+    peak = spec.peak_flops(cfg.precision) if spec is not None else None
+    result.update(flops_mean=executed, model_flops_mean=model)
+    for key in ("eager", "compiled"):
+        seconds = result.get(f"{key}_s")
+        if seconds:
+            result[f"{key}_tflops"] = round(executed / seconds / 1e12, 6)
+            if peak:
+                result[f"{key}_mfu"] = round(model / seconds / peak, 5)
 
 
 def add_bench_step_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
@@ -356,4 +389,4 @@ def add_bench_step_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-__all__ = ["run_step_benchmark", "add_bench_step_parser", "cmd_bench_step", "format_result"]
+__all__ = ["add_bench_step_parser", "add_throughput", "cmd_bench_step", "format_result", "run_step_benchmark"]
