@@ -137,9 +137,9 @@ class TrainConfig:
     compile_cache: str | None = option(None, cli=True, help="folder of the persistent compile cache (inductor and "
                                        "Triton, a subfolder per torch/Triton/GPU; default ~/.cache/scalefold/compile; "
                                        "off: torch's temporary-folder defaults)")
-    count_flops: bool = option(True, help="count the training step's FLOPs once per configuration (fake tensors, "
-                               "cached in ~/.cache/scalefold/flops) and log each step's tflops, and mfu where the "
-                               "GPU's peak is known, in metrics.jsonl")
+    count_flops: bool = option(True, flag="--no-count-flops", help="do not count the step's FLOPs (default: once per "
+                               "configuration on fake tensors, cached in ~/.cache/scalefold/flops, for each step's "
+                               "tflops, and mfu where the GPU's peak is known, in metrics.jsonl)")
     memory_check: bool = option(True, help="on CUDA, predict one step's peak memory per rank before training "
                                 "(scalefold estimate-memory) and warn, naming the DAP size that fits, when it exceeds the device")
     compile_strict: bool = option(False, cli=True, help="with --compile: a graph break or a recompilation in a "

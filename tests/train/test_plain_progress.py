@@ -9,9 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from scalefold.train.reporting import progress_bar
-
 from scalefold.train.plain_progress import PlainProgress, format_duration
+from scalefold.train.reporting import progress_bar
 
 ROOT = Path(__file__).resolve().parents[2]
 
