@@ -47,6 +47,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from scalefold.config.environment import scoped_env
+
 DEFAULT_MAX_SECONDS = 300.0
 TUNE_DTYPES = ("bf16", "tf32", "fp32")
 UNTIMED_DTYPES = ("bf16", "tf32", "fp32")
@@ -230,21 +232,10 @@ def timing(state: TuneState, bench_fn=None, get_tuner=None) -> Iterator[None]:
             for attr in names:
                 fn = getattr(mods[module], attr)
                 stack.enter_context(aot._patched(mods[module], attr, _SpillWatch(fn, state)))
-        stack.enter_context(_env("SCALEFOLD_KERNELS", "triton"))
+        stack.enter_context(scoped_env("SCALEFOLD_KERNELS", "triton"))
         yield
 
 
-@contextlib.contextmanager
-def _env(name: str, value: str) -> Iterator[None]:
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 def plan(capability: int, dtypes: Sequence[str], sites: Sequence[str] | None = None) -> dict:
@@ -371,7 +362,7 @@ def untimed_defaults(base, archs: Sequence[str] | None, dtypes: Sequence[str], j
         }
         for key, (config, _) in sorted(keys.items()):
             table.set_entry(arch, *key, config)
-    with tempfile.TemporaryDirectory(prefix="scalefold-aot-") as cache, _env("TRITON_CACHE_DIR", cache):
+    with tempfile.TemporaryDirectory(prefix="scalefold-aot-") as cache, scoped_env("TRITON_CACHE_DIR", cache):
         for round_ in range(MAX_DEFAULT_ROUNDS):
             records, problems = aot.check_table(table, archs, dtypes, jobs=jobs, progress=False)
             _say(f"ahead-of-time check, round {round_ + 1}: {len(records)} compiles, {len(problems)} problem(s)")

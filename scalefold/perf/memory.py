@@ -40,7 +40,6 @@ Validated against the CPU allocator's real peak on small presets (``bench/RESULT
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 import warnings
 import weakref
@@ -55,6 +54,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from scalefold.config.environment import scoped_env
 from scalefold.config.training import TrainConfig
 
 GiB = 2**30
@@ -389,18 +389,6 @@ def _fake_module_(module: torch.nn.Module, mode: Any) -> None:
                 sub._buffers[name] = mode.from_tensor(b)
 
 
-@contextlib.contextmanager
-def _env(name: str, value: str | None) -> Iterator[None]:
-    old = os.environ.get(name)
-    if value is not None:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 @contextlib.contextmanager
@@ -469,7 +457,7 @@ def estimate_memory(
     batch = {k: mode.from_tensor(v) for k, v in real_batch.items()}
     tracker = StorageTracker(block=CUDA_BLOCK_BYTES if target == "cuda" else 1,
                              cuda_autocast=target == "cuda" and cfg.precision == "bf16", origins=origins)  # fmt: skip
-    with fake_process_group(cfg.dap), _env("SCALEFOLD_KERNELS", kernels), warnings.catch_warnings(), mode:
+    with fake_process_group(cfg.dap), scoped_env("SCALEFOLD_KERNELS", kernels), warnings.catch_warnings(), mode:
         warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")  # the optimizer's view check
         _wrap_parallel(cfg, model, model_cfg)
         step = TrainingStep.build(cfg, "cpu", model=model, batch=batch)
