@@ -48,6 +48,8 @@
 #                             (the kernels launch the shipped launch-config table's configs, nothing is
 #                             timed at start-up; with run-time autotuning, SCALEFOLD_AUTOTUNE=1, timing
 #                             every candidate at each new shape class took the whole 70 s on an H200)
+#   policy_on/22/off     150  (PARTS=policies only) the Triton MLPerf-shape step under each recompute policy:
+#                             s/step, MFU, real peak beside the memory model (issue 25 part 4)
 #   tune_kernels         270  (PARTS=tune only) scalefold tune-kernels --out $WORK/launch_configs.json
 #                             --max-seconds 240: times the launch configs at the MLPerf call sites, writes the table
 #   bench_attention       55  bench/kernels.py --kernel attention --shape mlperf --dtype bf16
@@ -108,7 +110,7 @@ DRY_RUN=${DRY_RUN:-0}
 BENCH_CUDA_GRAPHS_PRESET=${BENCH_CUDA_GRAPHS_PRESET:-demo}
 COMPILE_CACHE=${COMPILE_CACHE:-$REPO/runs/compile_cache}
 # expected seconds per part on an H100 (DRY_RUN prints them beside the limits; the limits are the caps)
-declare -A EXPECT=([install]=15 [tests_kernels]=60 [probe_attention_grid]=20 [tests_graphs]=110 [headline]=405 [tune_kernels]=240
+declare -A EXPECT=([install]=15 [tests_kernels]=60 [probe_attention_grid]=20 [tests_graphs]=110 [headline]=405 [tune_kernels]=240 [policy_on]=120 [policy_22]=120 [policy_off]=120
                    [train_bf16]=60 [train_graphs]=45 [bench_attention]=35 [bench_layernorm]=20 [bench_adam]=20
                    [bench_cuda_graphs]=25 [bench_dap]=20)
 EXPECTED_TOTAL=0
@@ -359,6 +361,15 @@ TRAIN=(-m scalefold train --preset demo --precision bf16 --max-steps 20 --eval-e
 # (4 loader workers: with the demo's default 1 the first GPU run waited 92 ms a step for data, 19 % of it)
 part train_bf16 train 90 env SCALEFOLD_AUTOTUNE=0 "$PY" "${TRAIN[@]}" --out "$WORK/train_bf16" --cuda-graphs off
 part train_graphs train 60 env SCALEFOLD_AUTOTUNE=0 "$PY" "${TRAIN[@]}" --out "$WORK/train_bf16_graphs" --cuda-graphs on
+
+# 4a. the recompute policies at MLPerf shapes (PARTS=policies; not in the default PARTS): the Triton step with
+# on / the 80 GB auto choice (22 blocks) / off, each its s/step, MFU and max_memory_allocated beside the
+# memory model (issue 25 part 4; `off` is predicted at 77 GiB: on an 80 GB H100 it may not fit)
+for policy in on 22 off; do
+    part "policy_$policy" policies 150 "$PY" bench/step_headline.py --preset mlperf --precision bf16 --cycles 1 \
+        --configs triton --deadline 140 --activation-checkpointing "$policy" --out "$WORK/policy_$policy" \
+        --compile-cache "$COMPILE_CACHE"
+done
 
 # 4b. fill the launch-config table for this GPU (PARTS=tune; not in the default PARTS): the file comes back
 # in the tarball; check it with `python -m scalefold.kernels.aot --table FILE`, then copy it over

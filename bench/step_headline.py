@@ -54,8 +54,9 @@ CONFIGS = {  # name -> (kernels, compile, cuda graphs, expected s, cap s) on an 
 def flops_command(args: argparse.Namespace) -> list[str]:
     """``scalefold estimate-step``: the step's model FLOPs per recycling count (no recomputation: the
     same for every configuration), counted on the host's CPUs while the configurations run."""
+    policy = ["--activation-checkpointing", args.activation_checkpointing] if getattr(args, "activation_checkpointing", None) else []
     return [sys.executable, "-m", "scalefold", "estimate-step", "--preset", args.preset, "--precision", args.precision,
-            "--kernels", "triton", "--json"]  # fmt: skip
+            "--kernels", "triton", *policy, "--json"]  # fmt: skip
 
 
 def flops_by_recycling(estimate: dict | None) -> dict[int, float] | None:
@@ -105,6 +106,8 @@ def estimate_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     """The memory-model runs whose predictions the configurations are compared with."""
     base = [sys.executable, "-m", "scalefold", "estimate-memory", "--preset", args.preset, "--precision",
             args.precision, "--json"]  # fmt: skip
+    if args.activation_checkpointing:
+        base += ["--activation-checkpointing", args.activation_checkpointing]
     return {kernels: base + ["--kernels", kernels] for kernels in ("torch", "triton")}
 
 
@@ -123,8 +126,10 @@ def run_config(name: str, args: argparse.Namespace, after_warm_up=None) -> dict:
     os.environ["SCALEFOLD_KERNELS"] = kernels
     torch.cuda.reset_peak_memory_stats()
     t_build = time.perf_counter()
-    cfg = TrainConfig.from_preset(args.preset, overrides={"precision": args.precision, "cuda_graphs": "on" if graphs else "off"},
-                                  env={})  # fmt: skip
+    overrides = {"precision": args.precision, "cuda_graphs": "on" if graphs else "off"}
+    if args.activation_checkpointing:
+        overrides["activation_checkpointing"] = args.activation_checkpointing
+    cfg = TrainConfig.from_preset(args.preset, overrides=overrides, env={})
     step = TrainingStep.build(cfg, "cuda")
     report = compile_blocks(step.model, backend="inductor", loss_fn=step.loss_fn) if compiled else None
     forward = None
@@ -212,6 +217,7 @@ def child_command(name: str, args: argparse.Namespace, snapshot: bool) -> list[s
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--preset", args.preset, "--precision",
            args.precision, "--cycles", str(args.cycles)]  # fmt: skip
     for flag, value in (("--out", args.out), ("--compile-cache", args.compile_cache),
+                        ("--activation-checkpointing", args.activation_checkpointing),
                         ("--memory-snapshot", args.memory_snapshot if snapshot else None)):  # fmt: skip
         if value:
             cmd += [flag, str(value)]
@@ -254,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     ap.add_argument("--cycles", type=int, default=1, help="timed cycles of recycling counts 0..R-1 (default 1)")
     ap.add_argument("--no-estimate", action="store_true", help="skip the memory-model comparison")
+    ap.add_argument("--activation-checkpointing", help="recompute policy on|off|N (default: the preset's); the "
+                    "memory model and the FLOP count use it too")  # fmt: skip
     ap.add_argument("--dry-run", action="store_true", help="print the plan with expected seconds (no CUDA needed)")
     ap.add_argument("--deadline", type=float, default=480.0, help="seconds for all configurations (default 480)")
     ap.add_argument("--out", help="folder for each configuration's profile (<config>_profile.json / .png)")
