@@ -37,13 +37,11 @@ def rigid_group_constants(dtype: torch.dtype, device: torch.device) -> RigidGrou
     """The Alg. 24 constant tables in ``dtype`` on ``device`` (cached; never require grad).
 
     Converted from the float32 numpy tables, so float64 gets exactly the reference's values.
-    Built outside inference mode so the cached tensors are usable by later autograd passes, and outside
-    any dispatch mode (a fake-tensor step that builds them first -- ``scalefold estimate-memory`` -- would
-    otherwise cache fake tensors that a later real step of the process cannot use).
+    Built outside inference mode so the cached tensors are usable by later autograd passes. A fake-tensor
+    step must find them built (real) already: :func:`scalefold.perf.memory.estimate_memory` builds them
+    before it enters its fake mode, else the cache would keep fake tensors a later real step cannot use.
     """
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with torch.inference_mode(False), _disable_current_modes():
+    with torch.inference_mode(False):
         return _make_rigid_group_constants(dtype, device)
 
 

@@ -452,6 +452,7 @@ def estimate_memory(
     model = training_model(cfg, model_cfg, "cpu")  # real (small) initialisation; then swapped for fakes
     real_batch = synthetic_batch(cfg, model, "cpu")
     n = recycling
+    _build_constant_tables()
     mode = FakeTensorMode(allow_non_fake_inputs=True)  # cached constant tables (residue geometry) are real
     _fake_module_(model, mode)
     batch = {k: mode.from_tensor(v) for k, v in real_batch.items()}
@@ -486,6 +487,15 @@ def estimate_memory(
         modules=by_mod, phase_peaks=dict(tracker.phase_peaks), origins=tracker.origins_at_peak() if origins else {},
         settings=settings, seconds=time.perf_counter() - t0,
     )  # fmt: skip
+
+
+def _build_constant_tables() -> None:
+    """Build the model's cached constant tables (real tensors) before a fake step: built first inside the
+    fake mode, the cache would keep fake tensors, and a later real step of the process would fail on them."""
+    from scalefold.model.all_atom import rigid_group_constants
+
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        rigid_group_constants(dtype, torch.device("cpu"))
 
 
 def _with_graph_pool(tracker: StorageTracker, graphed: bool) -> tuple[int, int]:
