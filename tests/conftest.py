@@ -18,6 +18,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # tflops / mfu of metrics.jsonl; the suite's many short CLI runs skip that, tests/train/test_throughput.py
 # runs it (SCALEFOLD_COUNT_FLOPS=1).
 os.environ.setdefault("SCALEFOLD_COUNT_FLOPS", "0")
+# Triton reads TRITON_INTERPRET at its first import: on a CPU-only host the kernels' interpreter must be
+# on before any test (or torch.compile's inductor) imports Triton (scalefold.kernels sets it too).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _shared_root() -> Path:

@@ -69,11 +69,11 @@ def device_kind(device: torch.device | str | None = None) -> str:
 
 def cache_key(device: torch.device | str | None = None) -> dict[str, str | int]:
     """What a cache folder is valid for: torch, Triton and Python versions and the device kind."""
-    try:
-        import triton
+    from importlib.metadata import PackageNotFoundError, version
 
-        triton_version = triton.__version__
-    except ImportError:
+    try:  # the installed version, without importing Triton (an import fixes its interpreter mode)
+        triton_version = version("triton")
+    except PackageNotFoundError:
         triton_version = "none"
     return {"format": FORMAT, "torch": torch.__version__, "triton": triton_version,
             "python": platform.python_version(), "device": device_kind(device)}  # fmt: skip

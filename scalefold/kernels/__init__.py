@@ -38,7 +38,17 @@ from collections.abc import Sequence
 
 import torch
 
-from scalefold.kernels import elementwise, reference
+# Without CUDA the Triton kernels run in Triton's interpreter. Triton reads TRITON_INTERPRET when it is
+# first imported (its standard library's @jit functions are made then), and torch.compile's inductor may
+# import it before the kernels do: so the switch is set here, when the kernels' package is imported (the
+# model imports it), unless the environment already says otherwise.
+# ``python -m scalefold.kernels.aot`` compiles the kernels for real GPUs: the interpreter stays off there.
+if "scalefold.kernels.aot" in getattr(sys, "orig_argv", ()):
+    os.environ["TRITON_INTERPRET"] = "0"
+elif not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from scalefold.kernels import elementwise, reference  # noqa: E402
 
 _BACKENDS = ("auto", "triton", "torch")
 
@@ -101,13 +111,23 @@ def _triton_module():
     return triton_ops
 
 
+def installed_triton() -> str | None:
+    """The installed Triton's version string, read from its metadata: not imported (an import fixes
+    Triton's interpreter mode for the process)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("triton")
+    except PackageNotFoundError:
+        return None
+
+
 def triton_version() -> tuple[int, int] | None:
     """``(major, minor)`` of the installed Triton (local/pre-release suffixes ignored), None without one."""
-    try:
-        import triton
-    except Exception:  # noqa: BLE001 - absent or broken: no version
+    text = installed_triton()
+    if text is None:
         return None
-    match = re.match(r"(\d+)\.(\d+)", str(getattr(triton, "__version__", "")))
+    match = re.match(r"(\d+)\.(\d+)", text)
     return (int(match.group(1)), int(match.group(2))) if match else None
 
 

@@ -62,7 +62,8 @@ def enable(backend: str = "inductor", chains: Sequence[str] | None = None) -> di
         }
     _state["backend"] = backend
     config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.7's name
+    setattr(config, limit, max(getattr(config, limit), RECOMPILE_LIMIT))
     # no graph per coincidence of sizes (two dims that happened to be equal at the first call)
     torch.fx.experimental._config.use_duck_shape = False
     return {name: getattr(reference, name).__code__ for name in chains}
