@@ -62,9 +62,11 @@ def run_hooks(cfg: TrainConfig | None = None):
     from scalefold.train.trainer import RunHooks
 
     def memory_check(cfg, model_cfg, device):
+        from scalefold.perf.flops import count_step
         from scalefold.perf.memory import check_fits
 
-        return check_fits(cfg, model_cfg, device)
+        # the fake step of the FLOP count and the recompute policy, cached in this process: no second run
+        return check_fits(cfg, model_cfg, device, estimate=lambda c: count_step(c, target="cuda").memory)
 
     def trace_picture(store, chain, panels, path):
         from scalefold.inference.trace_plot import plot_checkpoints_on_chain

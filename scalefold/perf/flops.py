@@ -553,8 +553,7 @@ def _flops_cache_file(cfg: TrainConfig, target: str, kernels: str | None) -> Any
     return root / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 
 
-def run_flops_table(cfg: TrainConfig, target: str | None = None, kernels: str | None = None,
-                    isolated: bool = True) -> dict[int, tuple[int, int]]:  # fmt: skip
+def run_flops_table(cfg: TrainConfig, target: str | None = None, kernels: str | None = None) -> dict[int, tuple[int, int]]:
     """``{n: (executed FLOPs, model FLOPs)}`` per rank of a training step of ``cfg`` with ``n`` no-grad
     recycling passes, for every ``n`` the run samples: what ``scalefold train`` logs as ``tflops`` / ``mfu``.
 
@@ -562,10 +561,6 @@ def run_flops_table(cfg: TrainConfig, target: str | None = None, kernels: str | 
     kept in ``~/.cache/scalefold/flops`` (``$SCALEFOLD_FLOPS_CACHE``; ``off``: not kept), keyed on the step's
     shape options, the torch version and a digest of the model / loss / kernel / counter code, so a run of
     the same configuration costs a file read. An unreadable entry is counted again and rewritten.
-
-    ``isolated``: count in a child process. A fake step leaves fake tensors behind in the model code's
-    lazily built constant tables when it is the first to build them, and a real step of the same process
-    then fails on them (``DataDependentOutputException``); the child keeps the caller's process clean.
     """
     if target is None:
         target = "cuda" if torch.cuda.is_available() else "cpu"
@@ -575,11 +570,8 @@ def run_flops_table(cfg: TrainConfig, target: str | None = None, kernels: str | 
             return {int(n): (int(f), int(m)) for n, (f, m) in json.loads(path.read_text()).items()}
         except (OSError, ValueError, TypeError):
             pass  # counted again below
-    if isolated:
-        table = _count_in_child(cfg, target, kernels)
-    else:
-        count = count_step(cfg, target=target, kernels=kernels)
-        table = {n: (count.flops(n), count.model_flops(n)) for n in range(count.num_ensembles)}
+    count = count_step(cfg, target=target, kernels=kernels)  # shared with the memory check (cached per process)
+    table = {n: (count.flops(n), count.model_flops(n)) for n in range(count.num_ensembles)}
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -589,31 +581,6 @@ def run_flops_table(cfg: TrainConfig, target: str | None = None, kernels: str | 
         except OSError:
             pass  # a cache that cannot be written costs the next run a count, nothing else
     return table
-
-
-def _count_in_child(cfg: TrainConfig, target: str, kernels: str | None) -> dict[int, tuple[int, int]]:
-    import pickle
-    import subprocess
-    import sys
-
-    code = "import sys; from scalefold.perf.flops import _child_main; _child_main()"
-    proc = subprocess.run([sys.executable, "-c", code], input=pickle.dumps((cfg, target, kernels)),
-                          capture_output=True, check=False)  # fmt: skip
-    if proc.returncode != 0:
-        lines = proc.stderr.decode(errors="replace").strip().splitlines()
-        raise RuntimeError(f"the FLOP count failed: {lines[-1] if lines else 'exit status ' + str(proc.returncode)}")
-    return {int(n): (int(f), int(m)) for n, (f, m) in json.loads(proc.stdout).items()}
-
-
-def _child_main() -> None:
-    """The child of :func:`_count_in_child`: ``(cfg, target, kernels)`` pickled on stdin, the table as JSON
-    on stdout (the disk cache is written here too)."""
-    import pickle
-    import sys
-
-    cfg, target, kernels = pickle.loads(sys.stdin.buffer.read())
-    table = run_flops_table(cfg, target, kernels, isolated=False)
-    sys.stdout.write(json.dumps({str(n): list(v) for n, v in table.items()}))
 
 
 __all__ = [

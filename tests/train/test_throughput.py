@@ -34,7 +34,7 @@ def test_a_cpu_run_logs_tflops_and_the_count_is_cached(tmp_path, monkeypatch, ca
     def no_count(*args, **kwargs):
         raise AssertionError("counted again instead of reading the cache")
 
-    monkeypatch.setattr(flops, "_count_in_child", no_count)
+    monkeypatch.setattr(flops, "count_step", no_count)
     assert main([*args, "--out", str(tmp_path / "b")]) == 0
     assert all(r["tflops"] > 0 for r in _steps(tmp_path / "b" / "metrics.jsonl"))
 
