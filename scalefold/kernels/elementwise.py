@@ -42,6 +42,7 @@ DEFAULT_CHAINS = {"cuda": CHAINS, "cpu": ("gated_projection",)}
 #: broadcast / grad-mode variants than that, each compiled once)
 RECOMPILE_LIMIT = 64
 
+_RECORDING = "(recording)"  # the pseudo-backend of recording(): the references, each call reported
 _state: dict[str, Any] = {"backend": None, "chains": CHAINS}
 _compiled: dict[str, dict[str, Callable[..., torch.Tensor]]] = {}  # backend -> chain -> compiled function
 
@@ -94,6 +95,31 @@ def mode(backend: str | None) -> Iterator[None]:
         enable(before, chains) if before is not None else disable()
 
 
+@contextlib.contextmanager
+def recording(observe: Callable[[str, tuple], None]) -> Iterator[None]:
+    """Within the block every chain runs as its reference, but routed and shaped as compiled chains are (the
+    dispatch point merges the operands' leading dimensions), and each call is first reported to
+    ``observe(name, args)``: the calls a compiled run compiles for (:mod:`scalefold.perf.compile_sites`)."""
+
+    def observed(name: str) -> Callable[..., torch.Tensor]:
+        fn = getattr(reference, name)
+
+        def call(*args: Any) -> torch.Tensor:
+            observe(name, args)
+            return fn(*args)
+
+        return call
+
+    before = dict(_state)
+    _compiled[_RECORDING] = {name: observed(name) for name in CHAINS}
+    _state.update(backend=_RECORDING, chains=CHAINS)
+    try:
+        yield
+    finally:
+        _state.update(before)
+        _compiled.pop(_RECORDING, None)
+
+
 def chain(name: str) -> Callable[..., torch.Tensor]:
     """The function that computes chain ``name`` now: compiled when enabled, else the reference."""
     backend = _state["backend"]
@@ -110,4 +136,5 @@ __all__ = [
     "enable",
     "enabled",
     "mode",
+    "recording",
 ]

@@ -142,7 +142,7 @@ def _compiled_result(config: _Config, report: Any, first_cycle_s: float, strict:
 def run_step_benchmark(
     cfg: TrainConfig, compile: bool = True, regions: Sequence[str] | None = None, backend: str = "inductor",
     repeats: int = 5, warmup: int = 2, per_region: bool = False, strict: bool = False,
-    log: Any = None, compile_cache: Any = None, compile_only: bool = False,
+    log: Any = None, compile_cache: Any = None, compile_only: bool = False, call_sites: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """Eager (and compiled) step times of ``cfg``'s training step, measured paired: eager and compiled
     cycles alternate; the result printed as JSON. ``compile_cache``: the
@@ -151,8 +151,10 @@ def run_step_benchmark(
     from scalefold.train.step import TrainingStep
 
     say = log or (lambda line: None)
-    regions = tuple(regions or COMPILE_REGIONS)
     load0 = os.getloadavg()
+    if call_sites:
+        return _finish(_call_sites_result(cfg, regions, backend, compile_cache, say), load0)
+    regions = tuple(regions or COMPILE_REGIONS)
     eager = _Config(TrainingStep.build(cfg), None)
     eager.cycle(timed=False)  # the process's first steps (lazy initialisation) are not counted in compile_s
     result: dict[str, Any] = {
@@ -229,6 +231,21 @@ def _compile_only(cfg: TrainConfig, result: dict[str, Any], regions: Sequence[st
     return result
 
 
+def _call_sites_result(cfg: TrainConfig, regions: Sequence[str] | None, backend: str, compile_cache: Any,
+                       say: Any) -> dict[str, Any]:  # fmt: skip
+    """``--call-sites``: compile seconds per region at the step's own call sites, the step not run
+    (:mod:`scalefold.perf.compile_sites`)."""
+    from scalefold.perf.compile_sites import run_call_sites
+
+    result: dict[str, Any] = {
+        "preset": cfg.model_preset, "precision": cfg.precision, "crop": cfg.crop_size, "backend": backend,
+        "compile_cache": _cache_info(compile_cache), "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(), "compiler_setup_s": round(compiler_setup_s(backend), 2),
+    }  # fmt: skip
+    result.update(run_call_sites(cfg, regions, backend, say=say))
+    return result
+
+
 def _per_region(regions: Sequence[str]) -> list[str]:
     """The regions ``--per-region`` compiles one at a time: the default (the elementwise chains) one chain at a
     time; otherwise each region given (block regions only when named: they take long to compile)."""
@@ -260,6 +277,12 @@ def _num_ensembles(cfg: TrainConfig) -> int:
 
 
 def format_result(r: dict[str, Any]) -> str:
+    if r.get("call_sites"):
+        from scalefold.perf.compile_sites import format_call_sites
+
+        return (f"bench step --call-sites: preset {r['preset']}, {r['precision']}, crop {r['crop']}; load "
+                f"{r['loadavg_before'][0]} -> {r['loadavg_after'][0]} on {r['cpus']} CPUs; compiler set-up "
+                f"{r['compiler_setup_s']} s\n" + format_call_sites(r))  # fmt: skip
     lines = [f"bench step: preset {r['preset']}, {r['precision']}, recycling counts {r['recycling_counts']}, "
              f"median of {r['repeats']} cycles; load {r['loadavg_before'][0]} -> {r['loadavg_after'][0]} "
              f"on {r['cpus']} CPUs"]  # fmt: skip
@@ -313,6 +336,11 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
             elif r not in ALL_REGIONS and r != "auxiliary_heads":
                 raise ValueError(f"unknown region {r!r}; expected some of {', '.join(ALL_REGIONS)} "
                                  f"or {ELEMENTWISE_REGION}:<chain>")  # fmt: skip
+        if args.call_sites:
+            from scalefold.perf.compile_sites import check_regions
+
+            check_regions(regions)
+            args.compile = True
     except ValueError as exc:
         print(f"scalefold bench step: {exc}", file=sys.stderr)
         return 3
@@ -322,8 +350,10 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
     cache = configure_compile_cache(args.compile_cache) if args.compile else None  # before anything compiles
     result = run_step_benchmark(cfg, compile=args.compile, regions=regions, backend=args.backend, repeats=args.repeats,
                                 warmup=args.warmup, per_region=args.per_region, strict=args.strict, log=log,
-                                compile_cache=cache, compile_only=args.compile_only)  # fmt: skip
-    add_throughput(result, cfg)
+                                compile_cache=cache, compile_only=args.compile_only,
+                                call_sites=args.call_sites)  # fmt: skip
+    if not args.call_sites:
+        add_throughput(result, cfg)
     print(json.dumps(result) if args.json else format_result(result), flush=True)
     return 0
 
@@ -377,6 +407,10 @@ def add_bench_step_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                    "with the same code, shapes and versions starts warm")  # fmt: skip
     p.add_argument("--compile-only", action="store_true", help="with --compile: measure compile_s only (no eager "
                    "or compiled timing: for shapes whose steps are slow here, e.g. --preset mlperf on a CPU)")
+    p.add_argument("--call-sites", action="store_true", help="with --compile: compile each region at the call "
+                   "sites the preset's step makes (recorded on fake tensors; default regions: every elementwise chain "
+                   "and one block of each stack), without running the step: compile seconds per region at shapes "
+                   "whose step is too slow to run here (e.g. --preset mlperf on a CPU)")  # fmt: skip
     p.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
     p.add_argument("--strict", action="store_true", help="fail on any graph break or recompilation")
     p.add_argument("--precision", choices=("fp32", "bf16"), help="default: the preset's")
