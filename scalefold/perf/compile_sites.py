@@ -71,7 +71,8 @@ class TensorSpec:
 
     def __str__(self) -> str:
         dims = "x".join(str(n) for n in self.shape) or "scalar"
-        return f"{dims} {str(self.dtype).removeprefix('torch.')}{' grad' if self.requires_grad else ''}"
+        strided = " strided" if self.stride != tuple(torch.empty(self.shape, device="meta").stride()) else ""
+        return f"{dims}{strided} {str(self.dtype).removeprefix('torch.')}{' grad' if self.requires_grad else ''}"
 
 
 @dataclass(frozen=True)
@@ -248,11 +249,13 @@ def run_call_sites(cfg: TrainConfig, regions: Sequence[str] | None = None, backe
     regions = tuple(regions or DEFAULT_REGIONS)
     t0 = time.perf_counter()
     sites = record_sites(cfg, regions, kernels)
-    say(f"recorded {len(sites)} distinct call sites on fake tensors in {time.perf_counter() - t0:.0f} s")
+    record_s = time.perf_counter() - t0
+    say(f"recorded {len(sites)} distinct call sites on fake tensors in {record_s:.0f} s")
     rows = replay_sites(sites, cfg, backend, say)
     chains = [r for r in rows if r.startswith("elementwise:")]
     return {
-        "call_sites": True, "kernels": kernels, "record_s": round(time.perf_counter() - t0, 1),
+        "call_sites": True, "kernels": kernels, "record_s": round(record_s, 1),
+        "replay_s": round(time.perf_counter() - t0 - record_s, 1),
         "compile_s": round(sum(rows[r]["compile_s"] for r in chains), 2) if chains else None,
         "graphs": sum(rows[r]["graphs"] for r in chains) if chains else None, "per_region": rows,
     }  # fmt: skip

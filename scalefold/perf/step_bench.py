@@ -237,9 +237,12 @@ def _call_sites_result(cfg: TrainConfig, regions: Sequence[str] | None, backend:
     (:mod:`scalefold.perf.compile_sites`)."""
     from scalefold.perf.compile_sites import run_call_sites
 
+    from scalefold.model.factory import build_model_config
+    from scalefold.perf.memory import _crop
+
     result: dict[str, Any] = {
-        "preset": cfg.model_preset, "precision": cfg.precision, "crop": cfg.crop_size, "backend": backend,
-        "compile_cache": _cache_info(compile_cache), "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "preset": cfg.model_preset, "precision": cfg.precision, "crop": _crop(build_model_config(cfg)),
+        "backend": backend, "compile_cache": _cache_info(compile_cache), "torch": torch.__version__, "threads": torch.get_num_threads(),
         "cpus": os.cpu_count(), "compiler_setup_s": round(compiler_setup_s(backend), 2),
     }  # fmt: skip
     result.update(run_call_sites(cfg, regions, backend, say=say))
