@@ -35,6 +35,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,7 +109,14 @@ def estimate_commands(args: argparse.Namespace) -> dict[str, list[str]]:
             args.precision, "--json"]  # fmt: skip
     if args.activation_checkpointing:
         base += ["--activation-checkpointing", args.activation_checkpointing]
-    return {kernels: base + ["--kernels", kernels] for kernels in ("torch", "triton")}
+    traced = traced_kernels(args)  # its allocating sites, for the comparison with the allocator trace
+    return {kernels: base + ["--kernels", kernels] + (["--sites"] if kernels == traced else [])
+            for kernels in ("torch", "triton")}  # fmt: skip
+
+
+def traced_kernels(args: argparse.Namespace) -> str | None:
+    """The kernels of the configuration whose allocator trace is recorded (``--memory-snapshot``: the first)."""
+    return CONFIGS[args.configs[0]][0] if args.memory_snapshot and args.configs else None
 
 
 def run_config(name: str, args: argparse.Namespace, after_warm_up=None) -> dict:
@@ -205,9 +213,11 @@ def run_child(name: str, args: argparse.Namespace) -> int:
         try:
             snap = snaps[0] if snaps else cuda_snapshot.take_snapshot()
             Path(args.memory_snapshot).mkdir(parents=True, exist_ok=True)
+            report = cuda_snapshot.peak_allocations(snap)
+            (Path(args.memory_snapshot) / f"{name}_memory_peak.json").write_text(json.dumps(asdict(report)))
+            print(f"{name}: {cuda_snapshot.format_peak(report)}", flush=True)  # first: the dump may meet the cap
             path = cuda_snapshot.dump_snapshot(snap, Path(args.memory_snapshot) / f"{name}_memory.pickle.gz")
-            print(f"{name}: allocator trace in {path}\n{cuda_snapshot.format_peak(cuda_snapshot.peak_allocations(snap))}",
-                  flush=True)  # fmt: skip
+            print(f"{name}: allocator trace in {path}", flush=True)
         except Exception as exc:  # noqa: BLE001 -- the figures above stand without it
             print(f"{name}: no allocator trace: {type(exc).__name__}: {exc}", flush=True)
     return 0 if "error" not in row else 1
@@ -308,6 +318,8 @@ def run_all(args: argparse.Namespace) -> int:
         print(json.dumps(row), flush=True)
         _collect(procs, predicted, wait=False)
     _collect(procs, predicted, wait=True)
+    if args.memory_snapshot:
+        compare_memory(args, rows, predicted)
     flops = flops_by_recycling(predicted.pop("flops", None))
     for row in rows:
         if "step_s_by_recycling" in row:
@@ -333,6 +345,35 @@ def _collect(procs: dict, predicted: dict, wait: bool) -> None:
         except Exception as exc:  # noqa: BLE001
             proc.kill()
             print(f"memory model ({kernels}) gave no result: {type(exc).__name__}", flush=True)
+
+
+def compare_memory(args: argparse.Namespace, rows: list[dict], predicted: dict) -> None:
+    """The traced configuration's peak by allocating line against the memory model's (``--sites``), as a
+    table and as ``DIR/<config>_memory_compare.json`` (:mod:`scalefold.perf.memory_sites`)."""
+    from scalefold.perf.memory_sites import compare, format_comparison, read_peak
+
+    name, kernels = args.configs[0], traced_kernels(args)
+    peak_file = Path(args.memory_snapshot) / f"{name}_memory_peak.json"
+    est = predicted.get(kernels) or {}
+    if not est.get("sites") or not peak_file.exists():
+        print(f"memory comparison ({name}): no {'model sites' if not est.get('sites') else peak_file}", flush=True)
+        return
+    try:
+        report = read_peak(str(peak_file))
+    except ValueError as exc:
+        print(f"memory comparison ({name}): {exc}", flush=True)
+        return
+    sites = dict(est["sites"])
+    row = next((r for r in rows if r.get("config") == name), {})
+    if row.get("cuda_graphs") and est.get("cuda_graph_pool_bytes"):  # the graphs' pool: the model has no site for it
+        sites["(CUDA-graph pool, model)"] = {"bytes": est["cuda_graph_pool_bytes"], "count": 1}
+    cmp = compare(report, sites, extra={"config": name, "settings": est.get("settings", {}),
+                                        "max_memory_allocated": row.get("peak_bytes")})  # fmt: skip
+    out = Path(args.memory_snapshot) / f"{name}_memory_compare.json"
+    out.write_text(json.dumps(cmp.to_json(), indent=1))
+    print(f"\n=== memory: {name} predicted (memory model, {kernels} kernels) vs measured (allocator trace) by "
+          f"allocating line; max_memory_allocated {row.get('peak_bytes', 0) / 2**30:.2f} GiB; JSON {out}\n"
+          f"{format_comparison(cmp)}", flush=True)  # fmt: skip
 
 
 def format_table(rows: list[dict], predicted: dict) -> str:

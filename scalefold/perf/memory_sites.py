@@ -37,8 +37,11 @@ from scalefold.perf.cuda_snapshot import NO_STACK, PeakReport, project_path
 
 GiB = 2**30
 _SKIP, _PROJECT, _OTHER, _ENGINE = range(4)
-#: Where a backward enters the autograd engine: frames outside it are on another thread on CUDA.
-_ENGINE_ENTRIES = {"torch/autograd/graph.py": {"_engine_run_backward"}, "torch/autograd/__init__.py": {"backward", "grad"}}
+#: Where a backward enters the C++ autograd engine (torch >= 2.3; ``backward``, ``grad`` and checkpointing
+#: call it): on CUDA the frames outside it are on another thread than the engine's operators.
+_ENGINE_ENTRIES = {"torch/autograd/graph.py": {"_engine_run_backward"}}
+#: torch's wrappers between the engine's entry and the C++ engine (``torch._disable_dynamo``): never a site.
+_WRAPPERS = ("torch/_compile.py", "torch/_dynamo/eval_frame.py")
 OTHER_SITES = "(other sites)"
 
 
@@ -56,6 +59,7 @@ class FrameSites:
             kind = _SKIP if path.startswith(self.prefix + "perf/") else _PROJECT
         else:
             kind = _ENGINE if any(filename.endswith(e) for e in _ENGINE_ENTRIES) else _OTHER
+            kind = _SKIP if filename.endswith(_WRAPPERS) else kind
         self._files[filename] = (kind, path)
         return kind, path
 
@@ -120,6 +124,11 @@ class SiteLog:
         if entry is not None:
             self.seq += 1
             self._died[entry] = self.seq
+
+    @property
+    def names(self) -> list[str]:
+        """Every site seen, in order of first allocation."""
+        return list(self._names)
 
     def mark_peak(self) -> None:
         """The state now (after the last :meth:`alloc`) is the peak."""
@@ -200,6 +209,29 @@ def compare(report: PeakReport, predicted: dict[str, Any], extra: dict[str, Any]
                       extra=dict(extra or {}))  # fmt: skip
 
 
+def read_peak(path: str) -> PeakReport:
+    """The CUDA side of a comparison from a file: an allocator snapshot (``*.pickle[.gz]``, as
+    ``bench/step_headline.py --memory-snapshot`` writes it) or the peak summary it writes beside it
+    (``*_memory_peak.json``). A missing or unreadable file: ``ValueError`` with one line naming it."""
+    import json
+
+    from scalefold.perf.cuda_snapshot import load_snapshot, peak_allocations
+
+    try:
+        if str(path).endswith(".json"):
+            with open(path) as fh:
+                return PeakReport(**json.load(fh))
+        snap = load_snapshot(path)
+    except FileNotFoundError:
+        raise ValueError(f"no such file: {path}") from None
+    except Exception as exc:  # noqa: BLE001 -- unpickling arbitrary bytes raises many kinds: one line for all
+        raise ValueError(f"cannot read {path} as an allocator snapshot or peak summary: {type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''}") from None  # fmt: skip
+    if not isinstance(snap, dict) or "device_traces" not in snap:
+        raise ValueError(f"{path} is not an allocator snapshot (torch.cuda.memory._snapshot(): no device_traces)")
+    return peak_allocations(snap)
+
+
 def format_comparison(cmp: Comparison, top: int = 30) -> str:
     """The side-by-side table: GiB per site at the predicted and the measured peak, measured - predicted."""
     def gib(n: int) -> str:
@@ -235,5 +267,5 @@ def format_sites(sites: dict[str, dict[str, int]], top: int = 25) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Comparison", "FrameSites", "OTHER_SITES", "SiteLog", "SiteRow", "compare", "format_comparison",
+__all__ = ["Comparison", "FrameSites", "OTHER_SITES", "SiteLog", "SiteRow", "compare", "format_comparison", "read_peak",
            "format_sites"]  # fmt: skip
