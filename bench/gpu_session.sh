@@ -349,7 +349,7 @@ part tests_graphs tests 150 "$PY" -m pytest "${PYTEST_ARGS[@]}" \
 # s/step per recycling count, peak memory vs the memory model, and a profile of one step per configuration
 # (its dry run prints the plan with expected seconds; on a machine without CUDA it refuses, exit 2)
 if [ "$DRY_RUN" = 1 ] && selected headline headline; then
-    "$PY" bench/step_headline.py --dry-run --deadline 465 --compile-cache "$COMPILE_CACHE"
+    "$PY" bench/step_headline.py --dry-run --deadline 465 --memory-snapshot "$WORK/memory" --compile-cache "$COMPILE_CACHE"
 fi
 part headline headline 480 env SCALEFOLD_AUTOTUNE=0 "$PY" bench/step_headline.py --preset mlperf --precision bf16 \
     --cycles 1 --deadline @SESSION_LIMIT@ --out "$WORK/headline" --memory-snapshot "$WORK/memory" \

@@ -98,6 +98,10 @@ def plan(args: argparse.Namespace) -> list[str]:
                      f"expected ~{expect:>3} s, cap {cap} s  -> s/step per recycling count, mean, MFU, peak memory, profile")  # fmt: skip
     for kernels, cmd in ({} if args.no_estimate else estimate_commands(args)).items():
         lines.append(f"  memory model ({kernels} kernels, on the CPUs meanwhile): {' '.join(cmd[1:])}")
+    if args.memory_snapshot and args.configs:
+        first = args.configs[0]
+        lines.append(f"  allocator trace of {first}'s warm-up: {args.memory_snapshot}/{first}_memory.pickle.gz (+ _peak.json); "
+                     f"at the end, by allocating line against the memory model's --sites: {first}_memory_compare.json")  # fmt: skip
     lines.append(f"  total expected ~{total} s (caps {sum(CONFIGS[n][4] for n in args.configs)} s, cut to the deadline "
                  f"{args.deadline} s); compile cache {args.compile_cache or '(default)'}")  # fmt: skip
     return lines
