@@ -100,7 +100,8 @@ def plan(args: argparse.Namespace) -> list[str]:
         lines.append(f"  memory model ({kernels} kernels, on the CPUs meanwhile): {' '.join(cmd[1:])}")
     if args.memory_snapshot and args.configs:
         first = args.configs[0]
-        lines.append(f"  allocator trace of {first}'s warm-up: {args.memory_snapshot}/{first}_memory.pickle.gz (+ _peak.json); "
+        lines.append(f"  allocator trace of one more {first} step (1 recycling pass, as the memory model): "
+                     f"{args.memory_snapshot}/{first}_memory.pickle.gz (+ _peak.json); "
                      f"at the end, by allocating line against the memory model's --sites: {first}_memory_compare.json")  # fmt: skip
     lines.append(f"  total expected ~{total} s (caps {sum(CONFIGS[n][4] for n in args.configs)} s, cut to the deadline "
                  f"{args.deadline} s); compile cache {args.compile_cache or '(default)'}")  # fmt: skip
@@ -162,8 +163,8 @@ def run_config(name: str, args: argparse.Namespace, after_warm_up=None) -> dict:
     setup_s = time.perf_counter() - t_build
     if report is not None:
         report.mark_warm()
-    if after_warm_up is not None:  # e.g. stop the allocator trace: the timed steps run without it
-        after_warm_up()
+    if after_warm_up is not None:  # e.g. the allocator trace of one more step: the timed steps run without it
+        after_warm_up(lambda n: step.run(min(n, counts[-1]), forward=forward))
     times: dict[int, list[float]] = {n: [] for n in counts}
     for _ in range(args.cycles):
         for n in counts:
@@ -202,11 +203,10 @@ def run_child(name: str, args: argparse.Namespace) -> int:
     print(f"{name}: {cache.describe()}", flush=True)
     snaps: list = []
     try:
-        if args.memory_snapshot:  # the warm-up (every recycling count, same shapes) is traced, the timed steps not
+        if args.memory_snapshot:  # one step after the warm-up is traced, the warm-up and the timed steps not
             from scalefold.perf import cuda_snapshot
 
-            cuda_snapshot.record_history()
-            row = run_config(name, args, after_warm_up=lambda: snaps.append(cuda_snapshot.take_snapshot()))
+            row = run_config(name, args, after_warm_up=lambda run_step: snaps.append(trace_step(run_step)))
         else:
             row = run_config(name, args)
     except Exception as exc:  # noqa: BLE001 -- reported as the configuration's row
@@ -215,9 +215,12 @@ def run_child(name: str, args: argparse.Namespace) -> int:
     print("ROW " + json.dumps(row), flush=True)
     if args.memory_snapshot:
         try:
-            snap = snaps[0] if snaps else cuda_snapshot.take_snapshot()
+            if not snaps:
+                raise RuntimeError("the configuration ended before its traced step")
+            snap, allocated_before = snaps[0]
             Path(args.memory_snapshot).mkdir(parents=True, exist_ok=True)
             report = cuda_snapshot.peak_allocations(snap)
+            report.allocated_at_start = allocated_before
             (Path(args.memory_snapshot) / f"{name}_memory_peak.json").write_text(json.dumps(asdict(report)))
             print(f"{name}: {cuda_snapshot.format_peak(report)}", flush=True)  # first: the dump may meet the cap
             path = cuda_snapshot.dump_snapshot(snap, Path(args.memory_snapshot) / f"{name}_memory.pickle.gz")
@@ -225,6 +228,22 @@ def run_child(name: str, args: argparse.Namespace) -> int:
         except Exception as exc:  # noqa: BLE001 -- the figures above stand without it
             print(f"{name}: no allocator trace: {type(exc).__name__}: {exc}", flush=True)
     return 0 if "error" not in row else 1
+
+
+def trace_step(run_step) -> tuple[dict, int]:
+    """The allocator's trace of one step with the memory model's recycling count (1), after the warm-up: the
+    trace's window then holds the whole step (a trace of the warm-up's four steps outgrows ``max_entries`` at
+    MLPerf shapes and loses its start); ``(snapshot, bytes allocated when it began)``."""
+    import torch
+
+    from scalefold.perf import cuda_snapshot
+
+    torch.cuda.synchronize()
+    allocated_before = torch.cuda.memory_allocated()
+    cuda_snapshot.record_history()
+    run_step(1)
+    torch.cuda.synchronize()
+    return cuda_snapshot.take_snapshot(), allocated_before
 
 
 def child_command(name: str, args: argparse.Namespace, snapshot: bool) -> list[str]:
@@ -282,9 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-trace", action="store_true", help="also keep the Chrome traces (<config>_trace.json.gz)")
     ap.add_argument("--compile-cache", default=os.environ.get("SCALEFOLD_COMPILE_CACHE"),
                     help="persistent inductor/Triton cache (default $SCALEFOLD_COMPILE_CACHE, else ~/.cache/scalefold/compile)")
-    ap.add_argument("--memory-snapshot", metavar="DIR", help="record the allocator's trace of the first "
-                    "configuration, write it to DIR/<config>_memory.pickle.gz and print what is live at its peak, "
-                    "by allocating line (scalefold.perf.cuda_snapshot)")  # fmt: skip
+    ap.add_argument("--memory-snapshot", metavar="DIR", help="record the allocator's trace of one more step of the "
+                    "first configuration after its warm-up, write it to DIR/<config>_memory.pickle.gz, print what is "
+                    "live at its peak by allocating line (scalefold.perf.cuda_snapshot) and, at the end, that against "
+                    "the memory model's sites (DIR/<config>_memory_compare.json; scalefold.perf.memory_sites)")  # fmt: skip
     ap.add_argument("--child", choices=list(CONFIGS), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:

@@ -37,13 +37,25 @@ class PeakReport:
     untracked_bytes: int = 0  # live before recording started (frees of unknown addresses are ignored)
     events: int = 0  # trace events replayed (as many as record_history's max_entries: the start was cut off)
     unknown_frees: int = 0  # frees of blocks the trace never saw allocated (before recording, or cut off)
+    allocated_at_start: int = 0  # torch.cuda.memory_allocated() when recording began (set by the recorder)
 
 
-def record_history(max_entries: int = 1_000_000) -> None:
-    """Start recording allocator events with Python stacks (CUDA only)."""
+#: Trace events :func:`peak_allocations` does not read: not recorded where torch can skip them (>= 2.9).
+SKIPPED_ACTIONS = ("free_requested", "segment_alloc", "segment_free", "segment_map", "segment_unmap")
+
+
+def record_history(max_entries: int = 2_000_000) -> None:
+    """Start recording allocator events with the allocations' Python stacks (CUDA only). The trace keeps the
+    last ``max_entries`` events: one MLPerf-shape step is of the order of 10^5-10^6 of them."""
+    import inspect
+
     import torch
 
-    torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
+    record = torch.cuda.memory._record_memory_history
+    kwargs: dict[str, Any] = {"max_entries": max_entries, "stacks": "python", "context": "alloc"}
+    if "skip_actions" in inspect.signature(record).parameters:
+        kwargs["skip_actions"] = list(SKIPPED_ACTIONS)
+    record(**kwargs)
 
 
 def take_snapshot() -> dict[str, Any]:
@@ -58,7 +70,7 @@ def take_snapshot() -> dict[str, Any]:
 def dump_snapshot(snap: dict[str, Any], path: str | Path) -> Path:
     """Write the snapshot as a gzip pickle (``torch.cuda._memory_viz`` reads the unzipped pickle)."""
     path = Path(path)
-    with gzip.open(path, "wb") as fh:
+    with gzip.open(path, "wb", compresslevel=1) as fh:  # fast: it is written within the configuration's cap
         pickle.dump(snap, fh)
     return path
 
@@ -165,7 +177,8 @@ def format_peak(report: PeakReport, top: int = 25) -> str:
     gib = 2**30
     lines = [
         f"live at the traced peak: {report.peak_bytes / gib:.2f} GiB (event {report.event_index}); "
-        f"allocated before recording and still live at the end: {report.untracked_bytes / gib:.2f} GiB",
+        f"allocated before recording and still live at the end: {report.untracked_bytes / gib:.2f} GiB"
+        + (f" (allocated when recording began: {report.allocated_at_start / gib:.2f} GiB)" if report.allocated_at_start else ""),
         f"{'GiB':>7} {'n':>5}  allocated at",
     ]
     if report.unknown_frees:

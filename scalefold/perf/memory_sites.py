@@ -18,8 +18,12 @@ Making the model's stacks look like the CUDA trace's:
   thread under ``loss.backward()``; the walk stops at the engine's entry (``_engine_run_backward``), so both
   sides name the same site;
 * storages that exist before the step (parameters, buffers, gradients, optimizer state, the batch) have
-  no operator: their site is their category, ``(parameters)`` etc.; on CUDA they are allocated where the
-  model, the optimizer and the batch are built (other keys), so these rows show on both sides once.
+  no operator: their site is their category, ``(parameters)`` etc. A trace of one step after the warm-up
+  (``bench/step_headline.py --memory-snapshot``) never sees them allocated: they are in its
+  ``untracked_bytes`` (with the warm-up's cuBLAS workspaces), and the comparison prints both totals;
+* the function name is the code object's (``co_name``, as torch's traces have it): Python 3.12 inlines
+  comprehensions, so compare a trace with sites computed under the same Python minor version (the headline
+  computes both on the same machine).
 
 The sites' bytes at the model's peak add up to the eager step's peak (``step_peak_bytes``: without the
 CUDA-graph pool, which has no site).
@@ -43,6 +47,8 @@ _ENGINE_ENTRIES = {"torch/autograd/graph.py": {"_engine_run_backward"}}
 #: torch's wrappers between the engine's entry and the C++ engine (``torch._disable_dynamo``): never a site.
 _WRAPPERS = ("torch/_compile.py", "torch/_dynamo/eval_frame.py")
 OTHER_SITES = "(other sites)"
+#: The sites of the storages that exist before the step (:meth:`StorageTracker.register`'s categories).
+BEFORE_STEP = ("(parameters)", "(buffers)", "(gradients)", "(optimizer_state)", "(batch)")
 
 
 class FrameSites:
@@ -177,13 +183,16 @@ class Comparison:
     measured_bytes: int  # live at the traced peak (allocated while recording)
     untracked_bytes: int  # allocated before recording, still live at the end (not in the measured peak)
     unknown_frees: int = 0
+    predicted_before_step: int = 0  # the model's storages from before the step (parameters, ..., batch)
+    allocated_at_start: int = 0  # torch.cuda.memory_allocated() when the trace began (0: not recorded)
     extra: dict[str, Any] = field(default_factory=dict)  # what was compared (settings, files)
 
     def to_json(self) -> dict[str, Any]:
         rows = [{**asdict(r), "difference_bytes": r.difference} for r in self.rows]
         return {"rows": rows, "predicted_bytes": self.predicted_bytes, "measured_bytes": self.measured_bytes,
                 "difference_bytes": self.measured_bytes - self.predicted_bytes, "untracked_bytes": self.untracked_bytes,
-                "unknown_frees": self.unknown_frees, **self.extra}  # fmt: skip
+                "unknown_frees": self.unknown_frees, "predicted_before_step_bytes": self.predicted_before_step,
+                "allocated_at_start_bytes": self.allocated_at_start, **self.extra}  # fmt: skip
 
 
 def _as_sites(predicted: dict[str, Any]) -> dict[str, tuple[int, int]]:
@@ -206,7 +215,8 @@ def compare(report: PeakReport, predicted: dict[str, Any], extra: dict[str, Any]
     rows.sort(key=lambda r: (-abs(r.difference), r.site))
     return Comparison(rows=rows, predicted_bytes=sum(b for b, _ in pred.values()), measured_bytes=report.peak_bytes,
                       untracked_bytes=report.untracked_bytes, unknown_frees=report.unknown_frees,
-                      extra=dict(extra or {}))  # fmt: skip
+                      predicted_before_step=sum(pred[s][0] for s in BEFORE_STEP if s in pred),
+                      allocated_at_start=report.allocated_at_start, extra=dict(extra or {}))  # fmt: skip
 
 
 def read_peak(path: str) -> PeakReport:
@@ -247,8 +257,12 @@ def format_comparison(cmp: Comparison, top: int = 30) -> str:
         lines.append(f"{gib(p)} {gib(m)} {gib(m - p)} {'':>7} {'':>7}  ({len(rest)} more sites)")
     lines.append(f"{gib(cmp.predicted_bytes)} {gib(cmp.measured_bytes)} {gib(cmp.measured_bytes - cmp.predicted_bytes)} "
                  f"{'':>7} {'':>7}  total at each side's peak")  # fmt: skip
-    lines.append(f"allocated before the trace began and live at its end (in neither column): "
-                 f"{cmp.untracked_bytes / GiB:.3f} GiB")  # fmt: skip
+    lines.append(f"allocated before the trace began and live at its end (not in 'measured'): {cmp.untracked_bytes / GiB:.3f} "
+                 f"GiB; the model's storages from before the step ({', '.join(BEFORE_STEP)}, in 'predicted'): "
+                 f"{cmp.predicted_before_step / GiB:.3f} GiB")  # fmt: skip
+    if cmp.allocated_at_start:
+        lines.append(f"allocated when the trace began: {cmp.allocated_at_start / GiB:.3f} GiB; measured peak + that: "
+                     f"{(cmp.measured_bytes + cmp.allocated_at_start) / GiB:.3f} GiB")  # fmt: skip
     if cmp.unknown_frees:
         lines.append(f"{cmp.unknown_frees} frees of blocks the trace never saw allocated: its start may be cut off "
                      "(record_history's max_entries)")  # fmt: skip
@@ -267,5 +281,5 @@ def format_sites(sites: dict[str, dict[str, int]], top: int = 25) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Comparison", "FrameSites", "OTHER_SITES", "SiteLog", "SiteRow", "compare", "format_comparison", "read_peak",
+__all__ = ["BEFORE_STEP", "Comparison", "FrameSites", "OTHER_SITES", "SiteLog", "SiteRow", "compare", "format_comparison", "read_peak",
            "format_sites"]  # fmt: skip

@@ -144,6 +144,26 @@ def test_comparison_with_a_trace_of_the_same_sites(est):
     assert bump in text and "total at each side's peak" in text and "more sites" in text
 
 
+def test_record_history_asks_for_allocation_stacks_and_skips_unread_events(monkeypatch):
+    from scalefold.perf import cuda_snapshot
+
+    seen = []
+
+    def new(enabled="all", context="all", stacks="all", max_entries=0, skip_actions=None):  # torch >= 2.9
+        seen.append({"context": context, "stacks": stacks, "max_entries": max_entries, "skip_actions": skip_actions})
+
+    def old(enabled="all", context="all", stacks="all", max_entries=0):  # torch 2.6
+        seen.append({"context": context, "stacks": stacks, "max_entries": max_entries})
+
+    for fn in (new, old):
+        monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", fn)
+        cuda_snapshot.record_history(max_entries=5)
+    assert seen[0] == {"context": "alloc", "stacks": "python", "max_entries": 5,
+                       "skip_actions": list(cuda_snapshot.SKIPPED_ACTIONS)}  # fmt: skip
+    assert seen[1] == {"context": "alloc", "stacks": "python", "max_entries": 5}
+    assert not {"alloc", "free_completed"} & set(cuda_snapshot.SKIPPED_ACTIONS)  # what peak_allocations reads
+
+
 def test_cli_sites_flag(capsys):
     from scalefold.cli import main
 
@@ -192,7 +212,8 @@ def test_headline_asks_for_sites_and_compares(tmp_path, capsys):
     assert "--sites" in cmds["torch"] and "--sites" not in cmds["triton"]
     assert all("--sites" not in c for c in h.estimate_commands(argparse.Namespace(**{**vars(args), "memory_snapshot": None})).values())
     site = "scalefold/model/triangle.py:99 forward"
-    report = PeakReport(peak_bytes=300, event_index=1, by_site={site: 300}, counts={site: 2}, untracked_bytes=7)
+    report = PeakReport(peak_bytes=300, event_index=1, by_site={site: 300}, counts={site: 2}, untracked_bytes=7,
+                        allocated_at_start=1000)  # fmt: skip
     (tmp_path / "eager_memory_peak.json").write_text(json.dumps(report.__dict__))
     assert read_peak(str(tmp_path / "eager_memory_peak.json")) == report
     predicted = {"torch": {"sites": {site: {"bytes": 100, "count": 1}, "(parameters)": {"bytes": 50, "count": 3}},
@@ -200,5 +221,6 @@ def test_headline_asks_for_sites_and_compares(tmp_path, capsys):
     h.compare_memory(args, [{"config": "eager", "cuda_graphs": False, "peak_bytes": 400}], predicted)
     js = json.loads((tmp_path / "eager_memory_compare.json").read_text())
     assert [(r["site"], r["difference_bytes"]) for r in js["rows"]] == [(site, 200), ("(parameters)", -50)]
-    assert js["max_memory_allocated"] == 400 and js["untracked_bytes"] == 7
+    assert js["max_memory_allocated"] == 400 and js["untracked_bytes"] == 7 and js["allocated_at_start_bytes"] == 1000
+    assert js["predicted_before_step_bytes"] == 50
     assert site in capsys.readouterr().out
