@@ -19,7 +19,8 @@ trace's bytes at its peak per line, largest difference first (:mod:`scalefold.pe
     python bench/memory_model.py --compare-snapshot DIR/eager_memory.pickle.gz --preset mlperf --precision bf16 \
         --kernels torch [--activation-checkpointing on] [--json OUT.json]
 
-(``DIR/eager_memory_peak.json``, the trace's peak summary ``bench/step_headline.py`` writes beside it, works too.)
+(``DIR/eager_memory_peak.json``, the trace's peak summary ``bench/step_headline.py`` writes beside it, works too;
+``--sites-json DIR/memory_model_torch.json``, the model's output the headline keeps, skips running the model.)
 """
 
 from __future__ import annotations
@@ -61,13 +62,22 @@ def compare_snapshot(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"bench/memory_model.py: --compare-snapshot: {exc}", file=sys.stderr)
         return 2
-    overrides = {"precision": args.precisions[0], "crop_size": args.crop,
-                 "activation_checkpointing": args.activation_checkpointing}  # fmt: skip
-    cfg = TrainConfig.from_preset(args.presets[0], overrides={k: v for k, v in overrides.items() if v is not None},
-                                  env={})  # fmt: skip
-    est = estimate_memory(cfg, target="cuda", kernels=args.kernels, cuda_graphs=False, sites=True)
-    settings = {**est.settings, "snapshot": str(args.compare_snapshot), "seconds": round(est.seconds, 1)}
-    cmp = compare(report, est.sites, extra={"settings": settings})
+    if args.sites_json:  # the model's sites as `scalefold estimate-memory --sites --json` wrote them
+        try:
+            est = json.loads(Path(args.sites_json).read_text())
+            sites, settings = est["sites"], {**est["settings"], "sites_json": args.sites_json}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"bench/memory_model.py: --sites-json {args.sites_json}: not estimate-memory --sites --json output "
+                  f"({type(exc).__name__})", file=sys.stderr)  # fmt: skip
+            return 2
+    else:
+        overrides = {"precision": args.precisions[0], "crop_size": args.crop,
+                     "activation_checkpointing": args.activation_checkpointing}  # fmt: skip
+        cfg = TrainConfig.from_preset(args.presets[0], overrides={k: v for k, v in overrides.items() if v is not None},
+                                      env={})  # fmt: skip
+        run = estimate_memory(cfg, target="cuda", kernels=args.kernels, cuda_graphs=False, sites=True)
+        sites, settings = run.sites, {**run.settings, "seconds": round(run.seconds, 1)}
+    cmp = compare(report, sites, extra={"settings": {**settings, "snapshot": str(args.compare_snapshot)}})
     print(f"predicted (memory model, sites) vs measured (allocator trace {args.compare_snapshot}), "
           f"{settings['preset']} {settings['precision']} kernels {settings['kernels']}, checkpointing "
           f"{settings['activation_checkpointing']}:")  # fmt: skip
@@ -89,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                     "CUDA allocator trace (*.pickle.gz, or the *_memory_peak.json beside it); first preset/precision")  # fmt: skip
     ap.add_argument("--kernels", choices=("torch", "triton"), default="torch", help="--compare-snapshot: kernel path")
     ap.add_argument("--activation-checkpointing", help="--compare-snapshot: policy on|off|N (default: the preset's)")
+    ap.add_argument("--sites-json", help="--compare-snapshot: the model's sites from this `scalefold estimate-memory "
+                    "--sites --json` output (the headline's DIR/memory_model_<kernels>.json) instead of running it")  # fmt: skip
     ap.add_argument("--top", type=int, default=40, help="--compare-snapshot: rows printed (default 40)")
     ap.add_argument("--json", help="--compare-snapshot: also write the comparison here")
     args = ap.parse_args(argv)

@@ -340,8 +340,8 @@ def run_all(args: argparse.Namespace) -> int:
             row = row or {"config": name, "error": f"no result: {status} (cap {cap:.0f} s)"}
         rows.append(row)
         print(json.dumps(row), flush=True)
-        _collect(procs, predicted, wait=False)
-    _collect(procs, predicted, wait=True)
+        _collect(procs, predicted, wait=False, save_dir=args.memory_snapshot)
+    _collect(procs, predicted, wait=True, save_dir=args.memory_snapshot)
     if args.memory_snapshot:
         compare_memory(args, rows, predicted)
     flops = flops_by_recycling(predicted.pop("flops", None))
@@ -355,8 +355,9 @@ def run_all(args: argparse.Namespace) -> int:
     return 0 if all("error" not in r for r in rows) else 1
 
 
-def _collect(procs: dict, predicted: dict, wait: bool) -> None:
-    """Print each memory-model prediction as soon as it is in (a time limit that cuts the run keeps it)."""
+def _collect(procs: dict, predicted: dict, wait: bool, save_dir: str | None = None) -> None:
+    """Print each memory-model prediction as soon as it is in (a time limit that cuts the run keeps it); with
+    ``save_dir`` also write the ones with allocating sites there, ``memory_model_<kernels>.json``."""
     for kernels, proc in list(procs.items()):
         if not wait and proc.poll() is None:
             continue
@@ -364,6 +365,9 @@ def _collect(procs: dict, predicted: dict, wait: bool) -> None:
         try:
             out, _ = proc.communicate(timeout=60)
             predicted[kernels] = json.loads(out)
+            if save_dir and predicted[kernels].get("sites"):  # the comparison can be redone from the files alone
+                Path(save_dir).mkdir(parents=True, exist_ok=True)
+                (Path(save_dir) / f"memory_model_{kernels}.json").write_text(out)
             keep = ("model_flops",) if kernels == "flops" else ("peak_bytes", "step_peak_bytes")
             print(json.dumps({"memory_model": kernels, **{k: predicted[kernels][k] for k in keep}}), flush=True)
         except Exception as exc:  # noqa: BLE001

@@ -193,6 +193,12 @@ def test_bench_compare_snapshot_end_to_end_and_bad_files(est, tmp_path, capsys):
     assert js["rows"][0]["site"] == code[1] and js["rows"][0]["difference_bytes"] == est.step_peak_bytes
     assert all(r["difference_bytes"] == 0 for r in js["rows"] if r["site"] in code[2:])  # the same model, the same lines
     assert js["predicted_bytes"] == est.step_peak_bytes and "total at each side's peak" in capsys.readouterr().out
+    saved = tmp_path / "memory_model_torch.json"
+    saved.write_text(json.dumps(est.to_json()))
+    assert bench.main(["--compare-snapshot", str(snap), "--sites-json", str(saved), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["rows"] == js["rows"]  # the model's saved output: the same comparison
+    assert bench.main(["--compare-snapshot", str(snap), "--sites-json", str(snap)]) == 2
+    assert "--sites-json" in capsys.readouterr().err
     garbage = tmp_path / "garbage.pickle.gz"
     garbage.write_bytes(b"not a gzip file")
     not_a_snapshot = tmp_path / "dict.pickle.gz"
@@ -224,3 +230,11 @@ def test_headline_asks_for_sites_and_compares(tmp_path, capsys):
     assert js["max_memory_allocated"] == 400 and js["untracked_bytes"] == 7 and js["allocated_at_start_bytes"] == 1000
     assert js["predicted_before_step_bytes"] == 50
     assert site in capsys.readouterr().out
+    import subprocess
+    import sys
+
+    line = json.dumps({"peak_bytes": 1, "step_peak_bytes": 1, "sites": {site: {"bytes": 1, "count": 1}}})
+    procs = {"torch": subprocess.Popen([sys.executable, "-c", f"print({line!r})"], stdout=subprocess.PIPE, text=True)}
+    got: dict = {}
+    h._collect(procs, got, wait=True, save_dir=str(tmp_path / "kept"))
+    assert got["torch"]["sites"] and json.loads((tmp_path / "kept" / "memory_model_torch.json").read_text()) == got["torch"]
