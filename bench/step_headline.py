@@ -41,6 +41,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+TRACE_S = (20, 40)  # --memory-snapshot: the traced configuration's extra (expected, cap) seconds: one step recorded
+# with its stacks, the snapshot, its peak and the gzip dump (estimated: not yet measured at MLPerf shapes)
 CONFIGS = {  # name -> (kernels, compile, cuda graphs, expected s, cap s) on an H100 at MLPerf shapes; run in this order.
     # expected: child start + model and batch (~15 s) + the warm-up cycle (4 steps, ~3.5 s each on the H200) + a
     # timed cycle + one profiled step; compile: + inductor / Triton for the elementwise chains (cold cache)
@@ -100,10 +102,12 @@ def plan(args: argparse.Namespace) -> list[str]:
         lines.append(f"  memory model ({kernels} kernels, on the CPUs meanwhile): {' '.join(cmd[1:])}")
     if args.memory_snapshot and args.configs:
         first = args.configs[0]
-        lines.append(f"  allocator trace of one more {first} step (1 recycling pass, as the memory model): "
-                     f"{args.memory_snapshot}/{first}_memory.pickle.gz (+ _peak.json); "
+        total += TRACE_S[0]
+        lines.append(f"  allocator trace of one more {first} step (1 recycling pass, as the memory model), after its row: "
+                     f"expected ~{TRACE_S[0]} s, its cap +{TRACE_S[1]} s; {args.memory_snapshot}/{first}_memory.pickle.gz (+ _peak.json); "
                      f"at the end, by allocating line against the memory model's --sites: {first}_memory_compare.json")  # fmt: skip
-    lines.append(f"  total expected ~{total} s (caps {sum(CONFIGS[n][4] for n in args.configs)} s, cut to the deadline "
+    caps = sum(CONFIGS[n][4] for n in args.configs) + (TRACE_S[1] if args.memory_snapshot and args.configs else 0)
+    lines.append(f"  total expected ~{total} s (caps {caps} s, cut to the deadline "
                  f"{args.deadline} s); compile cache {args.compile_cache or '(default)'}")  # fmt: skip
     return lines
 
@@ -124,8 +128,9 @@ def traced_kernels(args: argparse.Namespace) -> str | None:
     return CONFIGS[args.configs[0]][0] if args.memory_snapshot and args.configs else None
 
 
-def run_config(name: str, args: argparse.Namespace, after_warm_up=None) -> dict:
-    """One configuration, in this process: build, warm up (compilation, capture), time, profile."""
+def run_config(name: str, args: argparse.Namespace, keep: dict | None = None) -> dict:
+    """One configuration, in this process: build, warm up (compilation, capture), time, profile. ``keep``: gets
+    ``run_step(n)``, one more step of the built configuration (the allocator trace, after the row is out)."""
     import torch
 
     from scalefold.compilation.cache import compile_with_rebuild
@@ -163,8 +168,8 @@ def run_config(name: str, args: argparse.Namespace, after_warm_up=None) -> dict:
     setup_s = time.perf_counter() - t_build
     if report is not None:
         report.mark_warm()
-    if after_warm_up is not None:  # e.g. the allocator trace of one more step: the timed steps run without it
-        after_warm_up(lambda n: step.run(min(n, counts[-1]), forward=forward))
+    if keep is not None:
+        keep["run_step"] = lambda n: step.run(min(n, counts[-1]), forward=forward)
     times: dict[int, list[float]] = {n: [] for n in counts}
     for _ in range(args.cycles):
         for n in counts:
@@ -201,39 +206,26 @@ def run_child(name: str, args: argparse.Namespace) -> int:
 
     cache = configure_compile_cache(args.compile_cache)  # before anything compiles (Triton kernels, inductor)
     print(f"{name}: {cache.describe()}", flush=True)
-    snaps: list = []
+    kept: dict = {}
     try:
-        if args.memory_snapshot:  # one step after the warm-up is traced, the warm-up and the timed steps not
-            from scalefold.perf import cuda_snapshot
-
-            row = run_config(name, args, after_warm_up=lambda run_step: snaps.append(trace_step(run_step)))
-        else:
-            row = run_config(name, args)
+        row = run_config(name, args, keep=kept)
     except Exception as exc:  # noqa: BLE001 -- reported as the configuration's row
         row = {"config": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"}
     row["compile_cache_warm"] = cache.warm
     print("ROW " + json.dumps(row), flush=True)
-    if args.memory_snapshot:
+    if args.memory_snapshot and "run_step" in kept:  # after the row: whatever the trace costs, the figures stand
         try:
-            if not snaps:
-                raise RuntimeError("the configuration ended before its traced step")
-            snap, allocated_before = snaps[0]
-            Path(args.memory_snapshot).mkdir(parents=True, exist_ok=True)
-            report = cuda_snapshot.peak_allocations(snap)
-            report.allocated_at_start = allocated_before
-            (Path(args.memory_snapshot) / f"{name}_memory_peak.json").write_text(json.dumps(asdict(report)))
-            print(f"{name}: {cuda_snapshot.format_peak(report)}", flush=True)  # first: the dump may meet the cap
-            path = cuda_snapshot.dump_snapshot(snap, Path(args.memory_snapshot) / f"{name}_memory.pickle.gz")
-            print(f"{name}: allocator trace in {path}", flush=True)
+            trace_step(name, kept["run_step"], Path(args.memory_snapshot))
         except Exception as exc:  # noqa: BLE001 -- the figures above stand without it
             print(f"{name}: no allocator trace: {type(exc).__name__}: {exc}", flush=True)
     return 0 if "error" not in row else 1
 
 
-def trace_step(run_step) -> tuple[dict, int]:
-    """The allocator's trace of one step with the memory model's recycling count (1), after the warm-up: the
-    trace's window then holds the whole step (a trace of the warm-up's four steps outgrows ``max_entries`` at
-    MLPerf shapes and loses its start); ``(snapshot, bytes allocated when it began)``."""
+def trace_step(name: str, run_step, folder: Path) -> None:
+    """The allocator's trace of one more step with the memory model's recycling count (1), after the timed
+    ones: the trace's window holds the whole step (the warm-up's four steps outgrow ``max_entries`` at MLPerf
+    shapes and lose their start). Writes ``<name>_memory_peak.json`` (what is live at the peak by allocating
+    line), prints it, then the trace itself, ``<name>_memory.pickle.gz``."""
     import torch
 
     from scalefold.perf import cuda_snapshot
@@ -243,7 +235,14 @@ def trace_step(run_step) -> tuple[dict, int]:
     cuda_snapshot.record_history()
     run_step(1)
     torch.cuda.synchronize()
-    return cuda_snapshot.take_snapshot(), allocated_before
+    snap = cuda_snapshot.take_snapshot()
+    report = cuda_snapshot.peak_allocations(snap)
+    report.allocated_at_start = allocated_before
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}_memory_peak.json").write_text(json.dumps(asdict(report)))
+    print(f"{name}: {cuda_snapshot.format_peak(report)}", flush=True)  # first: the dump may meet the cap
+    path = cuda_snapshot.dump_snapshot(snap, folder / f"{name}_memory.pickle.gz")
+    print(f"{name}: allocator trace in {path}", flush=True)
 
 
 def child_command(name: str, args: argparse.Namespace, snapshot: bool) -> list[str]:
@@ -331,12 +330,13 @@ def run_all(args: argparse.Namespace) -> int:
     predicted: dict[str, dict] = {}
     for i, name in enumerate(args.configs):
         left = args.deadline - (time.monotonic() - t_start)
-        cap = min(CONFIGS[name][4], left - 5)
+        traced = bool(args.memory_snapshot) and i == 0
+        cap = min(CONFIGS[name][4] + (TRACE_S[1] if traced else 0), left - 5)
         if cap < 20:
             row = {"config": name, "error": f"skipped: {left:.0f} s left of the {args.deadline:.0f} s deadline"}
         else:
             print(f"=== {name} (cap {cap:.0f} s)", flush=True)
-            row, status = run_capped(child_command(name, args, snapshot=bool(args.memory_snapshot) and i == 0), cap)
+            row, status = run_capped(child_command(name, args, snapshot=traced), cap)
             row = row or {"config": name, "error": f"no result: {status} (cap {cap:.0f} s)"}
         rows.append(row)
         print(json.dumps(row), flush=True)
