@@ -13,7 +13,10 @@ difference home in one file:
 
 ``peak_allocations`` replays the trace's ``alloc`` / ``free_completed`` events (device 0), finds the moment
 the live total is largest and groups what is live then by the innermost frame of the caller's code
-(``scalefold/`` by default). Works on a plain dict of the snapshot's layout, so it is tested without CUDA.
+(``scalefold/`` by default: :func:`site_key`). Works on a plain dict of the snapshot's layout, so it is tested
+without CUDA. The trace keeps only its last ``max_entries`` events: record one step, not several (an
+MLPerf-shape step is of the order of 10^5-10^6 events); ``unknown_frees`` says when the start was lost.
+:mod:`scalefold.perf.memory_sites` puts the memory model's sites (same keys) beside this report.
 """
 
 from __future__ import annotations
