@@ -442,8 +442,8 @@ def estimate_memory(
     peak within 1 %: 0.14 % on ``tiny``, the batch slices copied differ by one recycling slice). ``cuda_graphs``: add the graph pool (default: as
     ``--cuda-graphs`` resolves on the target: CUDA without DAP/BP, unless ``cfg.cuda_graphs`` is off).
     ``origins``: also report what was live at the peak by category, module and creating operator
-    (``MemoryEstimate.origins``; debugging). ``sites``: also what was live at the eager step's peak by
-    allocating line, as a CUDA allocator trace names them (:mod:`scalefold.perf.memory_sites`). ``observe(step, tracker)``: a context entered around the step
+    (``MemoryEstimate.origins``; debugging). ``sites``: also by allocating line, as a CUDA trace names them
+    (:mod:`scalefold.perf.memory_sites`). ``observe(step, tracker)``: a context entered around the step
     outside the tracker, so a dispatch mode there sees its casts too (:mod:`scalefold.perf.flops`).
     Checkpointing policy: on, off or N (``auto``: :func:`scalefold.perf.recompute.resolve_policy` first).
     """
