@@ -80,6 +80,8 @@
 #                          mlperf.log / curves, autotune tables, env.txt (checkpoints and the store
 #                          left out); refreshed after every part, so a kill still leaves one
 #   $OUT/junit_tests_kernels.xml, $OUT/junit_tests_graphs.xml   (copies, for a quick look)
+#   $OUT/eager_memory.pickle.gz   the headline's allocator trace of one eager step, where under 16 MiB (its
+#                          peak by allocating line and the comparison with the memory model: memory/ in the tarball)
 # Exit status: 0 all selected parts passed, 1 some part failed or timed out, 2 no CUDA.
 #
 # Environment: OUT, WORK (scratch, default a fresh mktemp dir), PYTHON, WHEELS, PARTS, DEADLINE_S,
@@ -149,8 +151,12 @@ note() { printf '\n=== gpu_session [%4ds] %s\n' "$((SECONDS - START))" "$*"; }
 
 pack() {  # refresh $OUT/results.tar.gz from $WORK (small files only)
     tar -czf "$OUT/results.tar.gz.tmp" -C "$WORK" --exclude='*.h5' --exclude='*.pt' --exclude='*.ckpt' \
-        --exclude='checkpoints' --exclude='*.tmp' . 2>/dev/null && mv -f "$OUT/results.tar.gz.tmp" "$OUT/results.tar.gz"
+        --exclude='checkpoints' --exclude='*.tmp' --exclude='*.pickle.gz' . 2>/dev/null \
+        && mv -f "$OUT/results.tar.gz.tmp" "$OUT/results.tar.gz"
     for f in "$WORK"/junit_*.xml; do [ -f "$f" ] && cp -f "$f" "$OUT/"; done
+    # the allocator trace (tens of MiB at MLPerf shapes) beside the tarball, where it fits what comes back (16 MiB a
+    # file); its peak summary and the comparison with the memory model are small and in the tarball (memory/)
+    for f in "$WORK"/memory/*_memory.pickle.gz; do [ -f "$f" ] && [ "$(stat -c %s "$f")" -lt 16000000 ] && cp -f "$f" "$OUT/"; done
     return 0
 }
 
@@ -349,7 +355,7 @@ part tests_graphs tests 150 "$PY" -m pytest "${PYTEST_ARGS[@]}" \
 # s/step per recycling count, peak memory vs the memory model, and a profile of one step per configuration
 # (its dry run prints the plan with expected seconds; on a machine without CUDA it refuses, exit 2)
 if [ "$DRY_RUN" = 1 ] && selected headline headline; then
-    "$PY" bench/step_headline.py --dry-run --deadline 465 --compile-cache "$COMPILE_CACHE"
+    "$PY" bench/step_headline.py --dry-run --deadline 465 --memory-snapshot "$WORK/memory" --compile-cache "$COMPILE_CACHE"
 fi
 part headline headline 480 env SCALEFOLD_AUTOTUNE=0 "$PY" bench/step_headline.py --preset mlperf --precision bf16 \
     --cycles 1 --deadline @SESSION_LIMIT@ --out "$WORK/headline" --memory-snapshot "$WORK/memory" \

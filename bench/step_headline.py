@@ -35,11 +35,14 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+TRACE_S = (20, 40)  # --memory-snapshot: the traced configuration's extra (expected, cap) seconds: one step recorded
+# with its stacks, the snapshot, its peak and the gzip dump (estimated: not yet measured at MLPerf shapes)
 CONFIGS = {  # name -> (kernels, compile, cuda graphs, expected s, cap s) on an H100 at MLPerf shapes; run in this order.
     # expected: child start + model and batch (~15 s) + the warm-up cycle (4 steps, ~3.5 s each on the H200) + a
     # timed cycle + one profiled step; compile: + inductor / Triton for the elementwise chains (cold cache)
@@ -97,7 +100,14 @@ def plan(args: argparse.Namespace) -> list[str]:
                      f"expected ~{expect:>3} s, cap {cap} s  -> s/step per recycling count, mean, MFU, peak memory, profile")  # fmt: skip
     for kernels, cmd in ({} if args.no_estimate else estimate_commands(args)).items():
         lines.append(f"  memory model ({kernels} kernels, on the CPUs meanwhile): {' '.join(cmd[1:])}")
-    lines.append(f"  total expected ~{total} s (caps {sum(CONFIGS[n][4] for n in args.configs)} s, cut to the deadline "
+    if args.memory_snapshot and args.configs:
+        first = args.configs[0]
+        total += TRACE_S[0]
+        lines.append(f"  allocator trace of one more {first} step (1 recycling pass, as the memory model), after its row: "
+                     f"expected ~{TRACE_S[0]} s, its cap +{TRACE_S[1]} s; {args.memory_snapshot}/{first}_memory.pickle.gz (+ _peak.json); "
+                     f"at the end, by allocating line against the memory model's --sites: {first}_memory_compare.json")  # fmt: skip
+    caps = sum(CONFIGS[n][4] for n in args.configs) + (TRACE_S[1] if args.memory_snapshot and args.configs else 0)
+    lines.append(f"  total expected ~{total} s (caps {caps} s, cut to the deadline "
                  f"{args.deadline} s); compile cache {args.compile_cache or '(default)'}")  # fmt: skip
     return lines
 
@@ -108,11 +118,19 @@ def estimate_commands(args: argparse.Namespace) -> dict[str, list[str]]:
             args.precision, "--json"]  # fmt: skip
     if args.activation_checkpointing:
         base += ["--activation-checkpointing", args.activation_checkpointing]
-    return {kernels: base + ["--kernels", kernels] for kernels in ("torch", "triton")}
+    traced = traced_kernels(args)  # its allocating sites, for the comparison with the allocator trace
+    return {kernels: base + ["--kernels", kernels] + (["--sites"] if kernels == traced else [])
+            for kernels in ("torch", "triton")}  # fmt: skip
 
 
-def run_config(name: str, args: argparse.Namespace, after_warm_up=None) -> dict:
-    """One configuration, in this process: build, warm up (compilation, capture), time, profile."""
+def traced_kernels(args: argparse.Namespace) -> str | None:
+    """The kernels of the configuration whose allocator trace is recorded (``--memory-snapshot``: the first)."""
+    return CONFIGS[args.configs[0]][0] if args.memory_snapshot and args.configs else None
+
+
+def run_config(name: str, args: argparse.Namespace, keep: dict | None = None) -> dict:
+    """One configuration, in this process: build, warm up (compilation, capture), time, profile. ``keep``: gets
+    ``run_step(n)``, one more step of the built configuration (the allocator trace, after the row is out)."""
     import torch
 
     from scalefold.compilation.cache import compile_with_rebuild
@@ -150,8 +168,8 @@ def run_config(name: str, args: argparse.Namespace, after_warm_up=None) -> dict:
     setup_s = time.perf_counter() - t_build
     if report is not None:
         report.mark_warm()
-    if after_warm_up is not None:  # e.g. stop the allocator trace: the timed steps run without it
-        after_warm_up()
+    if keep is not None:
+        keep["run_step"] = lambda n: step.run(min(n, counts[-1]), forward=forward)
     times: dict[int, list[float]] = {n: [] for n in counts}
     for _ in range(args.cycles):
         for n in counts:
@@ -188,29 +206,43 @@ def run_child(name: str, args: argparse.Namespace) -> int:
 
     cache = configure_compile_cache(args.compile_cache)  # before anything compiles (Triton kernels, inductor)
     print(f"{name}: {cache.describe()}", flush=True)
-    snaps: list = []
+    kept: dict = {}
     try:
-        if args.memory_snapshot:  # the warm-up (every recycling count, same shapes) is traced, the timed steps not
-            from scalefold.perf import cuda_snapshot
-
-            cuda_snapshot.record_history()
-            row = run_config(name, args, after_warm_up=lambda: snaps.append(cuda_snapshot.take_snapshot()))
-        else:
-            row = run_config(name, args)
+        row = run_config(name, args, keep=kept)
     except Exception as exc:  # noqa: BLE001 -- reported as the configuration's row
         row = {"config": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"}
     row["compile_cache_warm"] = cache.warm
     print("ROW " + json.dumps(row), flush=True)
-    if args.memory_snapshot:
+    if args.memory_snapshot and "run_step" in kept:  # after the row: whatever the trace costs, the figures stand
         try:
-            snap = snaps[0] if snaps else cuda_snapshot.take_snapshot()
-            Path(args.memory_snapshot).mkdir(parents=True, exist_ok=True)
-            path = cuda_snapshot.dump_snapshot(snap, Path(args.memory_snapshot) / f"{name}_memory.pickle.gz")
-            print(f"{name}: allocator trace in {path}\n{cuda_snapshot.format_peak(cuda_snapshot.peak_allocations(snap))}",
-                  flush=True)  # fmt: skip
+            trace_step(name, kept["run_step"], Path(args.memory_snapshot))
         except Exception as exc:  # noqa: BLE001 -- the figures above stand without it
             print(f"{name}: no allocator trace: {type(exc).__name__}: {exc}", flush=True)
     return 0 if "error" not in row else 1
+
+
+def trace_step(name: str, run_step, folder: Path) -> None:
+    """The allocator's trace of one more step with the memory model's recycling count (1), after the timed
+    ones: the trace's window holds the whole step (the warm-up's four steps outgrow ``max_entries`` at MLPerf
+    shapes and lose their start). Writes ``<name>_memory_peak.json`` (what is live at the peak by allocating
+    line), prints it, then the trace itself, ``<name>_memory.pickle.gz``."""
+    import torch
+
+    from scalefold.perf import cuda_snapshot
+
+    torch.cuda.synchronize()
+    allocated_before = torch.cuda.memory_allocated()
+    cuda_snapshot.record_history()
+    run_step(1)
+    torch.cuda.synchronize()
+    snap = cuda_snapshot.take_snapshot()
+    report = cuda_snapshot.peak_allocations(snap)
+    report.allocated_at_start = allocated_before
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}_memory_peak.json").write_text(json.dumps(asdict(report)))
+    print(f"{name}: {cuda_snapshot.format_peak(report)}", flush=True)  # first: the dump may meet the cap
+    path = cuda_snapshot.dump_snapshot(snap, folder / f"{name}_memory.pickle.gz")
+    print(f"{name}: allocator trace in {path}", flush=True)
 
 
 def child_command(name: str, args: argparse.Namespace, snapshot: bool) -> list[str]:
@@ -268,9 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-trace", action="store_true", help="also keep the Chrome traces (<config>_trace.json.gz)")
     ap.add_argument("--compile-cache", default=os.environ.get("SCALEFOLD_COMPILE_CACHE"),
                     help="persistent inductor/Triton cache (default $SCALEFOLD_COMPILE_CACHE, else ~/.cache/scalefold/compile)")
-    ap.add_argument("--memory-snapshot", metavar="DIR", help="record the allocator's trace of the first "
-                    "configuration, write it to DIR/<config>_memory.pickle.gz and print what is live at its peak, "
-                    "by allocating line (scalefold.perf.cuda_snapshot)")  # fmt: skip
+    ap.add_argument("--memory-snapshot", metavar="DIR", help="record the allocator's trace of one more step of the "
+                    "first configuration after its warm-up, write it to DIR/<config>_memory.pickle.gz, print what is "
+                    "live at its peak by allocating line (scalefold.perf.cuda_snapshot) and, at the end, that against "
+                    "the memory model's sites (DIR/<config>_memory_compare.json; scalefold.perf.memory_sites)")  # fmt: skip
     ap.add_argument("--child", choices=list(CONFIGS), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -297,17 +330,20 @@ def run_all(args: argparse.Namespace) -> int:
     predicted: dict[str, dict] = {}
     for i, name in enumerate(args.configs):
         left = args.deadline - (time.monotonic() - t_start)
-        cap = min(CONFIGS[name][4], left - 5)
+        traced = bool(args.memory_snapshot) and i == 0
+        cap = min(CONFIGS[name][4] + (TRACE_S[1] if traced else 0), left - 5)
         if cap < 20:
             row = {"config": name, "error": f"skipped: {left:.0f} s left of the {args.deadline:.0f} s deadline"}
         else:
             print(f"=== {name} (cap {cap:.0f} s)", flush=True)
-            row, status = run_capped(child_command(name, args, snapshot=bool(args.memory_snapshot) and i == 0), cap)
+            row, status = run_capped(child_command(name, args, snapshot=traced), cap)
             row = row or {"config": name, "error": f"no result: {status} (cap {cap:.0f} s)"}
         rows.append(row)
         print(json.dumps(row), flush=True)
-        _collect(procs, predicted, wait=False)
-    _collect(procs, predicted, wait=True)
+        _collect(procs, predicted, wait=False, save_dir=args.memory_snapshot)
+    _collect(procs, predicted, wait=True, save_dir=args.memory_snapshot)
+    if args.memory_snapshot:
+        compare_memory(args, rows, predicted)
     flops = flops_by_recycling(predicted.pop("flops", None))
     for row in rows:
         if "step_s_by_recycling" in row:
@@ -319,8 +355,9 @@ def run_all(args: argparse.Namespace) -> int:
     return 0 if all("error" not in r for r in rows) else 1
 
 
-def _collect(procs: dict, predicted: dict, wait: bool) -> None:
-    """Print each memory-model prediction as soon as it is in (a time limit that cuts the run keeps it)."""
+def _collect(procs: dict, predicted: dict, wait: bool, save_dir: str | None = None) -> None:
+    """Print each memory-model prediction as soon as it is in (a time limit that cuts the run keeps it); with
+    ``save_dir`` also write the ones with allocating sites there, ``memory_model_<kernels>.json``."""
     for kernels, proc in list(procs.items()):
         if not wait and proc.poll() is None:
             continue
@@ -328,11 +365,43 @@ def _collect(procs: dict, predicted: dict, wait: bool) -> None:
         try:
             out, _ = proc.communicate(timeout=60)
             predicted[kernels] = json.loads(out)
+            if save_dir and predicted[kernels].get("sites"):  # the comparison can be redone from the files alone
+                Path(save_dir).mkdir(parents=True, exist_ok=True)
+                (Path(save_dir) / f"memory_model_{kernels}.json").write_text(out)
             keep = ("model_flops",) if kernels == "flops" else ("peak_bytes", "step_peak_bytes")
             print(json.dumps({"memory_model": kernels, **{k: predicted[kernels][k] for k in keep}}), flush=True)
         except Exception as exc:  # noqa: BLE001
             proc.kill()
             print(f"memory model ({kernels}) gave no result: {type(exc).__name__}", flush=True)
+
+
+def compare_memory(args: argparse.Namespace, rows: list[dict], predicted: dict) -> None:
+    """The traced configuration's peak by allocating line against the memory model's (``--sites``), as a
+    table and as ``DIR/<config>_memory_compare.json`` (:mod:`scalefold.perf.memory_sites`)."""
+    from scalefold.perf.memory_sites import compare, format_comparison, read_peak
+
+    name, kernels = args.configs[0], traced_kernels(args)
+    peak_file = Path(args.memory_snapshot) / f"{name}_memory_peak.json"
+    est = predicted.get(kernels) or {}
+    if not est.get("sites") or not peak_file.exists():
+        print(f"memory comparison ({name}): no {'model sites' if not est.get('sites') else peak_file}", flush=True)
+        return
+    try:
+        report = read_peak(str(peak_file))
+    except ValueError as exc:
+        print(f"memory comparison ({name}): {exc}", flush=True)
+        return
+    sites = dict(est["sites"])
+    row = next((r for r in rows if r.get("config") == name), {})
+    if row.get("cuda_graphs") and est.get("cuda_graph_pool_bytes"):  # the graphs' pool: the model has no site for it
+        sites["(CUDA-graph pool, model)"] = {"bytes": est["cuda_graph_pool_bytes"], "count": 1}
+    cmp = compare(report, sites, extra={"config": name, "settings": est.get("settings", {}),
+                                        "max_memory_allocated": row.get("peak_bytes")})  # fmt: skip
+    out = Path(args.memory_snapshot) / f"{name}_memory_compare.json"
+    out.write_text(json.dumps(cmp.to_json(), indent=1))
+    print(f"\n=== memory: {name} predicted (memory model, {kernels} kernels) vs measured (allocator trace) by "
+          f"allocating line; max_memory_allocated {row.get('peak_bytes', 0) / 2**30:.2f} GiB; JSON {out}\n"
+          f"{format_comparison(cmp)}", flush=True)  # fmt: skip
 
 
 def format_table(rows: list[dict], predicted: dict) -> str:

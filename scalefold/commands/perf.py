@@ -31,6 +31,9 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--origins", action="store_true",
                    help="also list what is live at the peak by category, module and the operator that created it "
                    "(debugging)")  # fmt: skip
+    p.add_argument("--sites", action="store_true",
+                   help="also list what is live at the peak by allocating line (scalefold/<file>:<line> <function>, "
+                   "the keys of a CUDA allocator trace: bench/memory_model.py --compare-snapshot)")  # fmt: skip
     p.set_defaults(handler=_run)
     add_step_parser(subparsers)
 
@@ -53,8 +56,9 @@ def _run(args: argparse.Namespace) -> int:
         if args.activation_checkpointing == "auto":  # the fewest recomputing blocks that fit (scalefold.perf.recompute)
             cfg, choice = resolve(args, cfg, estimate=lambda c: memory.estimate_memory(
                 c, target=args.target, kernels=args.kernels, recycling=args.recycling))  # fmt: skip
-        est = choice.probe.estimate if choice and not args.origins else memory.estimate_memory(
-            cfg, target=args.target, kernels=args.kernels, recycling=args.recycling, origins=args.origins)  # fmt: skip
+        est = choice.probe.estimate if choice and not (args.origins or args.sites) else memory.estimate_memory(
+            cfg, target=args.target, kernels=args.kernels, recycling=args.recycling, origins=args.origins,
+            sites=args.sites)  # fmt: skip
     except ValueError as exc:  # a layout DAP cannot take (crop not divisible, ...), a bad option value
         return _bad(str(exc))
     out = est.to_json()

@@ -56,6 +56,7 @@ from torch.utils._pytree import tree_flatten
 
 from scalefold.config.environment import scoped_env
 from scalefold.config.training import TrainConfig
+from scalefold.perf.memory_sites import SiteLog, format_sites
 
 GiB = 2**30
 CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator rounds every block up to a multiple of this
@@ -64,6 +65,7 @@ CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator rounds every block up to a 
 CONTEXT_RESERVE_BYTES = 1 * GiB
 FRAGMENTATION_MARGIN = 0.10
 DAP_SIZES = (1, 2, 4, 8)
+SITES_KEPT = 1000  # sites=True: the largest sites kept, the rest folded into one row
 
 # Operators CUDA autocast runs in fp32 (autocast_mode.cpp: its fp32 list and fp32_set_opt_dtype list), as
 # the aten operators the dispatcher sees below autocast; CPU autocast leaves them in the input dtype.
@@ -95,6 +97,9 @@ class MemoryEstimate:
     settings: dict[str, Any] = field(default_factory=dict)  # what was estimated (preset, crop, dap, ...)
     seconds: float = 0.0  # how long the estimate took
     origins: dict[str, int] = field(default_factory=dict)  # origins=True: live at the peak by kind/module/op
+    #: sites=True: live at the eager step's peak by allocating line, ``{site: {"bytes", "count"}}``, largest first
+    #: (:mod:`scalefold.perf.memory_sites`; they add up to ``step_peak_bytes``)
+    sites: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def peak_gib(self) -> float:
@@ -185,11 +190,12 @@ class StorageTracker(TorchDispatchMode):
     is read by an :class:`AutocastProbe` above the dispatcher. Works on real and on fake tensors alike.
     """
 
-    def __init__(self, block: int = 1, cuda_autocast: bool = False, origins: bool = False) -> None:
+    def __init__(self, block: int = 1, cuda_autocast: bool = False, origins: bool = False, sites: bool = False) -> None:
         super().__init__()
         self.block = block
         self.cuda_autocast = cuda_autocast
         self.origins = origins
+        self.sites = SiteLog() if sites else None  # each storage's allocating line (scalefold.perf.memory_sites)
         self.grad_pass: bool | None = None  # the grad mode the current forward pass started in (passes())
         self.current = 0
         self.peak = 0
@@ -206,7 +212,7 @@ class StorageTracker(TorchDispatchMode):
 
     # -- bookkeeping --------------------------------------------------------------------------------
 
-    def _add(self, storage: torch.UntypedStorage, tag: tuple[str, ...]) -> None:
+    def _add(self, storage: torch.UntypedStorage, tag: tuple[str, ...], site: str | None = None) -> None:
         key = id(storage)
         if key in self._refs:
             return
@@ -217,9 +223,13 @@ class StorageTracker(TorchDispatchMode):
         self._refs[key] = (weakref.ref(storage, lambda _, key=key: self._free(key)), nbytes, tag)
         self.current += nbytes
         self.live[tag] += nbytes
+        if self.sites is not None:
+            self.sites.alloc(key, nbytes, site)
         if self.current > self.peak:
             self.peak = self.current
             self.peak_live = dict(self.live)
+            if self.sites is not None:
+                self.sites.mark_peak()
         phase = "recycling" if self._recycling() else self.phase_name
         if self.current > self.phase_peaks[phase]:
             self.phase_peaks[phase] = self.current
@@ -230,12 +240,14 @@ class StorageTracker(TorchDispatchMode):
             _, nbytes, tag = entry
             self.current -= nbytes
             self.live[tag] -= nbytes
+            if self.sites is not None:
+                self.sites.free(key)
 
     def register(self, tensors: Iterable[torch.Tensor], category: str) -> None:
         """Count storages that exist before tracking starts (parameters, optimizer buffers, batch)."""
         for t in tensors:
             if isinstance(t, torch.Tensor):
-                self._add(t.untyped_storage(), (category, ""))
+                self._add(t.untyped_storage(), (category, ""), f"({category})")
 
     def phase(self, name: str) -> None:
         self.phase_name = name
@@ -418,6 +430,7 @@ def estimate_memory(
     recycling: int | None = None,
     cuda_graphs: bool | None = None,
     origins: bool = False,
+    sites: bool = False,
     observe: Callable[[Any, StorageTracker], contextlib.AbstractContextManager] | None = None,
 ) -> MemoryEstimate:
     """Predicted peak memory per rank of one training step of ``cfg`` (DAP size ``cfg.dap``).
@@ -429,7 +442,8 @@ def estimate_memory(
     peak within 1 %: 0.14 % on ``tiny``, the batch slices copied differ by one recycling slice). ``cuda_graphs``: add the graph pool (default: as
     ``--cuda-graphs`` resolves on the target: CUDA without DAP/BP, unless ``cfg.cuda_graphs`` is off).
     ``origins``: also report what was live at the peak by category, module and creating operator
-    (``MemoryEstimate.origins``; debugging). ``observe(step, tracker)``: a context entered around the step
+    (``MemoryEstimate.origins``; debugging). ``sites``: also by allocating line, as a CUDA trace names them
+    (:mod:`scalefold.perf.memory_sites`). ``observe(step, tracker)``: a context entered around the step
     outside the tracker, so a dispatch mode there sees its casts too (:mod:`scalefold.perf.flops`).
     Checkpointing policy: on, off or N (``auto``: :func:`scalefold.perf.recompute.resolve_policy` first).
     """
@@ -457,7 +471,8 @@ def estimate_memory(
     _fake_module_(model, mode)
     batch = {k: mode.from_tensor(v) for k, v in real_batch.items()}
     tracker = StorageTracker(block=CUDA_BLOCK_BYTES if target == "cuda" else 1,
-                             cuda_autocast=target == "cuda" and cfg.precision == "bf16", origins=origins)  # fmt: skip
+                             cuda_autocast=target == "cuda" and cfg.precision == "bf16", origins=origins,
+                             sites=sites)  # fmt: skip
     with fake_process_group(cfg.dap), scoped_env("SCALEFOLD_KERNELS", kernels), warnings.catch_warnings(), mode:
         warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")  # the optimizer's view check
         _wrap_parallel(cfg, model, model_cfg)
@@ -485,7 +500,8 @@ def estimate_memory(
     return MemoryEstimate(
         peak_bytes=int(peak), step_peak_bytes=int(step_peak), cuda_graph_pool_bytes=int(pool), breakdown=by_cat,
         modules=by_mod, phase_peaks=dict(tracker.phase_peaks), origins=tracker.origins_at_peak() if origins else {},
-        settings=settings, seconds=time.perf_counter() - t0,
+        sites=tracker.sites.at_peak(SITES_KEPT) if tracker.sites is not None else {}, settings=settings,
+        seconds=time.perf_counter() - t0,
     )  # fmt: skip
 
 
@@ -552,6 +568,8 @@ def format_estimate(est: MemoryEstimate) -> str:
     if est.origins:
         lines.append("  by origin (category/module/op), largest first:")
         lines += [f"    {v / 2**20:10.2f} MiB  {k}" for k, v in list(est.origins.items())[:20]]
+    if est.sites:
+        lines.append(format_sites(est.sites))
     return "\n".join(lines)
 
 
