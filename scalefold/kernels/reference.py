@@ -25,9 +25,10 @@ def attention(
     mask offset, then the bias) so that float64 results agree with it to rounding.
     """
     q = q / math.sqrt(q.shape[-1]) if scale is None else q * scale
-    a = torch.matmul(q, k.transpose(-1, -2))
-    # a: [*, H, Nq, Nk]
-    o = torch.matmul(masked_softmax(a, mask, bias, inf), v)
+    # the logits [*, H, Nq, Nk] are not bound to a name here: masked_softmax frees each step's input as it
+    # goes, and a local would hold the largest tensor of the block (1 GiB in the extra-MSA row attention at
+    # MLPerf shapes, bf16) alive through the softmax -- at the step's peak (the memory model's sites showed it)
+    o = torch.matmul(masked_softmax(torch.matmul(q, k.transpose(-1, -2)), mask, bias, inf), v)
     # o: [*, H, Nq, D]
     return o if gate is None else sigmoid_gate(o, gate)
 
