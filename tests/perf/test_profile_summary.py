@@ -132,6 +132,6 @@ def test_gpu_session_dry_run_prints_the_headline_plan(tmp_path):
     out = run.stdout
     assert run.returncode == 0, out[-3000:] + run.stderr[-2000:]
     assert "step_headline (plan)" in out and "expected ~" in out
-    assert "(dry run) expected ~405s, limit 480s" in out and f"--compile-cache {tmp_path / 'cache'}" in out
+    assert "(dry run) expected ~425s, limit 480s" in out and f"--compile-cache {tmp_path / 'cache'}" in out
     assert "tests_kernels" not in out.split("step_headline (plan)")[1].split("summary")[0] or "not in PARTS" in out
-    assert "selected parts expect ~420s" in out  # install 15 + headline 405
+    assert "selected parts expect ~440s" in out  # install 15 + headline 425
