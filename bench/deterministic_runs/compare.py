@@ -1,6 +1,8 @@
 """Compare every loss/grad/eval field of two metrics.jsonl trees: compare.py BEFORE_DIR AFTER_DIR."""
-import json, sys
+import json
+import sys
 from pathlib import Path
+
 a, b = Path(sys.argv[1]), Path(sys.argv[2])
 names = ["single", "dap2", "bp2dap2", "async", "resume", "resume_first"]
 ok = True

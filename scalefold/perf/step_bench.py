@@ -235,9 +235,8 @@ def _call_sites_result(cfg: TrainConfig, regions: Sequence[str] | None, backend:
                        say: Any) -> dict[str, Any]:  # fmt: skip
     """``--call-sites``: compile seconds per region at the step's own call sites, the step not run
     (:mod:`scalefold.perf.compile_sites`)."""
-    from scalefold.perf.compile_sites import run_call_sites
-
     from scalefold.model.factory import build_model_config
+    from scalefold.perf.compile_sites import run_call_sites
     from scalefold.perf.memory import _crop
 
     result: dict[str, Any] = {
