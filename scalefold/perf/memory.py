@@ -77,6 +77,20 @@ _CUDA_FP32_OPS = frozenset({
     "binary_cross_entropy_with_logits",
 })  # fmt: skip
 _REDUCED = (torch.bfloat16, torch.float16)
+# The same rule at the level CUDA autocast applies it: the Python-visible functions whose aten operators CUDA
+# autocast casts to fp32 *above autograd* (autocast's dispatch key sits above it), so the cast is part of the
+# graph: the fp32 copy is what the operator saves for backward, and backward runs the operator's gradient in
+# fp32 and then the cast's (fp32 -> bf16). Cast at the dispatch level alone (below autograd), backward would
+# run the gradient straight into bf16 and never hold the fp32 one (2 GiB transient in the extra-MSA row
+# attention's softmax backward at MLPerf shapes). ``softmax``/``log_softmax`` are autocast's
+# ``fp32_set_opt_dtype`` ops, which for bf16 inputs copy the input to fp32 as well; ``sum``/``prod``/``cumsum``
+# (also ``fp32_set_opt_dtype``) accumulate in fp32 without a copy and stay with the dispatch-level rule.
+_CUDA_FP32_FUNCTIONS = frozenset({
+    "softmax", "log_softmax", "layer_norm", "group_norm", "exp", "expm1", "log", "log10", "log1p", "log2", "pow",
+    "__pow__", "__rpow__", "reciprocal", "rsqrt", "softplus", "acos", "asin", "cosh", "sinh", "tan", "erfinv",
+    "logsumexp", "cdist", "dist", "renorm", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "nll_loss",
+    "kl_div", "binary_cross_entropy_with_logits",
+})  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,10 +155,13 @@ class AutocastProbe(TorchFunctionMode):
     predicted in bf16, not fp32). Nested calls keep the outermost call's state. ``loss.backward()`` is
     itself such a call, so the whole backward reads the state at that call (off); activation
     checkpointing's recomputation inside it is told apart by the module forwards running there
-    (``recomputing``: module forward hooks, counted while active)."""
+    (``recomputing``: module forward hooks, counted while active). ``cuda_fp32``: where autocast is on,
+    the functions CUDA autocast runs in fp32 get their reduced-precision tensor arguments cast to fp32
+    here, above autograd, as CUDA autocast casts them (:data:`_CUDA_FP32_FUNCTIONS`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cuda_fp32: bool = False) -> None:
         super().__init__()
+        self.cuda_fp32 = cuda_fp32  # apply CUDA autocast's fp32 casts here, above autograd
         self.on = False
         self.modules_running = 0  # module forwards now running (in backward: a recomputation)
         self._handles: list[Any] = []
@@ -165,8 +182,11 @@ class AutocastProbe(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         before, self.on = self.on, torch.is_autocast_enabled("cpu")
+        kwargs = kwargs or {}
         try:
-            return func(*args, **(kwargs or {}))
+            if self.cuda_fp32 and self.on and getattr(func, "__name__", None) in _CUDA_FP32_FUNCTIONS:
+                args, kwargs = tuple(_up(a) for a in args), {k: _up(v) for k, v in kwargs.items()}
+            return func(*args, **kwargs)
         finally:
             self.on = before
 
@@ -208,7 +228,7 @@ class StorageTracker(TorchDispatchMode):
         self._stack: list[str] = []  # the attributed modules whose forward is running
         self._hooks: list[Any] = []
         self._undo: list[Any] = []
-        self._probe = AutocastProbe() if cuda_autocast else None
+        self._probe = AutocastProbe(cuda_fp32=True) if cuda_autocast else None
 
     # -- bookkeeping --------------------------------------------------------------------------------
 

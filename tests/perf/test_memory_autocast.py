@@ -29,3 +29,26 @@ def test_cuda_autocast_rule_fires_in_the_forward_and_the_recomputation():
     plain = StorageTracker(cuda_autocast=False)  # the CPU target keeps CPU autocast's rules
     with plain, torch.autocast("cpu", dtype=torch.bfloat16):
         assert block[1](block[0](x)).dtype == torch.bfloat16
+
+
+def test_cuda_fp32_cast_is_in_the_autograd_graph():
+    """CUDA autocast casts a softmax's bf16 input to fp32 above autograd: the cast is a node of the graph, and
+    backward holds the fp32 gradient of the softmax before casting it back to bf16. Cast at the dispatch level
+    only (the rule before), backward ran the softmax's gradient straight into bf16: the fp32 gradient, the
+    largest transient of the MLPerf step's peak, was never counted."""
+    x = torch.randn(64, 256, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(256, 256, dtype=torch.bfloat16)
+    tracker = StorageTracker(cuda_autocast=True)
+    tracker.phase("forward")
+    with tracker:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            p = torch.softmax(x, dim=-1)
+            y = p @ w
+        assert p.dtype == torch.float32
+        assert p.grad_fn.next_functions[0][0].name() == "ToCopyBackward0"  # the cast, recorded
+        tracker.phase("backward")
+        before = tracker.current
+        y.float().sum().backward()
+    assert x.grad.dtype == torch.bfloat16
+    fp32_grad = 64 * 256 * 4
+    assert tracker.phase_peaks["backward"] - before >= fp32_grad  # the fp32 gradient was live in backward
