@@ -25,10 +25,18 @@ def attention(
     mask offset, then the bias) so that float64 results agree with it to rounding.
     """
     q = q / math.sqrt(q.shape[-1]) if scale is None else q * scale
-    # the logits [*, H, Nq, Nk] are not bound to a name here: masked_softmax frees each step's input as it
-    # goes, and a local would hold the largest tensor of the block (1 GiB in the extra-MSA row attention at
-    # MLPerf shapes, bf16) alive through the softmax -- at the step's peak (the memory model's sites showed it)
-    o = torch.matmul(masked_softmax(torch.matmul(q, k.transpose(-1, -2)), mask, bias, inf), v)
+    a = torch.matmul(q, k.transpose(-1, -2))
+    # a: [*, H, Nq, Nk]. The glue of masked_softmax, written out here (not called): each step rebinds ``a``, so
+    # the previous logits-sized tensor is freed at once. Passed as an argument, the logits -- the largest
+    # tensor of the block, 1 GiB in the extra-MSA row attention at MLPerf shapes (bf16) -- stay referenced by
+    # this frame (as a local, or on the caller's stack when CPython does not inline the call, e.g. under a
+    # profiler or a frame-evaluation hook) through the softmax, at the step's peak (the memory model's sites).
+    if mask is not None:
+        a = a + (mask.to(a.dtype) - 1.0) * inf
+    if bias is not None:
+        a = a + bias
+    a = torch.softmax(a, dim=-1)
+    o = torch.matmul(a, v)
     # o: [*, H, Nq, D]
     return o if gate is None else sigmoid_gate(o, gate)
 
