@@ -359,8 +359,9 @@ class StorageTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         casts: list[torch.Tensor] = []
         if self.cuda_autocast and func.overloadpacket.__name__ in _CUDA_FP32_OPS and self._autocast_region():
-            args = tuple(_up(a) for a in args)
-            casts = [a for a in args if isinstance(a, torch.Tensor)]
+            ups = tuple(_up(a) for a in args)
+            casts = [u for a, u in zip(args, ups) if u is not a]  # the copies made here, not the inputs passed
+            args = ups
         out = func(*args, **kwargs)
         tensors = casts + [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if tensors:
