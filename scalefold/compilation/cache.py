@@ -20,7 +20,8 @@ unreadable or made for another key (copied, truncated, half-deleted) is removed 
 line saying so -- never a crash; so is a ``DIR`` that cannot be used (a file, no permission): the run
 then compiles into a fresh temporary folder. Corrupt entries inside a sound folder: torch skips a cached
 graph it cannot read (with a warning), and a corrupt compiled kernel that fails the compilation makes
-:func:`compile_with_rebuild` empty the folder, with one line, and compile again.
+:func:`compile_with_rebuild` empty the folder, with one line, and compile again (only for an error a corrupt
+or stale cache raises: an out-of-memory or a failed CUDA-graph capture is never blamed on the cache).
 
 Default ``DIR``: ``$XDG_CACHE_HOME/scalefold/compile`` (``~/.cache/scalefold/compile``); ``off``: leave
 torch's own defaults alone.
@@ -204,18 +205,60 @@ def active_cache() -> CompileCache | None:
     return _active[-1] if _active else None
 
 
+# What a corrupt or stale cache entry raises when compiled code is loaded from it: a truncated or overwritten
+# shared object (the dynamic loader's words), a truncated pickle, a half-written file. Matched in the message of
+# any exception in the chain (inductor wraps the loader's error in its own).
+CACHE_ERROR_MARKERS = (
+    "invalid elf header", "file too short", "wrong elf class", "not a dynamic executable", "undefined symbol",
+    "cannot open shared object", "ran out of input", "pickle data was truncated", "invalid load key",
+    "bad magic number", "unexpected end of data", "compressed file ended",
+)  # fmt: skip
+# What is never the cache's fault, even when the cache held entries: running out of memory, a CUDA-graph
+# capture that failed. Rebuilding would only double the time to the same failure and start the next run cold.
+NOT_CACHE_MARKERS = ("out of memory", "outofmemory", "capture", "cudaerrorstreamcapture", "cudagraph")
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and its causes / contexts, outermost first (each once)."""
+    seen: list[BaseException] = []
+    while exc is not None and all(exc is not e for e in seen):
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return seen
+
+
+def is_cache_error(exc: BaseException, cache: CompileCache | None = None) -> bool:
+    """Whether ``exc`` means a corrupt or stale compile cache: an unpickling / truncated-file error or a
+    loader error (:data:`CACHE_ERROR_MARKERS`), or any error naming a file inside ``cache``'s folders -- and
+    never an out-of-memory or CUDA-graph capture error (:data:`NOT_CACHE_MARKERS`) anywhere in the chain."""
+    import pickle
+
+    chain = _chain(exc)
+    texts = [f"{type(e).__name__}: {e}".lower() for e in chain]
+    if any(isinstance(e, torch.OutOfMemoryError) for e in chain) or any(m in t for t in texts for m in NOT_CACHE_MARKERS):
+        return False
+    if any(isinstance(e, (EOFError, pickle.UnpicklingError)) for e in chain):
+        return True
+    if any(m in t for t in texts for m in CACHE_ERROR_MARKERS):
+        return True
+    folders = [str(d).lower() for d in (cache.inductor_dir, cache.triton_dir) if d is not None] if cache else []
+    return any(d in t for t in texts for d in folders)
+
+
 def compile_with_rebuild(
     fn: Callable[[], T], cache: CompileCache | None = None, log: Callable[[str], None] | None = None
 ) -> T:
     """``fn()`` -- the first calls of compiled code, where compilation happens. torch skips a cached graph it
     cannot unpickle, but a corrupt compiled kernel in the cache (a truncated ``.so``) fails the compilation;
-    then, when the cache held entries, the cache is emptied with one line, dynamo's in-memory state reset and
-    ``fn`` run once more (a cold compile). ``fn`` must be safe to repeat (a warm-up; a step before its update)."""
+    then, when the cache held entries and the error is one a corrupt or stale cache raises
+    (:func:`is_cache_error`), the cache is emptied with one line, dynamo's in-memory state reset and ``fn`` run
+    once more (a cold compile). Any other error -- an out-of-memory, a failed CUDA-graph capture, a bug --
+    propagates at once, the cache untouched. ``fn`` must be safe to repeat (a warm-up; a step before its update)."""
     cache = cache or active_cache()
     try:
         return fn()
     except Exception as exc:  # noqa: BLE001 -- anything compilation raises (BackendCompilerFailed, CppCompileError, ...)
-        if cache is None or cache.path is None or not cache.warm:
+        if cache is None or cache.path is None or not cache.warm or not is_cache_error(exc, cache):
             raise
         say = log or (lambda line: print(line, file=sys.stderr, flush=True))
         first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
@@ -226,7 +269,7 @@ def compile_with_rebuild(
 
 
 __all__ = [
-    "CompileCache", "FORMAT", "MANIFEST", "OFF", "active_cache", "cache_key", "compile_with_rebuild", "configure_compile_cache",
-    "default_cache_root",
+    "CACHE_ERROR_MARKERS", "CompileCache", "FORMAT", "MANIFEST", "NOT_CACHE_MARKERS", "OFF", "active_cache", "cache_key",
+    "compile_with_rebuild", "configure_compile_cache", "default_cache_root", "is_cache_error",
     "device_kind", "key_name", "rank_from_env",
 ]  # fmt: skip

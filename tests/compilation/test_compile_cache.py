@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from scalefold.compilation import cache as cc
 
@@ -87,24 +88,69 @@ def test_unusable_root_falls_back_to_a_temporary_folder(tmp_path):
     assert c.path.is_dir() and Path(env["TORCHINDUCTOR_CACHE_DIR"]).is_dir()
 
 
-def test_compile_with_rebuild_empties_a_warm_cache_and_retries(tmp_path):
+def _warm(tmp_path):
     c, _, _ = _configure(tmp_path)
     (c.inductor_dir / "bad.so").write_bytes(b"garbage")
-    c = cc.CompileCache(c.root, c.path, c.inductor_dir, c.triton_dir, warm=True)
-    calls, lines = [], []
+    return cc.CompileCache(c.root, c.path, c.inductor_dir, c.triton_dir, warm=True)
+
+
+def _failing_once(exc: BaseException):
+    calls = []
 
     def fn():
         calls.append(1)
         if len(calls) == 1:
-            raise RuntimeError("C++ compile error\nmore")
+            raise exc
         return "compiled"
 
+    return fn, calls
+
+
+def _loader_error(c) -> Exception:
+    """What inductor raises for a corrupt compiled kernel: its own error, caused by the loader's."""
+    try:
+        try:
+            raise ImportError(f"{c.inductor_dir}/ab/cab.so: invalid ELF header")
+        except ImportError as inner:
+            raise RuntimeError("backend='inductor' raised:\nmore") from inner
+    except RuntimeError as outer:
+        return outer
+
+
+def test_compile_with_rebuild_empties_a_warm_cache_on_a_cache_error_and_retries(tmp_path):
+    c = _warm(tmp_path)
+    lines = []
+    fn, calls = _failing_once(_loader_error(c))
     assert cc.compile_with_rebuild(fn, c, log=lines.append) == "compiled"
-    assert len(calls) == 2 and len(lines) == 1 and "rebuilding" in lines[0] and "C++ compile error" in lines[0]
+    assert len(calls) == 2 and len(lines) == 1 and "rebuilding" in lines[0] and "backend='inductor'" in lines[0]
     assert not (c.inductor_dir / "bad.so").exists()
     cold = cc.CompileCache(c.root, c.path, c.inductor_dir, c.triton_dir, warm=False)
     with pytest.raises(RuntimeError):  # a cold cache is not the culprit: the error stands
-        cc.compile_with_rebuild(lambda: (_ for _ in ()).throw(RuntimeError("real")), cold, log=lines.append)
+        cc.compile_with_rebuild(lambda: (_ for _ in ()).throw(_loader_error(c)), cold, log=lines.append)
+    for exc in (EOFError("Ran out of input"), OSError(f"cannot read {c.triton_dir}/x/kernel.cubin")):
+        assert cc.is_cache_error(exc, c)
+
+
+@pytest.mark.parametrize("error", ["oom", "cuda_oom_message", "capture", "capture_wrapping_a_loader_error", "bug"])
+def test_compile_with_rebuild_never_rebuilds_on_an_oom_a_capture_error_or_a_bug(tmp_path, error):
+    """An out-of-memory, a failed CUDA-graph capture or a plain bug in a warm cache: raised at once, ``fn``
+    called once, the cache untouched (no second try that doubles the time to failure, no cold next run)."""
+    c = _warm(tmp_path)
+    exc = {
+        "oom": torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        "cuda_oom_message": RuntimeError(f"CUDA error: out of memory (while loading {c.inductor_dir}/k.so)"),
+        "capture": RuntimeError("CUDA error: operation not permitted when stream is capturing"),
+        "capture_wrapping_a_loader_error": RuntimeError("CUDA graph capture failed"),
+        "bug": RuntimeError("C++ compile error\nmore"),
+    }[error]
+    if error == "capture_wrapping_a_loader_error":
+        exc.__cause__ = ImportError("x.so: invalid ELF header")
+    lines = []
+    fn, calls = _failing_once(exc)
+    with pytest.raises(type(exc)):
+        cc.compile_with_rebuild(fn, c, log=lines.append)
+    assert calls == [1] and lines == [] and (c.inductor_dir / "bad.so").exists()
+    assert not cc.is_cache_error(exc, c)
 
 
 @pytest.mark.parametrize("damage", ["kernels", "everything"])
