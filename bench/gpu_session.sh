@@ -107,16 +107,22 @@ WORK_IS_TEMP=0
 WORK=${WORK:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_session.XXXXXX")}
 mkdir -p "$WORK" && WORK="$(cd "$WORK" && pwd)"
 WHEELS=${WHEELS:-.whl}
-DEADLINE_S=${DEADLINE_S:-540}
+REHEARSE=${REHEARSE:-}
+case "$REHEARSE" in "" | cpu) ;; *) echo "gpu_session: REHEARSE=$REHEARSE: only REHEARSE=cpu exists" >&2; exit 3 ;; esac
+CARD=${CARD:-h100}  # DRY_RUN: the card the plan is for (h100, h200)
+if [ "$REHEARSE" = cpu ]; then DEADLINE_S=${DEADLINE_S:-300}; else DEADLINE_S=${DEADLINE_S:-540}; fi
 TIMEOUT_SCALE=${TIMEOUT_SCALE:-1}
 DRY_RUN=${DRY_RUN:-0}
 BENCH_CUDA_GRAPHS_PRESET=${BENCH_CUDA_GRAPHS_PRESET:-demo}
 COMPILE_CACHE=${COMPILE_CACHE:-$REPO/runs/compile_cache}
+ESTIMATES=${ESTIMATES:-$REPO/runs/headline_estimates}  # the headline's CPU estimates, kept (and reused) between calls
+HEADLINE_ESTIMATE_CAP=${HEADLINE_ESTIMATE_CAP:-}     # seconds each estimate may take (default: the headline's deadline)
 # expected seconds per part on an H100 (DRY_RUN prints them beside the limits; the limits are the caps)
-declare -A EXPECT=([install]=15 [tests_kernels]=60 [probe_attention_grid]=20 [tests_graphs]=110 [headline]=425 [tune_kernels]=240 [policy_on]=120 [policy_22]=120 [policy_off]=120
+declare -A EXPECT=([env]=20 [install]=3 [tests_kernels]=60 [probe_attention_grid]=20 [tests_graphs]=110 [headline]=425 [tune_kernels]=240 [policy_on]=120 [policy_22]=120 [policy_off]=120
                    [train_bf16]=60 [train_graphs]=45 [bench_attention]=35 [bench_layernorm]=20 [bench_adam]=20
                    [bench_cuda_graphs]=25 [bench_dap]=20)
-EXPECTED_TOTAL=0
+EXPECTED_TOTAL=${EXPECT[env]}
+PACK_S=5  # the last packing of $OUT (DRY_RUN's total of the call)
 if [ "$#" -gt 0 ]; then PARTS="$*"; fi
 PARTS=${PARTS:-"tests headline train bench"}
 
@@ -142,6 +148,9 @@ export MPLBACKEND=Agg
 export SCALEFOLD_COMPILE_CACHE="$COMPILE_CACHE"  # scalefold train / bench step / step_headline: kept between runs
 unset TRITON_INTERPRET                            # the kernels must compile for the GPU here
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+if [ "$REHEARSE" = cpu ]; then  # the rehearsal's caps: generous on a busy CPU (the work is seconds)
+    export SCALEFOLD_HEADLINE_CAP_SCALE=${SCALEFOLD_HEADLINE_CAP_SCALE:-3}
+fi
 
 # `timeout -s INT`: Python turns SIGINT into KeyboardInterrupt, so a stuck part prints where it was
 # and pytest still writes its junit XML. `env --default-signal=INT` undoes an inherited SIG_IGN
@@ -154,11 +163,20 @@ pack() {  # refresh $OUT/results.tar.gz from $WORK (small files only)
     tar -czf "$OUT/results.tar.gz.tmp" -C "$WORK" --exclude='*.h5' --exclude='*.pt' --exclude='*.ckpt' \
         --exclude='checkpoints' --exclude='*.tmp' --exclude='*.pickle.gz' . 2>/dev/null \
         && mv -f "$OUT/results.tar.gz.tmp" "$OUT/results.tar.gz"
-    for f in "$WORK"/junit_*.xml; do [ -f "$f" ] && cp -f "$f" "$OUT/"; done
+    for f in "$WORK"/junit_*.xml "$WORK"/headline/headline.json; do [ -f "$f" ] && cp -f "$f" "$OUT/"; done
     # the allocator trace (tens of MiB at MLPerf shapes) beside the tarball, where it fits what comes back (16 MiB a
     # file); its peak summary and the comparison with the memory model are small and in the tarball (memory/)
     for f in "$WORK"/memory/*_memory.pickle.gz; do [ -f "$f" ] && [ "$(stat -c %s "$f")" -lt 16000000 ] && cp -f "$f" "$OUT/"; done
     return 0
+}
+
+check_out() {  # what comes back from $OUT: at most 8 files, 16 MiB each, two folders deep
+    local n big deep
+    n=$(find "$OUT" -type f | wc -l)
+    big=$(find "$OUT" -type f -size +16M | wc -l)
+    deep=$(find "$OUT" -mindepth 3 | wc -l)
+    printf '%-20s %-8s %s files, %s over 16 MiB, %s entries deeper than two folders (limits: 8, 0, 0)\n' OUT \
+        "$([ "$n" -le 8 ] && [ "$big" = 0 ] && [ "$deep" = 0 ] && echo PASS || echo FAIL)" "$n" "$big" "$deep" >>"$SUMMARY"
 }
 
 selected() {  # selected PART GROUP
@@ -173,6 +191,10 @@ part() {
     local name=$1 group=$2 limit=$3; shift 3
     if ! selected "$name" "$group"; then
         printf '%-20s -        not in PARTS (%s)\n' "$name" "$PARTS" >>"$SUMMARY"; return 0
+    fi
+    if [ "$REHEARSE" = cpu ] && [ "$group" != headline ] && [ "$group" != always ]; then
+        printf '%-20s SKIPPED  rc=-       0s  | rehearsal (REHEARSE=cpu): needs CUDA; only the headline is rehearsed\n' "$name" >>"$SUMMARY"
+        note "$name: skipped (rehearsal: needs CUDA)"; return 0
     fi
     limit=$(awk -v l="$limit" -v s="$TIMEOUT_SCALE" 'BEGIN { printf "%d", l * s }')
     local left=$((DEADLINE_S - (SECONDS - START)))
@@ -263,9 +285,19 @@ for mod in ("gemmi", "mlperf_logging", "h5py", "pytest", "pytest_timeout", "scal
 note "env"
 t0=$SECONDS
 { command -v nvidia-smi >/dev/null && timeout -k 5 10 nvidia-smi || echo "nvidia-smi: not found"; } 2>&1 | tee "$WORK/env.txt"
-timeout -k 5 20 "$PY" -c "$ENV_PY" 2>&1 | tee -a "$WORK/env.txt"
+# 90 s: a cold `import torch` and CUDA's start on a fresh machine can take tens of seconds; a timeout is "slow",
+# not "no CUDA": the call goes on (the headline checks CUDA itself and says so)
+ENV_LIMIT=${ENV_LIMIT:-90}
+timeout -k 5 "$ENV_LIMIT" "$PY" -c "$ENV_PY" 2>&1 | tee -a "$WORK/env.txt"
 env_rc=${PIPESTATUS[0]}
-if [ "$env_rc" -ne 0 ] && [ "$DRY_RUN" != 1 ]; then
+if [ "$env_rc" = 124 ] || [ "$env_rc" = 137 ]; then
+    msg="slow: the probe did not finish in ${ENV_LIMIT}s (a cold first import); going on"
+    printf '%-20s %-8s rc=%-4s %4ss  | %s\n' env SLOW "$env_rc" "$((SECONDS - t0))" "$msg" >>"$SUMMARY"
+    note "env: $msg"
+elif [ "$env_rc" -ne 0 ] && [ "$REHEARSE" = cpu ]; then
+    printf '%-20s %-8s rc=%-4s %4ss  | %s\n' env REHEARSE "$env_rc" "$((SECONDS - t0))" \
+        "no CUDA: the CPU rehearsal (preset tiny, fp32, torch kernels; what needs CUDA is skipped)" >>"$SUMMARY"
+elif [ "$env_rc" -ne 0 ] && [ "$DRY_RUN" != 1 ]; then
     msg="no CUDA: torch.cuda.is_available() is False (or torch is missing) for $PY -- nothing to validate here; run this on a GPU machine"
     printf '%-20s %-8s rc=%-4s %4ss  | %s\n' env NO_CUDA "$env_rc" "$((SECONDS - t0))" "$msg" >>"$SUMMARY"
     pack
@@ -273,13 +305,16 @@ if [ "$env_rc" -ne 0 ] && [ "$DRY_RUN" != 1 ]; then
     cat "$SUMMARY"
     [ "$WORK_IS_TEMP" = 1 ] && rm -rf "$WORK"
     exit 2
+else
+    printf '%-20s %-8s rc=%-4s %4ss  | %s\n' env "$([ "$env_rc" = 0 ] && echo PASS || echo DRY_RUN)" "$env_rc" "$((SECONDS - t0))" \
+        "$(grep -m1 '^  cuda:0' "$WORK/env.txt" | sed 's/^ *//')" >>"$SUMMARY"
 fi
-printf '%-20s %-8s rc=%-4s %4ss  | %s\n' env "$([ "$env_rc" = 0 ] && echo PASS || echo DRY_RUN)" "$env_rc" "$((SECONDS - t0))" \
-    "$(grep -m1 '^  cuda:0' "$WORK/env.txt" | sed 's/^ *//')" >>"$SUMMARY"
-NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
-[ "$DRY_RUN" = 1 ] && NGPU=${NGPU:-1}
+NGPU=$(sed -n 's/^cuda devices //p' "$WORK/env.txt" | head -n 1)
+NGPU=${NGPU:-1}
 
-# 2. install (always): missing runtime deps from carried wheels, then the package itself
+# 2. install (always), never from a network index (the GPU machine reaches none): gemmi / mlperf-logging from
+# carried wheels (--no-index), scalefold itself from the checkout by PYTHONPATH (no pip install). The headline
+# needs neither wheel; the tests and the training runs need both.
 cat >"$WORK/install.sh" <<'EOF'
 set -x
 if ! "$PY" -c 'import gemmi, mlperf_logging' 2>/dev/null; then
@@ -287,20 +322,18 @@ if ! "$PY" -c 'import gemmi, mlperf_logging' 2>/dev/null; then
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target /tmp/gpu_session_site "$WHEELS"/*.whl || echo "wheel install failed"
     else
-        echo "gemmi/mlperf_logging missing and no wheels in $WHEELS (see bench/RESULTS.md, GPU validation)"
+        echo "gemmi/mlperf_logging missing and no wheels in $WHEELS (see bench/RESULTS.md, GPU validation; the headline needs neither)"
     fi
 fi
-if ! "$PY" -c 'import scalefold.train.trainer' 2>/dev/null; then
-    "$PY" -m pip install -q --retries 0 --timeout 5 -e '.[test]' ||
-        "$PY" -m pip install -q --no-deps --no-build-isolation -e . ||
-        echo "pip install failed: using PYTHONPATH=$PYTHONPATH"
-fi
-"$PY" -c 'import scalefold, scalefold.train.trainer, gemmi, mlperf_logging
+"$PY" -c 'import scalefold, scalefold.train.step
 print("scalefold", scalefold.__version__, "from", scalefold.__file__)'
 EOF
 export PY WHEELS
 export PYTHONPATH="/tmp/gpu_session_site:$PYTHONPATH"  # where carried wheels go (harmless if absent)
 part install always 30 bash "$WORK/install.sh"
+if selected headline headline && ! "$PY" -c 'import gemmi, mlperf_logging' 2>/dev/null; then
+    note "install: gemmi / mlperf_logging missing: the headline runs without them; tests and training would not"
+fi
 
 # 3. tests that exercise CUDA (all skip-on-CPU tests live in these files)
 pytest_args tests_kernels
@@ -352,15 +385,25 @@ pytest_args tests_graphs
 part tests_graphs tests 150 "$PY" -m pytest "${PYTEST_ARGS[@]}" \
     tests/compilation/test_cuda_graphs.py tests/compilation/test_graphed_step.py tests/train/test_precision_compile.py
 
-# 3b. the headline: the MLPerf-shape training step, eager / triton / graphs / compile / all, each capped, with
-# s/step per recycling count, peak memory vs the memory model, and a profile of one step per configuration
-# (its dry run prints the plan with expected seconds; on a machine without CUDA it refuses, exit 2)
-if [ "$DRY_RUN" = 1 ] && selected headline headline; then
-    "$PY" bench/step_headline.py --dry-run --deadline 465 --memory-snapshot "$WORK/memory" --compile-cache "$COMPILE_CACHE"
+# 3b. the headline: the MLPerf-shape training step, eager / all / triton / graphs / compile (that order), each capped
+# and started only when its expected seconds fit, its row (s/step per recycling count, MFU, peak memory) out
+# before its profile; the estimates on the CPUs meanwhile, never waited for past the deadline (its dry run prints
+# the plan on $CARD; REHEARSE=cpu runs it on the CPU: preset tiny, fp32, torch kernels)
+if [ "$REHEARSE" = cpu ]; then
+    HEADLINE=(--device cpu --preset tiny --precision fp32)
+else
+    HEADLINE=(--preset mlperf --precision bf16)
 fi
-part headline headline 480 env SCALEFOLD_AUTOTUNE=0 "$PY" bench/step_headline.py --preset mlperf --precision bf16 \
-    --cycles 1 --deadline @SESSION_LIMIT@ --out "$WORK/headline" --memory-snapshot "$WORK/memory" \
-    --compile-cache "$COMPILE_CACHE"
+HEADLINE+=(--cycles 1 --out "$WORK/headline" --memory-snapshot "$WORK/memory" --compile-cache "$COMPILE_CACHE"
+           --estimate-reuse "$ESTIMATES")
+[ -n "$HEADLINE_ESTIMATE_CAP" ] && HEADLINE+=(--estimate-cap "$HEADLINE_ESTIMATE_CAP")
+if [ "$DRY_RUN" = 1 ] && selected headline headline; then
+    headline_limit=$((DEADLINE_S - EXPECT[env] - EXPECT[install] < 480 ? DEADLINE_S - EXPECT[env] - EXPECT[install] : 480))
+    "$PY" bench/step_headline.py --dry-run --card "$CARD" "${HEADLINE[@]}" --deadline $((headline_limit - 15)) \
+        | tee "$WORK/headline_plan.txt"
+    EXPECT[headline]=$(sed -n 's/^  total expected ~\([0-9]*\) s.*/\1/p' "$WORK/headline_plan.txt" | head -n 1)
+fi
+part headline headline 480 env SCALEFOLD_AUTOTUNE=0 "$PY" bench/step_headline.py "${HEADLINE[@]}" --deadline @SESSION_LIMIT@
 
 # 4. short GPU training runs: bf16 eager, then bf16 with CUDA graphs (one synthetic store for both)
 TRAIN=(-m scalefold train --preset demo --precision bf16 --max-steps 20 --eval-every 10
@@ -395,11 +438,14 @@ part bench_dap bench 30 "$PY" bench/dap.py --cuda --dap $DAP_SIZES --n-res 256 -
 
 # ------------------------------------------------------------------------------------------------
 if [ "$DRY_RUN" = 1 ]; then
-    note "dry run: the selected parts expect ~${EXPECTED_TOTAL}s after env (deadline ${DEADLINE_S}s)"
+    EXPECTED_TOTAL=$((EXPECTED_TOTAL + PACK_S))
+    note "dry run on $CARD: the call expects ~${EXPECTED_TOTAL}s in all (env ~${EXPECT[env]}s, the parts, packing ~${PACK_S}s; deadline ${DEADLINE_S}s, one call's limit 600s)"
+    "$PY" bench/headline_plan.py --window --call "$EXPECTED_TOTAL"
 fi
 printf '%-20s %-8s %4ss total (deadline %ss); detail in results.tar.gz (WORK %s)\n' \
     TOTAL "$([ "$FAILED" = 0 ] && echo PASS || echo FAIL)" "$((SECONDS - START))" "$DEADLINE_S" "$WORK" >>"$SUMMARY"
 pack
+check_out
 note "summary ($SUMMARY)"
 cat "$SUMMARY"
 exit "$FAILED"

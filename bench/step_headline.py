@@ -5,23 +5,30 @@ The training step of ``scalefold train --preset mlperf --precision bf16`` (crop 
 uniform draw of training) timed as
 
     eager     PyTorch reference kernels, no compile, no CUDA graphs   (SCALEFOLD_KERNELS=torch)
+    all       Triton kernels + compile + CUDA graphs                  (the product's figure)
     triton    the fused Triton kernels instead of the references       (SCALEFOLD_KERNELS=triton)
     graphs    CUDA graphs of the no-grad recycling passes (GraphedStep)
     compile   + torch.compile of the model's elementwise chains (compile_blocks' default region)
-    all       Triton kernels + compile + CUDA graphs
 
-each in a process of its own (a fresh model, same seed), killed at its cap (``CONFIGS``) so one slow
-configuration cannot starve the rest, all within ``--deadline``. Per configuration: s/step per recycling
-count and their mean, MFU (model FLOPs from ``scalefold estimate-step``, counted on the host CPUs meanwhile, over the device's dense peak), ``torch.cuda.max_memory_allocated``
-against the memory model's prediction (``scalefold estimate-memory``, computed meanwhile on the host's CPUs),
-and a ``torch.profiler`` profile of one step (``--out``: ``<config>_profile.json`` and ``.png``, per phase,
-per top-level module and the top kernels, with the GPU's busy fraction and the kernel launches per step;
-:mod:`scalefold.perf.profile_summary`). One JSON line per configuration as it finishes, a table at the end.
-Inductor's and Triton's caches go to ``--compile-cache`` (kept between runs: the second run starts warm).
+in that order, the order of their value (``bench/headline_plan.py``: the plan, expected seconds per card),
+each in a process of its own (a fresh model, same seed) killed at its cap, each started only when the time
+left before ``--deadline`` covers its expected seconds on the card in hand (after eager: from eager's
+measured step); what is skipped is said, with why. Per configuration, printed and written
+(``--out``/rows.jsonl) the moment they exist, before its profile: s/step per recycling count and their
+mean, MFU (model FLOPs from ``scalefold estimate-step`` over the device's dense peak), and
+``torch.cuda.max_memory_allocated`` (against ``scalefold estimate-memory`` in the table). Then the extras a
+cap may cut without losing the row: a ``torch.profiler`` profile of one step (``<config>_profile.json`` /
+``.png``; :mod:`scalefold.perf.profile_summary`) and, for the first configuration, the allocator trace of one
+more step (``--memory-snapshot``). The CPU estimates run meanwhile, each with its own cap
+(``--estimate-cap``), their output and errors in ``--out``/estimates/; the table never waits past the
+deadline (a late estimate is reported late). ``--estimate-reuse DIR`` keeps answers between runs (or
+carries them from a CPU machine). Inductor's and Triton's caches go to ``--compile-cache``.
 
-    python bench/step_headline.py [--configs eager triton graphs compile all] [--cycles 1] [--out DIR] [--dry-run]
+    python bench/step_headline.py [--configs ...] [--cycles 1] [--out DIR] [--dry-run --card h100|h200]
+    python bench/step_headline.py --device cpu --preset tiny --precision fp32   # the CPU rehearsal
 
-Needs CUDA: elsewhere it says so and exits 2 (``--dry-run`` prints the plan with expected seconds, anywhere).
+Needs CUDA (``--device cpu``: the rehearsal, where what needs CUDA is skipped with its reason): elsewhere it
+says so and exits 2 (``--dry-run`` prints the plan with expected seconds, anywhere).
 """
 
 from __future__ import annotations
@@ -29,29 +36,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-TRACE_S = (20, 40)  # --memory-snapshot: the traced configuration's extra (expected, cap) seconds: one step recorded
-# with its stacks, the snapshot, its peak and the gzip dump (estimated: not yet measured at MLPerf shapes)
-CONFIGS = {  # name -> (kernels, compile, cuda graphs, expected s, cap s) on an H100 at MLPerf shapes; run in this order.
-    # expected: child start + model and batch (~15 s) + the warm-up cycle (4 steps, ~3.5 s each on the H200) + a
-    # timed cycle + one profiled step; compile: + inductor / Triton for the elementwise chains (cold cache)
-    "eager": ("torch", False, False, 60, 100),
-    "triton": ("triton", False, False, 65, 100),
-    "graphs": ("torch", False, True, 70, 100),
-    "compile": ("torch", True, False, 100, 150),
-    "all": ("triton", True, True, 110, 150),
-}
+import headline_plan as hp  # noqa: E402
+from headline_procs import Estimates, faults, run_capped  # noqa: E402
+
+CONFIGS = hp.CONFIGS
 
 
 def flops_command(args: argparse.Namespace) -> list[str]:
@@ -67,6 +65,15 @@ def flops_by_recycling(estimate: dict | None) -> dict[int, float] | None:
     if not estimate or "model_flops" not in estimate:
         return None
     return {int(n): float(f) for n, f in estimate["model_flops"].items()}
+
+
+def predicted_step_s(estimate: dict | None, card: str | None) -> float | None:
+    """The step-time model's ``predicted_s`` from ``estimate-step``'s JSON where it has one (a number, or one
+    per card); None quietly otherwise."""
+    value = (estimate or {}).get("predicted_s")
+    if isinstance(value, dict):
+        value = value.get(card or "")
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 def mfu(step_s_by_recycling: dict[int, float], flops: dict[int, float] | None, peak_flops: float | None) -> float | None:
@@ -88,27 +95,24 @@ def peak_flops(device_name: str, precision: str = "bf16") -> float | None:
 
 
 def plan(args: argparse.Namespace) -> list[str]:
-    """The dry run's lines: each configuration with its expected seconds and cap, the memory model, the total."""
-    lines = [f"step_headline (plan): preset {args.preset} {args.precision}; per configuration a process of its own "
-             f"(model, batch, one warm-up cycle of recycling counts 0..R-1, {args.cycles} timed cycle(s), one profiled "
-             f"step), killed at its cap; deadline {args.deadline} s for all"]  # fmt: skip
-    total = 0
-    for name in args.configs:
-        kernels, compiled, graphs, expect, cap = CONFIGS[name]
-        total += expect
-        lines.append(f"  {name:<8} kernels={kernels:<6} compile={str(compiled):<5} cuda_graphs={str(graphs):<5} "
-                     f"expected ~{expect:>3} s, cap {cap} s  -> s/step per recycling count, mean, MFU, peak memory, profile")  # fmt: skip
-    for kernels, cmd in ({} if args.no_estimate else estimate_commands(args)).items():
-        lines.append(f"  memory model ({kernels} kernels, on the CPUs meanwhile): {' '.join(cmd[1:])}")
-    if args.memory_snapshot and args.configs:
-        first = args.configs[0]
-        total += TRACE_S[0]
-        lines.append(f"  allocator trace of one more {first} step (1 recycling pass, as the memory model), after its row: "
-                     f"expected ~{TRACE_S[0]} s, its cap +{TRACE_S[1]} s; {args.memory_snapshot}/{first}_memory.pickle.gz (+ _peak.json); "
-                     f"at the end, by allocating line against the memory model's --sites: {first}_memory_compare.json")  # fmt: skip
-    caps = sum(CONFIGS[n][4] for n in args.configs) + (TRACE_S[1] if args.memory_snapshot and args.configs else 0)
-    lines.append(f"  total expected ~{total} s (caps {caps} s, cut to the deadline "
-                 f"{args.deadline} s); compile cache {args.compile_cache or '(default)'}")  # fmt: skip
+    """The dry run's lines: each configuration in priority order with its expected seconds and cap on
+    ``--card``, what the deadline skips, the estimates, the total."""
+    card = hp.card_key(args.card)
+    trace = bool(args.memory_snapshot)
+    lines = [f"step_headline (plan): preset {args.preset} {args.precision} on {args.card} (eager step ~"
+             f"{hp.eager_step_s(card):.2f} s); per configuration a process of its own (model, batch, one warm-up "
+             f"cycle of recycling counts 0..R-1, {args.cycles} timed cycle(s); its row printed then; one profiled "
+             f"step), started only if its expected seconds fit the time left; deadline {args.deadline:.0f} s"]  # fmt: skip
+    body, total = hp.plan_lines(card, args.configs, args.cycles, args.deadline, trace)
+    lines += body
+    for key, cmd in ({} if args.no_estimate else {**estimate_commands(args), "flops": flops_command(args)}).items():
+        lines.append(f"  estimate {key} (on the CPUs meanwhile, cap {args.estimate_cap or args.deadline:.0f} s): "
+                     f"{' '.join(cmd[1:])}")  # fmt: skip
+    if trace and args.configs:
+        lines.append(f"  allocator trace of one more {args.configs[0]} step after its row and profile (in its expected "
+                     f"seconds: ~{hp.TRACE_S[0]} s, cap +{hp.TRACE_S[1]} s): {args.memory_snapshot}/<config>_memory.pickle.gz")  # fmt: skip
+    lines.append(f"  total expected ~{total:.0f} s of the {args.deadline:.0f} s deadline; compile cache "
+                 f"{args.compile_cache or '(default)'}")  # fmt: skip
     return lines
 
 
@@ -125,38 +129,49 @@ def estimate_commands(args: argparse.Namespace) -> dict[str, list[str]]:
 
 def traced_kernels(args: argparse.Namespace) -> str | None:
     """The kernels of the configuration whose allocator trace is recorded (``--memory-snapshot``: the first)."""
-    return CONFIGS[args.configs[0]][0] if args.memory_snapshot and args.configs else None
+    return CONFIGS[args.configs[0]].kernels if args.memory_snapshot and args.configs else None
 
 
-def run_config(name: str, args: argparse.Namespace, keep: dict | None = None) -> dict:
-    """One configuration, in this process: build, warm up (compilation, capture), time, profile. ``keep``: gets
-    ``run_step(n)``, one more step of the built configuration (the allocator trace, after the row is out)."""
+def build_config(name: str, args: argparse.Namespace):
+    """Build ``name``'s step on ``args.device``: ``(step, forward, compile report)``; warm-up not yet run."""
     import torch
 
-    from scalefold.compilation.cache import compile_with_rebuild
     from scalefold.compilation.graphed_step import GraphedStep
     from scalefold.compilation.regions import compile_blocks
     from scalefold.config.training import TrainConfig
-    from scalefold.perf.profile_summary import profile_step
     from scalefold.train.step import TrainingStep
 
-    kernels, compiled, graphs = CONFIGS[name][:3]
-    os.environ["SCALEFOLD_KERNELS"] = kernels
-    torch.cuda.reset_peak_memory_stats()
-    t_build = time.perf_counter()
-    overrides = {"precision": args.precision, "cuda_graphs": "on" if graphs else "off"}
+    if name in faults("raise"):
+        raise RuntimeError(f"rehearsed fault ({name}): this configuration raises before its build")
+    cfg = CONFIGS[name]
+    os.environ["SCALEFOLD_KERNELS"] = cfg.kernels
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    overrides = {"precision": args.precision, "cuda_graphs": "on" if cfg.graphs else "off"}
     if args.activation_checkpointing:
         overrides["activation_checkpointing"] = args.activation_checkpointing
-    cfg = TrainConfig.from_preset(args.preset, overrides=overrides, env={})
-    step = TrainingStep.build(cfg, "cuda")
-    report = compile_blocks(step.model, backend="inductor", loss_fn=step.loss_fn) if compiled else None
+    step = TrainingStep.build(TrainConfig.from_preset(args.preset, overrides=overrides, env={}), args.device)
+    report = compile_blocks(step.model, backend="inductor", loss_fn=step.loss_fn) if cfg.compiled else None
     forward = None
-    if graphs:
+    if cfg.graphs:
         graphed = GraphedStep(step.model, enabled=True, log=None)
         graphed.warm_up(step.batch, autocast=step.autocast)
         if not graphed.active:
-            return {"config": name, "error": f"CUDA graphs off: {graphed.reason}"}
+            raise RuntimeError(f"CUDA graphs off: {graphed.reason}")
         forward = graphed
+    return step, forward, report
+
+
+def measure(name: str, args: argparse.Namespace) -> tuple[dict, object, object]:
+    """Build, warm up (compilation, capture), time ``args.cycles`` cycles: ``(row, step, forward)``."""
+    import torch
+
+    from scalefold.compilation.cache import compile_with_rebuild
+
+    cuda = args.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    t_build = time.perf_counter()
+    step, forward, report = build_config(name, args)
     counts = list(range(step.num_ensembles))
 
     def warm_up_cycle() -> None:  # compilation, cuDNN/cuBLAS heuristics (no autotuning: SCALEFOLD_AUTOTUNE=0)
@@ -164,64 +179,88 @@ def run_config(name: str, args: argparse.Namespace, keep: dict | None = None) ->
             step.run(n, forward=forward)
 
     compile_with_rebuild(warm_up_cycle)  # a corrupt compile cache: emptied with one line, compiled again
-    torch.cuda.synchronize()
+    sync()
     setup_s = time.perf_counter() - t_build
     if report is not None:
         report.mark_warm()
-    if keep is not None:
-        keep["run_step"] = lambda n: step.run(min(n, counts[-1]), forward=forward)
     times: dict[int, list[float]] = {n: [] for n in counts}
     for _ in range(args.cycles):
         for n in counts:
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             step.run(n, forward=forward)
-            torch.cuda.synchronize()
+            sync()
             times[n].append(time.perf_counter() - t0)
     per_n = {n: statistics.median(ts) for n, ts in times.items()}
-    device = torch.cuda.get_device_name()
-    result = {
-        "config": name, "kernels": kernels, "compile": compiled, "cuda_graphs": graphs,
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    cfg = CONFIGS[name]
+    row = {
+        "config": name, "kernels": cfg.kernels, "compile": cfg.compiled, "cuda_graphs": cfg.graphs,
         "step_s": round(statistics.mean(per_n.values()), 4),  # mean over the uniform recycling draw
         "step_s_by_recycling": {n: round(t, 4) for n, t in per_n.items()}, "setup_s": round(setup_s, 1),
-        "peak_flops": peak_flops(device, args.precision),  # MFU: added by run_all from the FLOP count
-        "peak_bytes": torch.cuda.max_memory_allocated(), "reserved_bytes": torch.cuda.max_memory_reserved(),
-        "device": device,
+        "peak_flops": peak_flops(device, args.precision) if cuda else None,  # MFU: added by the parent
+        "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+        "reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None, "device": device,
     }  # fmt: skip
     if report is not None:
         stats = report.stats()
-        result.update(graph_breaks=stats["graph_breaks"], recompiles=stats["recompiles"])
-    if args.out:  # where the step's time goes: one step without recycling passes (the grad pass), profiled
-        t0 = time.perf_counter()
-        summary = profile_step(step, 0, args.out, name, forward=forward, keep_trace=args.keep_trace)
-        result["profile"] = {k: summary[k] for k in ("wall_s", "kernel_s", "busy_fraction", "kernels_per_step",
-                                                      "launches_per_step")}  # fmt: skip
-        result["profile_s"] = round(time.perf_counter() - t0, 1)
-    return result
+        row.update(graph_breaks=stats["graph_breaks"], recompiles=stats["recompiles"])
+    return row, step, forward
 
 
 def run_child(name: str, args: argparse.Namespace) -> int:
-    """``--child NAME``: one configuration; its row is the line ``ROW {json}``."""
+    """``--child NAME``: one configuration; its row is the line ``ROW {json}``, printed as soon as it is
+    measured; then the extras (``EXTRA {json}``): the profile, the allocator trace, each skipped when the
+    cap (``--child-cap``) has no room left for it."""
     from scalefold.compilation.cache import configure_compile_cache
 
+    t_end = time.monotonic() + (args.child_cap or 1e9)
     cache = configure_compile_cache(args.compile_cache)  # before anything compiles (Triton kernels, inductor)
     print(f"{name}: {cache.describe()}", flush=True)
-    kept: dict = {}
     try:
-        row = run_config(name, args, keep=kept)
+        row, step, forward = measure(name, args)
     except Exception as exc:  # noqa: BLE001 -- reported as the configuration's row
-        row = {"config": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"}
+        row, step = {"config": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"}, None
     row["compile_cache_warm"] = cache.warm
     print("ROW " + json.dumps(row), flush=True)
-    if args.memory_snapshot and "run_step" in kept:  # after the row: whatever the trace costs, the figures stand
-        try:
-            trace_step(name, kept["run_step"], Path(args.memory_snapshot))
-        except Exception as exc:  # noqa: BLE001 -- the figures above stand without it
-            print(f"{name}: no allocator trace: {type(exc).__name__}: {exc}", flush=True)
-    return 0 if "error" not in row else 1
+    if step is None:
+        return 1
+    if args.out:
+        extra(name, "profile", t_end, lambda: profile(name, step, forward, args))
+    if args.memory_snapshot:
+        if args.device != "cuda":
+            print("EXTRA " + json.dumps({"trace": "skipped: needs CUDA (the allocator trace is CUDA's)"}), flush=True)
+        else:
+            extra(name, "trace", t_end, lambda: trace_step(name, step, forward, Path(args.memory_snapshot)))
+    return 0
 
 
-def trace_step(name: str, run_step, folder: Path) -> None:
+def extra(name: str, what: str, t_end: float, fn) -> None:
+    """Run one extra (``fn() -> dict``) if its cap leaves room; print ``EXTRA {json}`` with what it gave or why not."""
+    left = t_end - time.monotonic()
+    if left < 10:
+        print("EXTRA " + json.dumps({what: f"skipped: {left:.0f} s left of the cap"}), flush=True)
+        return
+    if what == "profile" and name in faults("hang-profile"):
+        print(f"{name}: profiling (rehearsed fault: hangs here until its cap)", flush=True)
+        time.sleep(3600)
+    try:
+        print("EXTRA " + json.dumps(fn()), flush=True)
+    except Exception as exc:  # noqa: BLE001 -- the row stands without it
+        print("EXTRA " + json.dumps({what: f"failed: {type(exc).__name__}: {exc}"[:300]}), flush=True)
+
+
+def profile(name: str, step, forward, args: argparse.Namespace) -> dict:
+    """Where the step's time goes: one step without recycling passes (the grad pass), profiled."""
+    from scalefold.perf.profile_summary import profile_step
+
+    t0 = time.perf_counter()
+    summary = profile_step(step, 0, args.out, name, forward=forward, keep_trace=args.keep_trace)
+    keys = ("wall_s", "kernel_s", "busy_fraction", "kernels_per_step", "launches_per_step")
+    return {"profile": {k: summary.get(k) for k in keys}, "profile_s": round(time.perf_counter() - t0, 1)}
+
+
+def trace_step(name: str, step, forward, folder: Path) -> dict:
     """The allocator's trace of one more step with the memory model's recycling count (1), after the timed
     ones: the trace's window holds the whole step (the warm-up's four steps outgrow ``max_entries`` at MLPerf
     shapes and lose their start). Writes ``<name>_memory_peak.json`` (what is live at the peak by allocating
@@ -230,10 +269,11 @@ def trace_step(name: str, run_step, folder: Path) -> None:
 
     from scalefold.perf import cuda_snapshot
 
+    t0 = time.perf_counter()
     torch.cuda.synchronize()
     allocated_before = torch.cuda.memory_allocated()
     cuda_snapshot.record_history()
-    run_step(1)
+    step.run(min(1, step.num_ensembles - 1), forward=forward)
     torch.cuda.synchronize()
     snap = cuda_snapshot.take_snapshot()
     report = cuda_snapshot.peak_allocations(snap)
@@ -243,69 +283,56 @@ def trace_step(name: str, run_step, folder: Path) -> None:
     print(f"{name}: {cuda_snapshot.format_peak(report)}", flush=True)  # first: the dump may meet the cap
     path = cuda_snapshot.dump_snapshot(snap, folder / f"{name}_memory.pickle.gz")
     print(f"{name}: allocator trace in {path}", flush=True)
+    return {"trace": str(path), "trace_s": round(time.perf_counter() - t0, 1)}
 
 
-def child_command(name: str, args: argparse.Namespace, snapshot: bool) -> list[str]:
+def child_command(name: str, args: argparse.Namespace, snapshot: bool, cap: float | None = None) -> list[str]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--preset", args.preset, "--precision",
-           args.precision, "--cycles", str(args.cycles)]  # fmt: skip
+           args.precision, "--cycles", str(args.cycles), "--device", args.device]  # fmt: skip
     for flag, value in (("--out", args.out), ("--compile-cache", args.compile_cache),
                         ("--activation-checkpointing", args.activation_checkpointing),
-                        ("--memory-snapshot", args.memory_snapshot if snapshot else None)):  # fmt: skip
+                        ("--memory-snapshot", args.memory_snapshot if snapshot else None),
+                        ("--child-cap", f"{cap:.0f}" if cap else None)):  # fmt: skip
         if value:
             cmd += [flag, str(value)]
     return cmd + (["--keep-trace"] if args.keep_trace else [])
 
 
-def run_capped(cmd: list[str], cap: float) -> tuple[dict | None, str]:
-    """Run a child, its output passed through; ``(row, status)``: killed at ``cap`` seconds (SIGINT, then
-    SIGKILL 10 s later), so one slow configuration cannot starve the rest."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-    row, deadline = None, time.monotonic() + cap
-    killer = threading.Timer(cap, lambda: _stop(proc))
-    killer.start()
-    try:
-        for line in proc.stdout:
-            if line.startswith("ROW "):
-                row = json.loads(line[4:])
-            else:
-                print(line, end="", flush=True)
-        proc.wait()
-    finally:
-        killer.cancel()
-    if row is not None:
-        return row, "ok"
-    return None, "cap reached" if time.monotonic() >= deadline - 1 else f"exit {proc.returncode}"
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
+                    help="which configurations (always run in priority order: eager, all, triton, graphs, compile)")
     ap.add_argument("--preset", default="mlperf")
     ap.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the rehearsal (what needs CUDA is skipped)")
+    ap.add_argument("--card", default=os.environ.get("CARD", "h100"), help="--dry-run: the card to plan for (h100, h200)")
     ap.add_argument("--cycles", type=int, default=1, help="timed cycles of recycling counts 0..R-1 (default 1)")
-    ap.add_argument("--no-estimate", action="store_true", help="skip the memory-model comparison")
+    ap.add_argument("--no-estimate", action="store_true", help="skip the memory model and the FLOP count")
+    ap.add_argument("--estimate-cap", type=float, help="seconds each CPU estimate may take (default: the deadline)")
+    ap.add_argument("--estimate-reuse", metavar="DIR", help="keep the estimates' answers in DIR and reuse a matching one")
     ap.add_argument("--activation-checkpointing", help="recompute policy on|off|N (default: the preset's); the "
                     "memory model and the FLOP count use it too")  # fmt: skip
     ap.add_argument("--dry-run", action="store_true", help="print the plan with expected seconds (no CUDA needed)")
-    ap.add_argument("--deadline", type=float, default=480.0, help="seconds for all configurations (default 480)")
-    ap.add_argument("--out", help="folder for each configuration's profile (<config>_profile.json / .png)")
+    ap.add_argument("--deadline", type=float, default=465.0, help="seconds for everything (default 465)")
+    ap.add_argument("--out", help="folder for rows.jsonl, headline.json, estimates/ and the profiles")
     ap.add_argument("--keep-trace", action="store_true", help="also keep the Chrome traces (<config>_trace.json.gz)")
     ap.add_argument("--compile-cache", default=os.environ.get("SCALEFOLD_COMPILE_CACHE"),
                     help="persistent inductor/Triton cache (default $SCALEFOLD_COMPILE_CACHE, else ~/.cache/scalefold/compile)")
     ap.add_argument("--memory-snapshot", metavar="DIR", help="record the allocator's trace of one more step of the "
-                    "first configuration after its warm-up, write it to DIR/<config>_memory.pickle.gz, print what is "
-                    "live at its peak by allocating line (scalefold.perf.cuda_snapshot) and, at the end, that against "
-                    "the memory model's sites (DIR/<config>_memory_compare.json; scalefold.perf.memory_sites)")  # fmt: skip
+                    "first configuration after its row and profile, write it to DIR/<config>_memory.pickle.gz, print "
+                    "what is live at its peak by allocating line (scalefold.perf.cuda_snapshot) and, at the end, that "
+                    "against the memory model's sites (DIR/<config>_memory_compare.json; scalefold.perf.memory_sites)")  # fmt: skip
     ap.add_argument("--child", choices=list(CONFIGS), help=argparse.SUPPRESS)
+    ap.add_argument("--child-cap", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    args.configs = [n for n in hp.PRIORITY if n in args.configs]
+    if hp.card_key(args.card) is None:
+        ap.exit(3, f"step_headline: unknown --card {args.card!r} (h100, h200 or a scalefold.perf.devices key)\n")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.child:
         return run_child(args.child, args)
     if args.dry_run:
@@ -313,67 +340,113 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import torch
 
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("bench/step_headline.py: needs CUDA (the headline is a GPU figure); no CUDA device here -- nothing "
-              "measured (--dry-run prints the plan)", file=sys.stderr)  # fmt: skip
+              "measured (--dry-run prints the plan; --device cpu rehearses it)", file=sys.stderr)  # fmt: skip
         return 2
     return run_all(args)
 
 
 def run_all(args: argparse.Namespace) -> int:
+    """Every configuration in priority order, each only if its expected seconds fit; then the table."""
+    import torch
+
     t_start = time.monotonic()
-    estimates = {} if args.no_estimate else {**estimate_commands(args), "flops": flops_command(args)}
-    procs = {k: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                 env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # fmt: skip
-             for k, cmd in estimates.items()}
+    cuda = args.device == "cuda"
+    device_name = torch.cuda.get_device_name() if cuda else "cpu"
+    card = hp.card_key(device_name) if cuda else None
+    out = Path(args.out) if args.out else None
+    folder = (out or Path(os.environ.get("TMPDIR", "/tmp")) / f"step_headline.{os.getpid()}") / "estimates"
+    est = None if args.no_estimate else Estimates({**estimate_commands(args), "flops": flops_command(args)}, folder,
+                                                  cap=args.estimate_cap or args.deadline,
+                                                  reuse=Path(args.estimate_reuse) if args.estimate_reuse else None)  # fmt: skip
+    print(f"=== headline on {device_name} (plan: {card or ('the CPU rehearsal' if not cuda else 'unknown card, H100 figures')}); "
+          f"order {', '.join(args.configs)}; deadline {args.deadline:.0f} s", flush=True)  # fmt: skip
     rows: list[dict] = []
-    predicted: dict[str, dict] = {}
+    measured, seen = None, set()
+
+    def emit(row: dict) -> None:
+        publish(row, est, card, out, first=row["config"] not in seen)
+        seen.add(row["config"])
+
     for i, name in enumerate(args.configs):
         left = args.deadline - (time.monotonic() - t_start)
-        traced = bool(args.memory_snapshot) and i == 0
-        cap = min(CONFIGS[name][4] + (TRACE_S[1] if traced else 0), left - 5)
-        if cap < 20:
-            row = {"config": name, "error": f"skipped: {left:.0f} s left of the {args.deadline:.0f} s deadline"}
-        else:
-            print(f"=== {name} (cap {cap:.0f} s)", flush=True)
-            row, status = run_capped(child_command(name, args, snapshot=traced), cap)
-            row = row or {"config": name, "error": f"no result: {status} (cap {cap:.0f} s)"}
+        row = run_one(name, args, card, measured, left, traced=bool(args.memory_snapshot) and i == 0 and cuda,
+                      publish=emit)  # fmt: skip
         rows.append(row)
-        print(json.dumps(row), flush=True)
-        _collect(procs, predicted, wait=False, save_dir=args.memory_snapshot)
-    _collect(procs, predicted, wait=True, save_dir=args.memory_snapshot)
-    if args.memory_snapshot:
-        compare_memory(args, rows, predicted)
-    flops = flops_by_recycling(predicted.pop("flops", None))
+        if name not in seen or any(k in row for k in ("profile", "trace", "cut")):
+            emit(row)  # a row the child never printed, or what its extras added
+        if name == "eager" and "step_s" in row:
+            measured = row["step_s"]  # the last measured row: the rest's expected seconds on this card
+    results = est.poll(until=t_start + args.deadline - 2) if est else {}
+    if est:
+        est.stop()
+    return finish(args, rows, results, est.late if est else {}, card, out)
+
+
+def run_one(name: str, args: argparse.Namespace, card: str | None, measured: float | None, left: float,
+            traced: bool, publish) -> dict:  # fmt: skip
+    """One configuration: skipped (needs CUDA, or its expected seconds do not fit ``left``) or run capped."""
+    rehearsal = args.device != "cuda"
+    why = CONFIGS[name].needs_cuda() if rehearsal else None
+    if why:
+        return {"config": name, "skipped": why}
+    expected = hp.expected_s(name, card, args.cycles, rehearsal=rehearsal, measured_step_s=measured, trace=traced)
+    why = hp.start_or_skip(name, left, expected)
+    if why:
+        return {"config": name, "skipped": why}
+    scale = float(os.environ.get("SCALEFOLD_HEADLINE_CAP_SCALE", "1") or 1)
+    cap = min(hp.cap_s(expected, traced, scale), left - hp.RESERVE_S)
+    print(f"=== {name} (expected ~{expected:.0f} s, cap {cap:.0f} s, {left:.0f} s left)", flush=True)
+    row, status = run_capped(child_command(name, args, traced, cap), cap, on_row=publish)
+    row = row or {"config": name, "error": f"no result: {status} (cap {cap:.0f} s)"}
+    if status != "ok" and "error" not in row:
+        row["cut"] = f"cap {cap:.0f} s reached after the row: extras cut"
+    return row
+
+
+def publish(row: dict, est: Estimates | None, card: str | None, out: Path | None, first: bool = True) -> None:
+    """Print a row the moment it exists (with MFU where the FLOP count is in; ``first``: with a line for people
+    too) and append it to rows.jsonl (a later line of the same configuration: what its extras added)."""
+    results = est.poll() if est else {}
+    if "step_s_by_recycling" in row:
+        per_n = {int(n): t for n, t in row["step_s_by_recycling"].items()}
+        row["mfu"] = mfu(per_n, flops_by_recycling(results.get("flops")), row.get("peak_flops"))
+        row["predicted_s"] = predicted_step_s(results.get("flops"), card)
+    if "step_s_by_recycling" in row and first:
+        peak = f"{row['peak_bytes'] / 2**30:.2f} GiB" if row.get("peak_bytes") else "- (no CUDA)"
+        print(f"--- {row['config']}: {row['step_s']:.3f} s/step (recycling 0..{len(per_n) - 1}: "
+              f"{'/'.join(f'{t:.2f}' for t in per_n.values())}), MFU {row['mfu'] if row['mfu'] is not None else '-'}, "
+              f"peak {peak}", flush=True)  # fmt: skip
+    print(json.dumps(row), flush=True)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "rows.jsonl", "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+
+
+def finish(args: argparse.Namespace, rows: list[dict], results: dict, late: dict, card: str | None,
+           out: Path | None) -> int:  # fmt: skip
+    """MFU from the FLOP count (where it came in time), the memory comparison, the table, headline.json."""
+    flops = flops_by_recycling(results.get("flops"))
     for row in rows:
         if "step_s_by_recycling" in row:
             per_n = {int(n): t for n, t in row["step_s_by_recycling"].items()}
             row["mfu"] = mfu(per_n, flops, row.get("peak_flops"))
+            row["predicted_s"] = predicted_step_s(results.get("flops"), card)
+    predicted = {k: v for k, v in results.items() if k != "flops"}
+    if args.memory_snapshot and args.device == "cuda":
+        compare_memory(args, rows, predicted)
     print("\n" + format_table(rows, predicted))
-    print(json.dumps({"rows": rows, "predicted": {k: {"peak_bytes": v["peak_bytes"], "step_peak_bytes": v["step_peak_bytes"]}
-                                                  for k, v in predicted.items()}}))  # fmt: skip
+    for key, why in late.items():
+        print(f"estimate {key}: {why}" + (" -- MFU left out" if key == "flops" else " -- its prediction left out"))
+    summary = {"rows": rows, "late_estimates": late,
+               "predicted": {k: {"peak_bytes": v.get("peak_bytes"), "step_peak_bytes": v.get("step_peak_bytes")}
+                             for k, v in predicted.items()}}  # fmt: skip
+    print(json.dumps(summary), flush=True)
+    if out is not None:
+        (out / "headline.json").write_text(json.dumps(summary, indent=1))
     return 0 if all("error" not in r for r in rows) else 1
-
-
-def _collect(procs: dict, predicted: dict, wait: bool, save_dir: str | None = None) -> None:
-    """Print each memory-model prediction as soon as it is in (a time limit that cuts the run keeps it); with
-    ``save_dir`` also write the ones with allocating sites there, ``memory_model_<kernels>.json``."""
-    for kernels, proc in list(procs.items()):
-        if not wait and proc.poll() is None:
-            continue
-        del procs[kernels]
-        try:
-            out, _ = proc.communicate(timeout=60)
-            predicted[kernels] = json.loads(out)
-            if save_dir and predicted[kernels].get("sites"):  # the comparison can be redone from the files alone
-                Path(save_dir).mkdir(parents=True, exist_ok=True)
-                (Path(save_dir) / f"memory_model_{kernels}.json").write_text(out)
-            keep = ("model_flops",) if kernels == "flops" else ("peak_bytes", "step_peak_bytes")
-            print(json.dumps({"memory_model": kernels, **{k: predicted[kernels][k] for k in keep}}), flush=True)
-        except Exception as exc:  # noqa: BLE001
-            proc.kill()
-            print(f"memory model ({kernels}) gave no result: {type(exc).__name__}", flush=True)
-
 
 def compare_memory(args: argparse.Namespace, rows: list[dict], predicted: dict) -> None:
     """The traced configuration's peak by allocating line against the memory model's (``--sites``), as a
@@ -405,27 +478,32 @@ def compare_memory(args: argparse.Namespace, rows: list[dict], predicted: dict) 
 
 
 def format_table(rows: list[dict], predicted: dict) -> str:
-    """The headline table: s/step per recycling count and mean, speed-up, MFU, peak vs predicted, profile."""
+    """The headline table: s/step per recycling count and mean, speed-up, MFU, peak vs predicted, profile; a
+    skipped configuration with why, a failed one with its error."""
     eager = next((r["step_s"] for r in rows if r.get("config") == "eager" and "step_s" in r), None)
     lines = [f"{'config':<8} {'s/step by recycling 0..R-1':<28} {'mean':>7} {'vs eager':>8} {'MFU':>6} {'peak GiB':>8} "
              f"{'model':>6} {'error':>7} {'busy':>5} {'launch/step':>11}  notes"]  # fmt: skip
     for r in rows:
-        if "error" in r:
-            lines.append(f"{r['config']:<8} {r['error']}")
+        if "error" in r or "skipped" in r:
+            lines.append(f"{r['config']:<8} {r.get('error') or r['skipped']}")
             continue
         est = predicted.get(r["kernels"])
-        pred = (est["peak_bytes"] if r["cuda_graphs"] else est["step_peak_bytes"]) if est else None
+        pred = (est.get("peak_bytes") if r["cuda_graphs"] else est.get("step_peak_bytes")) if est else None
         by_n = "/".join(f"{t:.2f}" for t in r["step_s_by_recycling"].values())
         prof = r.get("profile") or {}
-        err = f"{100 * (pred / r['peak_bytes'] - 1):+.1f}%" if pred else "-"
-        notes = f"setup {r['setup_s']} s" + (f", breaks {r.get('graph_breaks')}, recompiles {r.get('recompiles')}"
-                                             if r["compile"] else "")  # fmt: skip
+        peak = r.get("peak_bytes")
+        err = f"{100 * (pred / peak - 1):+.1f}%" if pred and peak else "-"
+        notes = [f"setup {r['setup_s']} s"] + ([f"breaks {r.get('graph_breaks')}, recompiles {r.get('recompiles')}"]
+                                               if r["compile"] else [])  # fmt: skip
+        notes += [f"step model {r['predicted_s']:.2f} s"] if r.get("predicted_s") else []
+        notes += [r["cut"]] if r.get("cut") else []
         ratio = f"{eager / r['step_s']:.2f}x" if eager else "-"
         util = f"{r['mfu']:.3f}" if r.get("mfu") else "-"
         model = f"{pred / 2**30:.2f}" if pred else "-"
-        lines.append(f"{r['config']:<8} {by_n:<28} {r['step_s']:>7.3f} {ratio:>8} {util:>6} {r['peak_bytes'] / 2**30:>8.2f} "
+        peak_s = f"{peak / 2**30:.2f}" if peak else "-"
+        lines.append(f"{r['config']:<8} {by_n:<28} {r['step_s']:>7.3f} {ratio:>8} {util:>6} {peak_s:>8} "
                      f"{model:>6} {err:>7} {prof.get('busy_fraction') or '-':>5} {prof.get('launches_per_step') or '-':>11}  "
-                     f"{notes}")  # fmt: skip
+                     f"{', '.join(notes)}")  # fmt: skip
     return "\n".join(lines)
 
 
