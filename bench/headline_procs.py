@@ -135,7 +135,7 @@ class Estimates:
             if self.reuse is not None:
                 self.reuse.mkdir(parents=True, exist_ok=True)
                 (self.reuse / self.cache_name(key, cmd)).write_text(json.dumps(self.results[key]))
-            print(json.dumps({"estimate": key, "seconds": round(waited, 1)}), flush=True)
+            print(json.dumps({"estimate": key, "in_by_s": round(waited, 1)}), flush=True)
         else:
             print(f"estimate {key}: {self.late[key]}", flush=True)
 

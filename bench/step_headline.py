@@ -437,16 +437,21 @@ def finish(args: argparse.Namespace, rows: list[dict], results: dict, late: dict
     predicted = {k: v for k, v in results.items() if k != "flops"}
     if args.memory_snapshot and args.device == "cuda":
         compare_memory(args, rows, predicted)
-    print("\n" + format_table(rows, predicted))
-    for key, why in late.items():
-        print(f"estimate {key}: {why}" + (" -- MFU left out" if key == "flops" else " -- its prediction left out"))
     summary = {"rows": rows, "late_estimates": late,
                "predicted": {k: {"peak_bytes": v.get("peak_bytes"), "step_peak_bytes": v.get("step_peak_bytes")}
                              for k, v in predicted.items()}}  # fmt: skip
     print(json.dumps(summary), flush=True)
     if out is not None:
         (out / "headline.json").write_text(json.dumps(summary, indent=1))
-    return 0 if all("error" not in r for r in rows) else 1
+    print("\n" + format_table(rows, predicted))
+    for key, why in late.items():
+        print(f"estimate {key}: {why}" + (" -- MFU left out" if key == "flops" else " -- its prediction left out"))
+    measured = [f"{r['config']} {r['step_s']:.3f} s" for r in rows if "step_s" in r]
+    failed = [r["config"] for r in rows if "error" in r]
+    print(f"step_headline: measured {', '.join(measured) or 'nothing'}; skipped "
+          f"{', '.join(r['config'] for r in rows if 'skipped' in r) or 'none'}; failed {', '.join(failed) or 'none'}"
+          + (f"; late estimates {', '.join(late)}" if late else ""), flush=True)  # fmt: skip
+    return 0 if not failed else 1
 
 def compare_memory(args: argparse.Namespace, rows: list[dict], predicted: dict) -> None:
     """The traced configuration's peak by allocating line against the memory model's (``--sites``), as a

@@ -230,11 +230,10 @@ def test_headline_asks_for_sites_and_compares(tmp_path, capsys):
     assert js["max_memory_allocated"] == 400 and js["untracked_bytes"] == 7 and js["allocated_at_start_bytes"] == 1000
     assert js["predicted_before_step_bytes"] == 50
     assert site in capsys.readouterr().out
-    import subprocess
     import sys
+    import time
 
     line = json.dumps({"peak_bytes": 1, "step_peak_bytes": 1, "sites": {site: {"bytes": 1, "count": 1}}})
-    procs = {"torch": subprocess.Popen([sys.executable, "-c", f"print({line!r})"], stdout=subprocess.PIPE, text=True)}
-    got: dict = {}
-    h._collect(procs, got, wait=True, save_dir=str(tmp_path / "kept"))
-    assert got["torch"]["sites"] and json.loads((tmp_path / "kept" / "memory_model_torch.json").read_text()) == got["torch"]
+    est = h.Estimates({"torch": [sys.executable, "-c", f"print({line!r})"]}, tmp_path / "kept", cap=300)
+    got = est.poll(until=time.monotonic() + 300)
+    assert got["torch"]["sites"] and json.loads((tmp_path / "kept" / "torch.json").read_text()) == got["torch"]
