@@ -1,0 +1,130 @@
+"""The GPU window's headline, rehearsed on the CPU (issue 31): the plan per card (``bench/headline_plan.py``), the
+capped estimates (``bench/headline_procs.py``) and ``REHEARSE=cpu PARTS=headline bash bench/gpu_session.sh`` end to
+end with the three faults a window throws -- a cap in the middle of a profile, a configuration that raises, a late
+estimate -- each still giving the other rows, the table, ``SUMMARY.txt`` and an ``$OUT`` that fits what comes back."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _bench(name: str):
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # a dataclass's annotations are resolved through its module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_expected_seconds_per_card_priorities_and_skips():
+    hp = _bench("headline_plan")
+    assert list(hp.PRIORITY) == ["eager", "all", "triton", "graphs", "compile"]
+    h200, h100 = hp.eager_step_s("h200"), hp.eager_step_s("h100-sxm")
+    assert h200 == pytest.approx(hp.REFERENCE["step_s"])  # the measured row itself
+    # the same host-bound part, the traffic at 3.35 instead of 4.8 TB/s
+    assert h100 - h200 == pytest.approx(hp.STEP_BYTES * (1 / 3.35e12 - 1 / 4.8e12), rel=1e-6)
+    assert hp.card_key("NVIDIA H100 80GB HBM3") == "h100-sxm" and hp.card_key("NVIDIA H200") == "h200"
+    assert hp.card_key("h100") == "h100-sxm" and hp.card_key("Radeon") is None
+    assert hp.eager_step_s(None) == h100  # an unknown card: planned as an H100
+    for name in hp.CONFIGS:
+        assert hp.expected_s(name, "h100-sxm") > hp.expected_s(name, "h200")
+        assert hp.expected_s(name, "h100-sxm", measured_step_s=1.0) < hp.expected_s(name, "h100-sxm")  # measured wins
+        assert hp.cap_s(hp.expected_s(name, "h100-sxm")) > hp.expected_s(name, "h100-sxm")
+    assert hp.expected_s("eager", "h200", trace=True) == hp.expected_s("eager", "h200") + hp.TRACE_S[0]
+    assert hp.start_or_skip("all", 1000, 145) is None
+    why = hp.start_or_skip("all", 100, 145)
+    assert why.startswith("skipped: expected ~145 s") and "left" in why
+    assert hp.CONFIGS["eager"].needs_cuda() is None and hp.CONFIGS["compile"].needs_cuda() is None
+    assert "CUDA graphs" in hp.CONFIGS["all"].needs_cuda() and "Triton" in hp.CONFIGS["triton"].needs_cuda()
+    lines, total = hp.plan_lines("h100-sxm", list(hp.CONFIGS), 1, 465, trace=True)
+    assert [line.split()[0] for line in lines] == list(hp.PRIORITY) and total <= 465
+    assert hp.main(["--card", "nonsense"]) == 3
+
+
+def test_window_plan_fits_fifteen_minutes(capsys):
+    hp = _bench("headline_plan")
+    lines = hp.window_plan(call_expected_s=450)
+    text = "\n".join(lines)
+    assert "machine start" in text and "follow-up" in text and "give_back" in text
+    worst = int(text.split("worst case, the call at its limit: ")[1].split()[0])
+    assert worst <= 900  # start + a call at its 600 s limit + give-back
+    assert hp.main(["--window", "--call", "500"]) == 0 and "window plan" in capsys.readouterr().out
+
+
+def test_estimates_answer_fail_are_late_and_are_reused(tmp_path, monkeypatch, capsys):
+    """Each estimate in its own file (stderr too); a failure and a late one are reported, never waited for past
+    ``until``; an answer kept in ``reuse`` is taken instead of running the command again."""
+    procs = _bench("headline_procs")
+    monkeypatch.setenv(procs.FAULT_ENV, "late-estimate:slow")
+    ok = [sys.executable, "-c", "print('{\"peak_bytes\": 5}')"]
+    bad = [sys.executable, "-c", "import sys; print('boom', file=sys.stderr); sys.exit(4)"]
+    est = procs.Estimates({"ok": ok, "bad": bad, "slow": ok}, tmp_path / "est", cap=600, reuse=tmp_path / "keep")
+    for key in ("ok", "bad"):
+        est.procs[key][0].wait(timeout=300)
+    t0 = time.monotonic()
+    got = est.poll(until=time.monotonic() + 1)
+    assert time.monotonic() - t0 < 60  # the late one is not waited for past `until`
+    assert got == {"ok": {"peak_bytes": 5}} and not est.procs
+    assert est.late["bad"].startswith("failed: exit 4") and "boom" in (tmp_path / "est" / "bad.err").read_text()
+    assert est.late["slow"].startswith("late: no answer")
+    again = procs.Estimates({"ok": ok}, tmp_path / "est2", cap=600, reuse=tmp_path / "keep")
+    assert again.results == {"ok": {"peak_bytes": 5}} and not again.procs  # reused: nothing started
+    assert "reused" in capsys.readouterr().out
+    monkeypatch.setenv(procs.FAULT_ENV, "raise:compile,hang-profile:eager,late-estimate:flops")
+    assert procs.faults("raise") == {"compile"} and procs.faults("late-estimate") == {"flops"}
+
+
+def _out_files(out: Path) -> list[Path]:
+    return [p for p in out.rglob("*") if p.is_file()]
+
+
+@pytest.mark.slow
+def test_cpu_rehearsal_with_a_cap_mid_profile_a_raising_configuration_and_a_late_estimate(tmp_path):
+    """``REHEARSE=cpu PARTS=headline bash bench/gpu_session.sh``, the whole script on the CPU (preset tiny, torch
+    kernels) with the three faults at once: eager's cap lands in its profile (its row stands), compile raises
+    (the others stand), every estimate is late (the table comes without them, at once). ~40 s of CPU; caps
+    twice the rehearsal's generous ones, no assert on how long anything took."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = {**os.environ, "REHEARSE": "cpu", "PARTS": "headline", "OUT": str(out), "WORK": str(work),
+           "PYTHON": sys.executable, "COMPILE_CACHE": str(tmp_path / "cache"), "ESTIMATES": str(tmp_path / "est"),
+           "SCALEFOLD_REHEARSE_FAULT": "hang-profile:eager,raise:compile,late-estimate:flops,late-estimate:torch,"
+                                       "late-estimate:triton",
+           "HEADLINE_ESTIMATE_CAP": "20", "SCALEFOLD_HEADLINE_CAP_SCALE": "2", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    run = subprocess.run(["bash", str(REPO / "bench" / "gpu_session.sh")], env=env, capture_output=True, text=True,
+                         timeout=900, cwd=REPO)  # fmt: skip
+    log = run.stdout + run.stderr
+    assert run.returncode == 1, log[-4000:]  # compile failed: the part fails, the call still ends normally
+    assert "--- eager: " in log and "s/step" in log  # the row, printed the moment it existed
+    table = log.split("config   s/step by recycling")[1]
+    rows = {line.split()[0]: line for line in table.splitlines()[1:6]}
+    assert list(rows) == ["eager", "all", "triton", "graphs", "compile"]
+    assert "extras cut" in rows["eager"] and float(rows["eager"].split()[2]) > 0
+    for name in ("all", "triton", "graphs"):
+        assert "needs CUDA" in rows[name]
+    assert "rehearsed fault (compile)" in rows["compile"]
+    assert "estimate flops: late" in log and "MFU left out" in log
+    summary = (out / "SUMMARY.txt").read_text()
+    assert "env                  REHEARSE" in summary and "headline             FAIL" in summary
+    assert "OUT                  PASS" in summary and "TOTAL" in summary
+    files = _out_files(out)  # what comes back: at most 8 files, 16 MiB each, two folders deep
+    assert 3 <= len(files) <= 8 and all(p.stat().st_size <= 16 * 2**20 for p in files)
+    assert all(len(p.relative_to(out).parts) <= 3 for p in out.rglob("*"))
+    result = json.loads((out / "headline.json").read_text())
+    assert [r["config"] for r in result["rows"]] == ["eager", "all", "triton", "graphs", "compile"]
+    assert set(result["late_estimates"]) == {"flops", "torch", "triton"}
+    with tarfile.open(out / "results.tar.gz") as tar:
+        names = tar.getnames()
+    assert "./headline/rows.jsonl" in names and "./headline/estimates/flops.err" in names and "./headline.log" in names
