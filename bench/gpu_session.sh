@@ -4,19 +4,30 @@
 #
 #   bash bench/gpu_session.sh                       # everything (OUT defaults to runs/gpu_session)
 #   PARTS="tests train" bash bench/gpu_session.sh   # a subset (or: bash bench/gpu_session.sh tests train)
-#   DRY_RUN=1 bash bench/gpu_session.sh             # print the plan, each part's expected seconds (no CUDA needed)
-#   PARTS=headline bash bench/gpu_session.sh        # the headline alone: one call of <= 540 s on an H100
-#   PARTS="tests train" bash bench/gpu_session.sh, then DEADLINE_S=330 PARTS="headline bench" ...   # two calls
+#   DRY_RUN=1 [CARD=h100|h200] PARTS=headline bash bench/gpu_session.sh   # the plan on that card (no CUDA needed):
+#                                                   # each part's expected seconds, the call's total with set-up and
+#                                                   # packing, and the device-time plan of a 15-minute window
+#   PARTS=headline bash bench/gpu_session.sh        # THE first call of a window: env + install + headline, <= 540 s
+#   REHEARSE=cpu PARTS=headline bash bench/gpu_session.sh   # the same script on a CPU: preset tiny, fp32, torch
+#                                                   # kernels, the same driver, caps, deadline (300 s), skip rules,
+#                                                   # packing and SUMMARY.txt; what needs CUDA skipped with why
+#
+# A window (15 minutes of device time: the machine's start, 1-2 minutes, and every idle second included; one
+# command <= 600 s) has room for ONE full call and, if that call ends early, a short follow-up on the still-warm
+# machine (<= ~140 s, e.g. PARTS=probe_attention_grid), then give-back. So each window runs one group:
+# PARTS=headline first; later windows PARTS="tests train", PARTS=bench, PARTS=policies, PARTS=tune.
 #
 # What runs, in this order (each part under `timeout`; per-part limits in seconds; the order puts
 # correctness first, so the global deadline, if ever reached, cuts benchmarks rather than tests):
 #
 #   part               limit  what
-#   env                   20  nvidia-smi, torch/triton/NCCL versions, torch.cuda.is_available();
-#                             no CUDA: "no CUDA" message, exit 2 (nothing else runs)
-#   install               30  gemmi/mlperf-logging from carried wheels ($WHEELS, default .whl/) if
-#                             missing; `pip install -e '.[test]'` if scalefold is not importable
-#                             (offline: falls back to --no-deps, then to PYTHONPATH=<repo>)
+#   env                   90  nvidia-smi, torch/triton/NCCL versions, torch.cuda.is_available() (ENV_LIMIT; a cold
+#                             first import on a fresh machine can take tens of seconds: a timeout is SLOW, the
+#                             call goes on); no CUDA: "no CUDA" message, exit 2 (nothing else runs; REHEARSE=cpu:
+#                             goes on, the rehearsal)
+#   install               30  never a network index (the GPU machine reaches none): gemmi/mlperf-logging from
+#                             carried wheels ($WHEELS, default .whl/, `pip --no-index`) if missing; scalefold
+#                             from the checkout by PYTHONPATH (no pip install). The headline needs neither wheel
 #   tests_kernels         90  pytest tests/kernels (Triton kernels compiled for the GPU, bf16 tests)
 #   probe_attention_grid  40  Triton attention at the template-pointwise shape of crops 64/128/256
 #                             ([1, N, N] x 4 heads, 1 query, 4 templates): Z*H = N*N*4 blocks, past
@@ -30,19 +41,26 @@
 #                             test's traceback is printed when it fails, SCALEFOLD_EARLY_TRACEBACKS=1,
 #                             so a run cut short by its limit still says why)
 #   headline             480  bench/step_headline.py: THE figure -- the full training step at MLPerf shapes
-#                             (crop 256, 124/1024 MSA, 4 templates, recycling 0..3 in turn), bf16, five ways:
-#                             eager / triton / graphs / compile / all, each in a process of its own killed at
-#                             its cap (60-110 s expected, caps 100-150 s, cut to the part's limit), so one
-#                             slow configuration cannot starve the rest; per configuration s/step per
-#                             recycling count and the mean, MFU (model FLOPs from `scalefold estimate-step`, counted
-#                             meanwhile on the CPUs, over the GPU's dense peak), torch.cuda.max_memory_allocated against
-#                             `scalefold estimate-memory` (computed meanwhile on the CPUs), a torch.profiler
-#                             profile of one step ($WORK/headline/<config>_profile.json and .png: per phase,
-#                             per top-level module, top kernels, GPU busy fraction, kernel launches per step),
-#                             and one more eager step's allocator trace ($WORK/memory/), compared by allocating
-#                             line with the memory model's --sites (eager_memory_compare.json; issue 26 item 5:
-#                             the first GPU run measured 11.6 GiB where the model now predicts 8.33).
-#                             `PARTS=headline` alone (env + install + headline) fits one 540 s call.
+#                             (crop 256, 124/1024 MSA, 4 templates, recycling 0..3 in turn), bf16, five ways, in
+#                             the order of their value: eager (baseline), all (the product's figure), triton,
+#                             graphs, compile; each in a process of its own, started only when the time left
+#                             covers its expected seconds on the card in hand (bench/headline_plan.py: from the
+#                             step's FLOPs / bytes and the measured H200 row; after eager, from eager's measured
+#                             step), killed at its cap (1.5x expected + 15 s); what is skipped is said with why.
+#                             Per configuration, printed and written ($WORK/headline/rows.jsonl) the moment they
+#                             exist, BEFORE its profile: s/step per recycling count, mean, MFU, peak
+#                             torch.cuda.max_memory_allocated. Extras a cap may cut without losing the row: a
+#                             torch.profiler profile of one step ($WORK/headline/<config>_profile.json / .png)
+#                             and, for eager, one more step's allocator trace ($WORK/memory/, compared by
+#                             allocating line with the memory model's --sites). The CPU estimates
+#                             (estimate-memory x2, estimate-step: FLOPs, and `predicted_s` where it has one) run
+#                             meanwhile, niced, each with its own cap (HEADLINE_ESTIMATE_CAP), their output and
+#                             errors in $WORK/headline/estimates/ (in the tarball), kept in $ESTIMATES for the
+#                             next call (or computed on a CPU machine and carried); the table never waits past the
+#                             driver's deadline (the part's limit - 15 s): a late estimate is reported late.
+#                             DRY_RUN=1 prints the plan on $CARD: H100 eager ~90 s, all ~145, triton ~95, graphs
+#                             ~80, compile ~130 (skipped at 465 s); H200 a few seconds less each.
+#                             `PARTS=headline` alone (env + install + headline + packing) fits one 600 s call.
 #   train_bf16            90  scalefold train --preset demo --precision bf16 --max-steps 20
 #                             --eval-every 10 --cuda-graphs off   (eager bf16 baseline)
 #   train_graphs          60  the same with --cuda-graphs on      (captured recycling passes)
@@ -58,10 +76,10 @@
 #   bench_adam            30  bench/kernels.py --kernel adam --shape mlperf --dtype bf16
 #   bench_cuda_graphs     35  bench/cuda_graphs.py --preset demo --precision bf16 --steps 3
 #   bench_dap             30  bench/dap.py --cuda --dap 1 [2 4 8: as many GPUs as there are]
-#                   total 1140 s of limits: more than one call's 9 minutes, and a session's device time
-#                   is 15 minutes, machine start (~30 s) included. So: PARTS=headline first (env + install
-#                   + headline <= 540 s: the figure the project exists for), then PARTS="tests train" (<= 470 s)
-#                   when time is left; the global deadline cuts the tail (SKIPPED lines in SUMMARY.txt).
+#                   total 1210 s of limits: more than one call, and a window's device time is 15 minutes,
+#                   the machine's start (1-2 minutes) included. So one group per window: PARTS=headline
+#                   first (the figure the project exists for); the global deadline cuts the tail
+#                   (SKIPPED lines in SUMMARY.txt).
 #
 # Groups for PARTS: env and install (always run), tests (tests_* and the probe), headline, train, bench;
 # single part names work too. A global deadline (DEADLINE_S, default 540) caps every part's limit at the
@@ -81,18 +99,24 @@
 #                          mlperf.log / curves, autotune tables, env.txt (checkpoints and the store
 #                          left out); refreshed after every part, so a kill still leaves one
 #   $OUT/junit_tests_kernels.xml, $OUT/junit_tests_graphs.xml   (copies, for a quick look)
+#   $OUT/headline.json     the headline's rows, late estimates and predictions
+#   SUMMARY.txt's last line (OUT) checks what comes back: <= 8 files, <= 16 MiB each, <= two folders deep
 #   $OUT/eager_memory.pickle.gz   the headline's allocator trace of one eager step, where under 16 MiB (its
 #                          peak by allocating line and the comparison with the memory model: memory/ in the tarball)
 # Exit status: 0 all selected parts passed, 1 some part failed or timed out, 2 no CUDA.
 #
-# Environment: OUT, WORK (scratch, default a fresh mktemp dir), PYTHON, WHEELS, PARTS, DEADLINE_S,
+# Environment: OUT, WORK (scratch, default a fresh mktemp dir), PYTHON, WHEELS, PARTS, DEADLINE_S (default 540;
+# REHEARSE=cpu: 300), REHEARSE, CARD, ENV_LIMIT, ESTIMATES (default runs/headline_estimates), HEADLINE_ESTIMATE_CAP,
+# SCALEFOLD_HEADLINE_CAP_SCALE (the caps' factor; REHEARSE=cpu: 3), SCALEFOLD_REHEARSE_FAULT (the rehearsal's
+# fault hooks: raise:<config>, hang-profile:<config>, late-estimate:<flops|torch|triton>; bench/headline_procs.py),
 # TIMEOUT_SCALE, DRY_RUN, BENCH_CUDA_GRAPHS_PRESET (default demo; mlperf needs a longer limit), COMPILE_CACHE.
 #
 # Compile cache: inductor's and Triton's caches go to COMPILE_CACHE (default runs/compile_cache in the
 # repository: ignored by git, so it stays on the device machine between calls), a subfolder per torch /
 # Triton / Python / GPU (scalefold/compilation/cache.py), Triton's per rank: the second call with the same
 # code, shapes and versions starts warm. A new torch, Triton or GPU gets a fresh subfolder; a corrupt one
-# is rebuilt with one line.
+# is rebuilt with one line -- only on an error a corrupt or stale cache raises (a loader / unpickling error, a
+# file of the cache named), never on an out-of-memory or a CUDA-graph capture error (compile_with_rebuild).
 
 set -uo pipefail
 
@@ -418,7 +442,7 @@ part train_graphs train 60 env SCALEFOLD_AUTOTUNE=0 "$PY" "${TRAIN[@]}" --out "$
 for policy in on 22 off; do
     part "policy_$policy" policies 150 "$PY" bench/step_headline.py --preset mlperf --precision bf16 --cycles 1 \
         --configs triton --deadline 140 --activation-checkpointing "$policy" --out "$WORK/policy_$policy" \
-        --compile-cache "$COMPILE_CACHE"
+        --compile-cache "$COMPILE_CACHE" --estimate-reuse "$ESTIMATES"
 done
 
 # 4b. fill the launch-config table for this GPU (PARTS=tune; not in the default PARTS): the file comes back

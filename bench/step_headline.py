@@ -310,6 +310,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-estimate", action="store_true", help="skip the memory model and the FLOP count")
     ap.add_argument("--estimate-cap", type=float, help="seconds each CPU estimate may take (default: the deadline)")
     ap.add_argument("--estimate-reuse", metavar="DIR", help="keep the estimates' answers in DIR and reuse a matching one")
+    ap.add_argument("--estimates-only", action="store_true", help="compute the estimates into --estimate-reuse and "
+                    "stop (on a CPU machine, before a window: carry DIR; no CUDA needed)")  # fmt: skip
     ap.add_argument("--activation-checkpointing", help="recompute policy on|off|N (default: the preset's); the "
                     "memory model and the FLOP count use it too")  # fmt: skip
     ap.add_argument("--dry-run", action="store_true", help="print the plan with expected seconds (no CUDA needed)")
@@ -338,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print("\n".join(plan(args)))
         return 0
+    if args.estimates_only:
+        return estimates_only(args)
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -345,6 +349,23 @@ def main(argv: list[str] | None = None) -> int:
               "measured (--dry-run prints the plan; --device cpu rehearses it)", file=sys.stderr)  # fmt: skip
         return 2
     return run_all(args)
+
+
+def estimates_only(args: argparse.Namespace) -> int:
+    """``--estimates-only``: run the estimates (each capped by ``--estimate-cap``, default 1 hour) into
+    ``--estimate-reuse``, where the headline's next run -- on a GPU machine, the folder carried -- takes them."""
+    if not args.estimate_reuse:
+        print("step_headline: --estimates-only needs --estimate-reuse DIR (where the answers go)", file=sys.stderr)
+        return 3
+    reuse = Path(args.estimate_reuse)
+    if not args.memory_snapshot and args.configs:  # as the headline asks: the traced kernels' --sites too
+        args.memory_snapshot = "(the headline's)"
+    est = Estimates({**estimate_commands(args), "flops": flops_command(args)}, reuse / "runs", cap=args.estimate_cap or 3600,
+                    reuse=reuse)  # fmt: skip
+    est.poll(until=time.monotonic() + (args.estimate_cap or 3600))
+    for key, why in est.late.items():
+        print(f"estimate {key}: {why}", file=sys.stderr)
+    return 0 if not est.late else 1
 
 
 def run_all(args: argparse.Namespace) -> int:
