@@ -31,7 +31,7 @@ def faults(kind: str, env: dict | None = None) -> set[str]:
 def run_capped(cmd: list[str], cap: float, on_row: Callable[[dict], None] | None = None) -> tuple[dict | None, str]:
     """Run a child, its output passed through; ``(row, status)``. ``ROW {json}`` is the row (handed to
     ``on_row`` at once), ``EXTRA {json}`` lines are merged into it. Killed at ``cap`` seconds (SIGINT, then
-    SIGKILL 10 s later): a row printed before the cap is kept (status ``ok, cap reached after the row``)."""
+    SIGKILL 5 s later): a row printed before the cap is kept (status ``ok, cap reached after the row``)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     row, deadline = None, time.monotonic() + cap
     killer = threading.Timer(cap, lambda: _stop(proc))
@@ -58,7 +58,7 @@ def run_capped(cmd: list[str], cap: float, on_row: Callable[[dict], None] | None
 def _stop(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGINT)
     try:
-        proc.wait(timeout=10)
+        proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
         proc.kill()
 

@@ -83,6 +83,8 @@ def test_estimates_answer_fail_are_late_and_are_reused(tmp_path, monkeypatch, ca
     again = procs.Estimates({"ok": ok}, tmp_path / "est2", cap=600, reuse=tmp_path / "keep")
     assert again.results == {"ok": {"peak_bytes": 5}} and not again.procs  # reused: nothing started
     assert "reused" in capsys.readouterr().out
+    assert _bench("step_headline").main(["--estimates-only"]) == 3  # where would the answers go: a message, exit 3
+    assert "--estimate-reuse" in capsys.readouterr().err
     monkeypatch.setenv(procs.FAULT_ENV, "raise:compile,hang-profile:eager,late-estimate:flops")
     assert procs.faults("raise") == {"compile"} and procs.faults("late-estimate") == {"flops"}
 
