@@ -68,7 +68,11 @@
 #                             timed at start-up; with run-time autotuning, SCALEFOLD_AUTOTUNE=1, timing
 #                             every candidate at each new shape class took the whole 70 s on an H200)
 #   policy_on/22/off     150  (PARTS=policies only) the Triton MLPerf-shape step under each recompute policy:
-#                             s/step, MFU, real peak beside the memory model (issue 25 part 4)
+#                             s/step, MFU, real peak beside the memory model (issue 25 part 4); the estimates
+#                             (minutes at MLPerf shapes) outlast a 140 s deadline and are reported late unless
+#                             computed beforehand on a CPU machine and carried: for P in on 22 off: python
+#                             bench/step_headline.py --estimates-only --estimate-reuse runs/headline_estimates
+#                             --configs triton --activation-checkpointing $P; carry runs/headline_estimates
 #   tune_kernels         270  (PARTS=tune only) scalefold tune-kernels --out $WORK/launch_configs.json
 #                             --max-seconds 240: times the launch configs at the MLPerf call sites, writes the table
 #   bench_attention       55  bench/kernels.py --kernel attention --shape mlperf --dtype bf16
