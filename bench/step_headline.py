@@ -353,13 +353,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def estimates_only(args: argparse.Namespace) -> int:
     """``--estimates-only``: run the estimates (each capped by ``--estimate-cap``, default 1 hour) into
-    ``--estimate-reuse``, where the headline's next run -- on a GPU machine, the folder carried -- takes them."""
+    ``--estimate-reuse``, where the headline's next run -- on a GPU machine, the folder carried -- takes them.
+    The same options as that run make the same commands (``--memory-snapshot ANY``: the headline's, whose traced
+    kernels' estimate lists its allocating sites)."""
     if not args.estimate_reuse:
         print("step_headline: --estimates-only needs --estimate-reuse DIR (where the answers go)", file=sys.stderr)
         return 3
     reuse = Path(args.estimate_reuse)
-    if not args.memory_snapshot and args.configs:  # as the headline asks: the traced kernels' --sites too
-        args.memory_snapshot = "(the headline's)"
     est = Estimates({**estimate_commands(args), "flops": flops_command(args)}, reuse / "runs", cap=args.estimate_cap or 3600,
                     reuse=reuse)  # fmt: skip
     est.poll(until=time.monotonic() + (args.estimate_cap or 3600))
