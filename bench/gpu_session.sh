@@ -326,7 +326,7 @@ elif [ "$env_rc" -ne 0 ] && [ "$REHEARSE" = cpu ]; then
     printf '%-20s %-8s rc=%-4s %4ss  | %s\n' env REHEARSE "$env_rc" "$((SECONDS - t0))" \
         "no CUDA: the CPU rehearsal (preset tiny, fp32, torch kernels; what needs CUDA is skipped)" >>"$SUMMARY"
 elif [ "$env_rc" -ne 0 ] && [ "$DRY_RUN" != 1 ]; then
-    msg="no CUDA: torch.cuda.is_available() is False (or torch is missing) for $PY -- nothing to validate here; run this on a GPU machine"
+    msg="no CUDA: torch.cuda.is_available() is False (or torch is missing) for $PY -- nothing to validate here; run this on a GPU machine (REHEARSE=cpu PARTS=headline rehearses the headline here)"
     printf '%-20s %-8s rc=%-4s %4ss  | %s\n' env NO_CUDA "$env_rc" "$((SECONDS - t0))" "$msg" >>"$SUMMARY"
     pack
     echo "gpu_session: $msg" >&2
