@@ -130,3 +130,18 @@ def test_cpu_rehearsal_with_a_cap_mid_profile_a_raising_configuration_and_a_late
     with tarfile.open(out / "results.tar.gz") as tar:
         names = tar.getnames()
     assert "./headline/rows.jsonl" in names and "./headline/estimates/flops.err" in names and "./headline.log" in names
+
+
+def test_table_says_what_was_skipped_cut_and_predicted():
+    h = _bench("step_headline")
+    assert h.predicted_step_s({"predicted_s": {"h100-sxm": 3.9, "h200": 3.5}}, "h200") == 3.5
+    assert h.predicted_step_s({"predicted_s": 2.5}, None) == 2.5
+    assert h.predicted_step_s({"model_flops": {}}, "h200") is None and h.predicted_step_s(None, "h200") is None
+    rows = [{"config": "eager", "kernels": "torch", "compile": False, "cuda_graphs": False, "step_s": 3.5,
+             "step_s_by_recycling": {"0": 3.0, "1": 4.0}, "setup_s": 29, "mfu": 0.015, "peak_bytes": None,
+             "predicted_s": 3.4, "cut": "cap 190 s reached after the row: extras cut"},
+            {"config": "all", "skipped": "skipped: expected ~145 s, 80 s left before the deadline"},
+            {"config": "triton", "error": "RuntimeError: boom"}]  # fmt: skip
+    lines = h.format_table(rows, {}).splitlines()
+    assert "3.00/4.00" in lines[1] and "0.015" in lines[1] and "step model 3.40 s" in lines[1] and "extras cut" in lines[1]
+    assert lines[2].split()[0] == "all" and "145 s" in lines[2] and "boom" in lines[3]
