@@ -399,10 +399,21 @@ def run_all(args: argparse.Namespace) -> int:
             emit(row)  # a row the child never printed, or what its extras added
         if name == "eager" and "step_s" in row:
             measured = row["step_s"]  # the last measured row: the rest's expected seconds on this card
+        late_mfu(rows, est, card, out)
     results = est.poll(until=t_start + args.deadline - 2) if est else {}
     if est:
         est.stop()
     return finish(args, rows, results, est.late if est else {}, card, out)
+
+
+def late_mfu(rows: list[dict], est: Estimates | None, card: str | None, out: Path | None) -> None:
+    """MFU of the rows measured before the FLOP count came in, printed (and written) once it is in."""
+    if est is None or "flops" not in est.poll():
+        return
+    for row in rows:
+        if "step_s" in row and row.get("peak_flops") and row.get("mfu") is None:
+            publish(row, est, card, out, first=False)
+            print(f"--- {row['config']}: MFU {row['mfu']} (the FLOP count came in after its row)", flush=True)
 
 
 def run_one(name: str, args: argparse.Namespace, card: str | None, measured: float | None, left: float,

@@ -145,3 +145,15 @@ def test_table_says_what_was_skipped_cut_and_predicted():
     lines = h.format_table(rows, {}).splitlines()
     assert "3.00/4.00" in lines[1] and "0.015" in lines[1] and "step model 3.40 s" in lines[1] and "extras cut" in lines[1]
     assert lines[2].split()[0] == "all" and "145 s" in lines[2] and "boom" in lines[3]
+
+
+def test_mfu_of_rows_measured_before_the_flop_count(tmp_path, capsys):
+    h = _bench("step_headline")
+    flops = json.dumps({"model_flops": {"0": 2e12, "1": 4e12}})
+    est = h.Estimates({"flops": [sys.executable, "-c", f"print({flops!r})"]}, tmp_path / "est", cap=600)
+    est.procs["flops"][0].wait(timeout=300)
+    rows = [{"config": "eager", "step_s": 1.5, "step_s_by_recycling": {"0": 1.0, "1": 2.0}, "peak_flops": 1e12, "mfu": None},
+            {"config": "all", "skipped": "needs CUDA"}]  # fmt: skip
+    h.late_mfu(rows, est, "h200", tmp_path)
+    assert rows[0]["mfu"] == pytest.approx(2.0) and "MFU 2.0 (the FLOP count came in" in capsys.readouterr().out
+    assert json.loads((tmp_path / "rows.jsonl").read_text().splitlines()[-1])["mfu"] == pytest.approx(2.0)
