@@ -215,7 +215,10 @@ CACHE_ERROR_MARKERS = (
 )  # fmt: skip
 # What is never the cache's fault, even when the cache held entries: running out of memory, a CUDA-graph
 # capture that failed. Rebuilding would only double the time to the same failure and start the next run cold.
-NOT_CACHE_MARKERS = ("out of memory", "outofmemory", "capture", "cudaerrorstreamcapture", "cudagraph")
+NOT_CACHE_MARKERS = (
+    "out of memory", "outofmemory", "stream is capturing", "cudaerrorstreamcapture", "graph capture", "capture failed",
+    "capture_begin", "capture_end",
+)  # fmt: skip
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
