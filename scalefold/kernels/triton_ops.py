@@ -9,7 +9,8 @@ Ops (canonical layouts, see each kernel module):
 
 * ``scalefold::attention_fwd`` / ``attention_bwd`` -- ``attention_triton``;
 * ``scalefold::layer_norm_fwd`` / ``layer_norm_bwd`` -- ``layer_norm_triton``;
-* ``scalefold::adam_swa_`` (in place) -- ``adam_swa_triton``.
+* ``scalefold::adam_swa_`` (in place) -- ``adam_swa_triton``;
+* ``scalefold::trimul_fwd`` / ``trimul_bwd`` -- ``trimul_triton`` (the fused triangle multiplication).
 
 Without CUDA the kernels run in Triton's interpreter: ``TRITON_INTERPRET=1`` is set here, before
 any kernel is defined, unless the environment already says otherwise.
@@ -26,8 +27,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from scalefold.kernels import adam_swa_triton, attention_triton, layer_norm_triton  # noqa: E402
-from scalefold.kernels.reference import adam_step_scalars  # noqa: E402
+from scalefold.kernels import adam_swa_triton, attention_triton, layer_norm_triton, trimul_triton  # noqa: E402
+from scalefold.kernels.reference import TrimulWeights, adam_step_scalars  # noqa: E402
 
 _EMPTY = (0,)  # placeholder output for an absent gradient (custom ops cannot return None)
 
@@ -299,4 +300,147 @@ def adam_swa_update_(
     )  # fmt: skip
 
 
-__all__ = ["adam_swa_update_", "attention", "layer_norm"]
+# ----------------------------------------------------------------------------------------------
+# Triangle multiplication
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("scalefold::trimul_fwd", mutates_args=())
+def trimul_fwd(
+    z: torch.Tensor,
+    mask: torch.Tensor,
+    w_in: torch.Tensor,
+    b_in: torch.Tensor,
+    ln_in_w: torch.Tensor,
+    ln_in_b: torch.Tensor,
+    w_out: torch.Tensor,
+    b_out: torch.Tensor,
+    ln_out_w: torch.Tensor,
+    ln_out_b: torch.Tensor,
+    eps_in: float,
+    eps_out: float,
+    n: int,
+    outgoing: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``z`` ``[M, c_z]`` -> ``(out [M, c_z], a, b, x [B, C, N, N], g [M, c_z], mean, rstd, mean_x, rstd_x)``
+    in the compute dtype (``w_in``'s)."""
+    a, b, g, mean, rstd = trimul_triton.input_forward(z, mask, w_in, b_in, ln_in_w, ln_in_b, eps_in, n, w_in.dtype)
+    x = trimul_triton.product(a, b, outgoing)
+    out, mean_x, rstd_x = trimul_triton.output_forward(x, ln_out_w, ln_out_b, w_out, b_out, g, eps_out)
+    return out, a, b, x, g, mean, rstd, mean_x, rstd_x
+
+
+@trimul_fwd.register_fake
+def _(z, mask, w_in, b_in, ln_in_w, ln_in_b, w_out, b_out, ln_out_w, ln_out_b, eps_in, eps_out, n, outgoing):
+    M, CZ = z.shape
+    C = w_out.shape[1]
+    acc = torch.float64 if w_in.dtype == torch.float64 else torch.float32
+    planes = z.new_empty((M // (n * n), C, n, n), dtype=w_in.dtype)
+    stats = z.new_empty((M,), dtype=acc)
+    out = z.new_empty((M, CZ), dtype=w_in.dtype)
+    return (out, planes, torch.empty_like(planes), torch.empty_like(planes), torch.empty_like(out), stats,
+            torch.empty_like(stats), torch.empty_like(stats), torch.empty_like(stats))  # fmt: skip
+
+
+@torch.library.custom_op("scalefold::trimul_bwd", mutates_args=())
+def trimul_bwd(
+    dout: torch.Tensor,
+    z: torch.Tensor,
+    mask: torch.Tensor,
+    w_in: torch.Tensor,
+    b_in: torch.Tensor,
+    ln_in_w: torch.Tensor,
+    ln_in_b: torch.Tensor,
+    w_out: torch.Tensor,
+    b_out: torch.Tensor,
+    ln_out_w: torch.Tensor,
+    ln_out_b: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    x: torch.Tensor,
+    g: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    mean_x: torch.Tensor,
+    rstd_x: torch.Tensor,
+    n: int,
+    outgoing: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(dz, dw_in, db_in, dln_in_w, dln_in_b, dw_out, db_out, dln_out_w, dln_out_b)``."""
+    M, CZ = z.shape
+    dproj = torch.empty((M, w_in.shape[0]), dtype=w_in.dtype, device=z.device)
+    dy, xn, dx, dln_out_w, dln_out_b = trimul_triton.output_backward(
+        dout.contiguous(), x, ln_out_w, ln_out_b, w_out, b_out, g, mean_x, rstd_x, dproj
+    )
+    da, db = trimul_triton.product_backward(dx, a, b, outgoing)
+    zn, dz, dln_in_w, dln_in_b = trimul_triton.input_backward(
+        z, mask, w_in, b_in, ln_in_w, ln_in_b, mean, rstd, da, db, dproj, n
+    )
+    acc = torch.float64 if w_in.dtype == torch.float64 else torch.float32
+    dw_in, db_in = torch.matmul(dproj.mT, zn), dproj.sum(0, dtype=acc).to(b_in.dtype)
+    dw_out, db_out = torch.matmul(dy.mT, xn), dy.sum(0, dtype=acc).to(b_out.dtype)
+    return dz, dw_in, db_in, dln_in_w, dln_in_b, dw_out, db_out, dln_out_w, dln_out_b
+
+
+@trimul_bwd.register_fake
+def _(dout, z, mask, w_in, b_in, ln_in_w, ln_in_b, w_out, b_out, ln_out_w, ln_out_b, a, b, x, g, mean, rstd,
+      mean_x, rstd_x, n, outgoing):  # fmt: skip
+    return tuple(t.new_empty(t.shape) for t in (z, w_in, b_in, ln_in_w, ln_in_b, w_out, b_out, ln_out_w, ln_out_b))
+
+
+def _trimul_setup_context(ctx, inputs, output):
+    z, mask, w_in, b_in, ln_in_w, ln_in_b, w_out, b_out, ln_out_w, ln_out_b, _, _, n, outgoing = inputs
+    _out, a, b, x, g, mean, rstd, mean_x, rstd_x = output
+    ctx.save_for_backward(z, mask, w_in, b_in, ln_in_w, ln_in_b, w_out, b_out, ln_out_w, ln_out_b, a, b, x, g,
+                          mean, rstd, mean_x, rstd_x)  # fmt: skip
+    ctx.n, ctx.outgoing = n, outgoing
+    ctx.mark_non_differentiable(a, b, x, g, mean, rstd, mean_x, rstd_x)
+
+
+def _trimul_backward(ctx, dout, *_unused):
+    grads = trimul_bwd(dout, *ctx.saved_tensors, ctx.n, ctx.outgoing)
+    dz, dw_in, db_in, dln_in_w, dln_in_b, dw_out, db_out, dln_out_w, dln_out_b = grads
+    return dz, None, dw_in, db_in, dln_in_w, dln_in_b, dw_out, db_out, dln_out_w, dln_out_b, None, None, None, None
+
+
+torch.library.register_autograd("scalefold::trimul_fwd", _trimul_backward, setup_context=_trimul_setup_context)
+
+
+def _compute_dtype(z: torch.Tensor) -> torch.dtype:
+    """The dtype the projections and the product run in: autocast's (bf16 training) for fp32 ``z``,
+    else ``z``'s own."""
+    device = z.device.type
+    if z.dtype == torch.float32 and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return z.dtype
+
+
+def triangle_multiplication(
+    z: torch.Tensor,
+    mask: torch.Tensor | None,
+    w: TrimulWeights,
+    outgoing: bool,
+    eps_in: float = 1e-5,
+    eps_out: float = 1e-5,
+) -> torch.Tensor:
+    """Fused triangle multiplication; semantics of :func:`scalefold.kernels.triangle_multiplication`
+    (the mask gets no gradient)."""
+    *lead, n, n2, cz = z.shape
+    if n != n2:
+        raise ValueError(f"triangle multiplication expects a square pair [*, N, N, c_z], got {tuple(z.shape)}")
+    lead = tuple(lead)
+    dtype = _compute_dtype(z)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    m = z.new_ones(()) if mask is None else mask
+    m = m.detach().to(acc).expand(lead + (n, n)).reshape(-1).contiguous()
+    z2 = z.reshape(-1, cz).contiguous()
+    w_in = torch.cat([w.a_p_w, w.a_g_w, w.b_p_w, w.b_g_w, w.g_w]).to(dtype)
+    b_in = torch.cat([w.a_p_b, w.a_g_b, w.b_p_b, w.b_g_b, w.g_b]).to(dtype)
+    out = trimul_fwd(z2, m, w_in, b_in, w.ln_in_w, w.ln_in_b, w.z_w.to(dtype).contiguous(), w.z_b.to(dtype),
+                     w.ln_out_w, w.ln_out_b, float(eps_in), float(eps_out), n, bool(outgoing))[0]  # fmt: skip
+    return out.reshape(lead + (n, n, cz))
+
+
+__all__ = ["adam_swa_update_", "attention", "layer_norm", "triangle_multiplication"]
