@@ -136,3 +136,64 @@ def test_bf16_autocast_on_gpu():
     assert (out.float() - ref.float()).abs().max() <= 5e-2 * max(1.0, ref.float().abs().max().item())
     grads = torch.autograd.grad(out.float().sum(), [z, *w])
     assert all(g.dtype == torch.float32 for g in grads)
+
+
+#: The MLPerf call sites (crop 256): the Evoformer's and the extra-MSA stack's pair (c_z 128, c_hidden 128,
+#: one 256 x 256 pair) and the template pair stack (c_t 64, c_hidden 64, 4 templates)
+MLPERF_SITES = {"pair": ((1, 256), 128, 128), "template_pair": ((4, 256), 64, 64)}
+
+
+def _launch_mlperf_sites(trimul_triton, dtype):
+    """The four launchers at each MLPerf call site, on meta tensors."""
+    for (batch, n), cz, c in MLPERF_SITES.values():
+        with torch.device("meta"):
+            m = batch * n * n
+            z, mask = torch.empty(m, cz, dtype=dtype), torch.empty(m)
+            w_in, b_in = torch.empty(4 * c + cz, cz, dtype=dtype), torch.empty(4 * c + cz, dtype=dtype)
+            w_out, b_out, ln = torch.empty(cz, c, dtype=dtype), torch.empty(cz, dtype=dtype), torch.empty(c)
+            a, b, g, mean, rstd = trimul_triton.input_forward(z, mask, w_in, b_in, ln[:cz], ln[:cz], 1e-5, n, dtype)
+            x = torch.empty_like(a)
+            trimul_triton.output_forward(x, ln, ln, w_out, b_out, g, 1e-5)
+            dproj = torch.empty(m, 4 * c + cz, dtype=dtype)
+            trimul_triton.output_backward(g, x, ln, ln, w_out, b_out, g, mean, rstd, dproj)
+            trimul_triton.input_backward(z, mask, w_in, b_in, ln[:cz], ln[:cz], mean, rstd, a, b, dproj, n)
+
+
+def test_launch_table_holds_the_mlperf_keys(monkeypatch):
+    """The launch keys the four launchers build at the MLPerf call sites (bf16, and fp32 with and without
+    TF32), recorded without launching anything (meta tensors), each have an entry in the shipped table for
+    sm_90 and sm_80, and each entry fits its kernel's configs."""
+    from scalefold.kernels import autotune, launch_table, trimul_triton
+
+    keys = set()
+
+    class NoLaunch:  # stands in for a @triton.jit kernel: kernel[grid](...) does nothing
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    class Recorder:
+        def __init__(self, name, configs, interpreter_config):
+            self.name, self.default = name, configs[0]
+
+        def run(self, key, launch, bench=None):
+            keys.add((self.name, key.dtype, key.shape))
+            launch(self.default)
+            return self.default
+
+    monkeypatch.setattr(autotune, "get_tuner", Recorder)
+    for kernel in ("_in_fwd", "_out_fwd", "_out_bwd", "_in_bwd"):
+        monkeypatch.setattr(trimul_triton, kernel, NoLaunch())
+    allow_tf32 = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for dtype, tf32 in ((torch.bfloat16, False), (torch.float32, True), (torch.float32, False)):
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            _launch_mlperf_sites(trimul_triton, dtype)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    assert {k[0] for k in keys} == set(trimul_triton.TRIMUL_CONFIGS) and len(keys) == 4 * 3 * 2
+    table = launch_table.read(launch_table.SHIPPED)
+    for arch in ("sm_90", "sm_80"):
+        for name, label, shape in sorted(keys):
+            entry = table.entry(arch, name, label, shape)
+            assert entry is not None, (arch, name, label, shape)
+            assert launch_table.misfit(entry, trimul_triton.TRIMUL_CONFIGS[name][0]) is None
