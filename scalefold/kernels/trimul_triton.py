@@ -3,27 +3,34 @@
 Rows are the ``M = B * N * N`` pair positions ``(b, p, q)`` of ``z`` ``[B, N, N, c_z]`` (row-major);
 the hidden tensors ``a``, ``b``, ``x`` are *channel-major*, ``[B, C, N, N]``: each channel a plane in
 the pair's own layout, so the product over the third edge is one batched matmul over ``B * C``
-(``torch.matmul``: bf16 in, fp32 accumulate). Per call four Triton programs and three matmuls
-forward (``in_fwd``, the product, ``out_fwd``), and backward:
+(``torch.matmul``: bf16 in, fp32 accumulate).
+
+Forward, two kernels around the product:
 
 * ``_in_fwd``: LayerNorm of a tile of ``z`` rows (statistics in fp32, fp64 for fp64), the five input
   projections as ``tl.dot`` against the concatenated weight ``[4C + c_z, c_z]`` (``a_p``, ``a_g``,
   ``b_p``, ``b_g``, ``g``), the gates ``a = sigmoid(a_g) * mask * a_p`` (same for ``b``) written
-  channel-major, and the output gate's logits ``g`` ``[M, c_z]``;
+  channel-major, the output gate's logits ``g`` ``[M, c_z]`` and ``LN(z)`` (for the backward's matmuls);
 * ``_out_fwd``: LayerNorm over the channels of the product ``x`` (read channel-major), the output
-  projection as ``tl.dot`` and the gate ``out = y * sigmoid(g)``;
-* ``_out_bwd``: recomputes ``LN(x)`` and ``y``, writes ``dy = dout * sigmoid(g)`` and ``dg``, the
-  normalised ``x`` (for the weight gradient) and ``dx`` through the LayerNorm (channel-major),
-  with per-program partial sums of the LayerNorm's weight gradients (summed in a fixed order after:
-  deterministic, no atomics);
-* ``_in_bwd``: recomputes ``LN(z)`` and the four gate projections (the cheap gates are recomputed,
-  not stored), writes their gradients ``d(proj)`` and the normalised ``z``, and ``dz`` through the
-  LayerNorm, with the same partial sums.
+  projection as ``tl.dot`` and the gate ``out = y * sigmoid(g)``.
 
-The weight gradients are then two matmuls (``d(proj)^T @ LN(z)``, ``dy^T @ LN(x)``) and the product's
-gradients two batched matmuls. Dots take the compute dtype's operands (bf16/fp16 on tensor cores;
-fp32 exactly, or as TF32 where PyTorch allows TF32 matmuls; fp64 exactly) and accumulate in fp32
-(fp64 for fp64).
+Backward:
+
+* ``_out_bwd``: ``dy = dout * sigmoid(g)``, the gate's ``dg = dout * out * (1 - sigmoid(g))`` (from the
+  saved output: ``y`` is not recomputed), ``dLN(x) = dy @ W_z`` accumulated over column blocks, ``dx``
+  through the LayerNorm (channel-major) with per-program partial sums of its weight gradients (summed
+  in a fixed order after: deterministic, no atomics), and ``LN(x)`` for the weight gradient;
+* the product's gradients: two batched matmuls;
+* ``_gates_bwd``: the four gated projections are recomputed (one matmul from the saved ``LN(z)``: the
+  gates are not stored) and differentiated elementwise;
+* ``dLN(z) = d(proj) @ W_in`` and the weight gradients as matmuls; the input LayerNorm's backward is
+  ``layer_norm_triton``'s.
+
+Dots take the compute dtype's operands (bf16/fp16 on tensor cores; fp32 exactly, or as TF32 where
+PyTorch allows TF32 matmuls; fp64 exactly) and accumulate in fp32 (fp64 for fp64). Fusing the
+backward's projections into one kernel (as the forward does) held LN(z), the gradient's accumulator
+and eight dots' tiles in registers: it spilled at c_z 128 on sm_90 for every tile size tried, so
+the backward leaves those matmuls to cuBLAS.
 """
 
 from __future__ import annotations
@@ -49,10 +56,11 @@ def _proj(xn, W, BIAS, cols, cols_ok, k, k_ok, K, ACC: tl.constexpr, PREC: tl.co
 
 
 @triton.jit
-def _back(dv, W, cols, cols_ok, k, k_ok, K, DOT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
-    """``dv @ W[cols, :]``: the gradient of :func:`_proj`'s input; ``dv`` ``[ROWS, BLOCK]``."""
+def _back(acc, dv, W, cols, cols_ok, k, k_ok, K, DOT: tl.constexpr, PREC: tl.constexpr):
+    """``acc + dv @ W[cols, :]``: the gradient of :func:`_proj`'s input; ``dv`` ``[ROWS, BLOCK]`` (``acc``
+    is the dot's accumulator, not a second tile)."""
     w = tl.load(W + cols[:, None] * K + k[None, :], mask=cols_ok[:, None] & k_ok[None, :], other=0.0)
-    return tl.dot(dv.to(DOT), w.to(DOT), input_precision=PREC, out_dtype=ACC)
+    return tl.dot(dv.to(DOT), w.to(DOT), acc, input_precision=PREC)
 
 
 @triton.jit
@@ -75,7 +83,7 @@ def _ln_backward(dxn, xhat, w, rstd, K):
 
 @triton.jit
 def _in_fwd(
-    Z, MASK, W, BIAS, LN_W, LN_B, A, B, G, MEAN, RSTD,
+    Z, MASK, W, BIAS, LN_W, LN_B, A, B, G, ZN, MEAN, RSTD,
     M, NN, CZ, C, eps,
     ACC: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -92,6 +100,7 @@ def _in_fwd(
     lw = tl.load(LN_W + k, mask=k_ok, other=0.0).to(ACC)
     lb = tl.load(LN_B + k, mask=k_ok, other=0.0).to(ACC)
     zn = tl.where(io, zhat * lw[None, :] + lb[None, :], 0.0).to(DOT)
+    tl.store(ZN + rows[:, None] * CZ + k[None, :], zn, mask=io)  # kept for the backward's matmuls
     m = tl.load(MASK + rows, mask=row_ok, other=0.0).to(ACC)[:, None]
     batch = rows // NN
     plane = batch * C * NN + (rows - batch * NN)  # channel-major offset of channel 0
@@ -152,7 +161,7 @@ def _out_fwd(
 
 @triton.jit
 def _out_bwd(
-    DOUT, X, LN_W, LN_B, W, BIAS, G, MEAN, RSTD, DY, XN, DPROJ, DX, DW_PART, DB_PART,
+    DOUT, OUT, X, LN_W, LN_B, W, G, MEAN, RSTD, DY, XN, DPROJ, DX, DW_PART, DB_PART,
     M, NN, C, CZ, DPROJ_STRIDE,
     ACC: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -162,26 +171,26 @@ def _out_bwd(
     row_ok = rows < M
     h = tl.arange(0, BLOCK_H)
     h_ok = h < C
-    x, x_offs, io, lw, lb = _load_x(X, rows, row_ok, h, h_ok, NN, C, LN_W, LN_B, ACC)
-    mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
-    rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
-    xhat = tl.where(io, (x - mean[:, None]) * rstd[:, None], 0.0)
-    xn = tl.where(io, xhat * lw[None, :] + lb[None, :], 0.0).to(DOT)
-    tl.store(XN + rows[:, None] * C + h[None, :], xn, mask=io)
+    # the gate's gradient from the output itself (out = y * s, so y * s * (1 - s) = out * (1 - s)): y is
+    # not recomputed, and LN(x) is not held in registers through the loop
     dxn = tl.zeros([ROWS, BLOCK_H], ACC)
     for n0 in range(0, CZ, BLOCK_C):
         cols = n0 + tl.arange(0, BLOCK_C)
         c_ok = cols < CZ
         o_ok = row_ok[:, None] & c_ok[None, :]
-        y = _proj(xn, W, BIAS, cols, c_ok, h, h_ok, C, ACC, PREC)
         offs = rows[:, None] * CZ + cols[None, :]
         s = _sigmoid(tl.load(G + offs, mask=o_ok, other=0.0).to(ACC))
         do = tl.load(DOUT + offs, mask=o_ok, other=0.0).to(ACC)
         dy = (do * s).to(DOT)
         tl.store(DY + offs, dy, mask=o_ok)
-        dg = do * y * s * (1.0 - s)
+        dg = do * tl.load(OUT + offs, mask=o_ok, other=0.0).to(ACC) * (1.0 - s)
         tl.store(DPROJ + rows[:, None] * DPROJ_STRIDE + 4 * C + cols[None, :], dg.to(DPROJ.dtype.element_ty), mask=o_ok)
-        dxn += _back(dy, W, cols, c_ok, h, h_ok, C, DOT, ACC, PREC)
+        dxn = _back(dxn, dy, W, cols, c_ok, h, h_ok, C, DOT, PREC)
+    x, x_offs, io, lw, lb = _load_x(X, rows, row_ok, h, h_ok, NN, C, LN_W, LN_B, ACC)
+    mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
+    rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+    xhat = tl.where(io, (x - mean[:, None]) * rstd[:, None], 0.0)
+    tl.store(XN + rows[:, None] * C + h[None, :], (xhat * lw[None, :] + lb[None, :]).to(XN.dtype.element_ty), mask=io)
     dx = _ln_backward(dxn, xhat, lw, rstd, C)
     tl.store(DX + x_offs, dx.to(DX.dtype.element_ty), mask=io)
     tl.store(DW_PART + pid * C + h, tl.sum(dxn * xhat, 0), mask=h_ok)
@@ -189,93 +198,66 @@ def _out_bwd(
 
 
 @triton.jit
-def _gate_bwd(zn, W, BIAS, D, DPROJ, rows, out, proj_offs, cols, c_ok, o_ok, m, k, k_ok, CZ, C, DPROJ_STRIDE,
-              ACC: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
-    """Gradients of one gated projection ``sigmoid(g) * mask * p`` (``p``, ``g`` recomputed): stores
-    ``dp``, ``dg`` into ``DPROJ`` and returns their contribution to the gradient of ``LN(z)``."""
-    p = _proj(zn, W, BIAS, proj_offs + cols, c_ok, k, k_ok, CZ, ACC, PREC)
-    s = _sigmoid(_proj(zn, W, BIAS, proj_offs + C + cols, c_ok, k, k_ok, CZ, ACC, PREC))
-    d = tl.load(D + out, mask=o_ok, other=0.0).to(ACC) * m
-    dp = (d * s).to(DOT)
-    dgate = (d * p * s * (1.0 - s)).to(DOT)
-    base = rows[:, None] * DPROJ_STRIDE + proj_offs + cols[None, :]
-    tl.store(DPROJ + base, dp, mask=o_ok)
-    tl.store(DPROJ + base + C, dgate, mask=o_ok)
-    dzn = _back(dp, W, proj_offs + cols, c_ok, k, k_ok, CZ, DOT, ACC, PREC)
-    return dzn + _back(dgate, W, proj_offs + C + cols, c_ok, k, k_ok, CZ, DOT, ACC, PREC)
-
-
-@triton.jit
-def _in_bwd(
-    Z, MASK, W, BIAS, LN_W, LN_B, MEAN, RSTD, DA, DB, DPROJ, ZN, DZ, DW_PART, DB_PART,
-    M, NN, CZ, C, DPROJ_STRIDE,
-    ACC: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+def _gates_bwd(
+    PROJ, MASK, DA, DB, DPROJ, M, NN, C, PROJ_STRIDE, DPROJ_STRIDE,
+    ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    row_ok = rows < M
-    k = tl.arange(0, BLOCK_K)
-    k_ok = k < CZ
-    io = row_ok[:, None] & k_ok[None, :]
-    z = tl.load(Z + rows[:, None] * CZ + k[None, :], mask=io, other=0.0).to(ACC)
-    mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
-    rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
-    zhat = tl.where(io, (z - mean[:, None]) * rstd[:, None], 0.0)
-    lw = tl.load(LN_W + k, mask=k_ok, other=0.0).to(ACC)
-    lb = tl.load(LN_B + k, mask=k_ok, other=0.0).to(ACC)
-    zn = tl.where(io, zhat * lw[None, :] + lb[None, :], 0.0).to(DOT)
-    tl.store(ZN + rows[:, None] * CZ + k[None, :], zn, mask=io)
-    m = tl.load(MASK + rows, mask=row_ok, other=0.0).to(ACC)[:, None]
+    """``d(a_p), d(a_g), d(b_p), d(b_g)`` (``DPROJ[:, :4C]``) from the recomputed projections ``PROJ``
+    (row-major) and ``da``, ``db`` (channel-major)."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    o_ok = (rows < M)[:, None] & (cols < C)[None, :]
+    m = tl.load(MASK + rows, mask=rows < M, other=0.0).to(ACC)[:, None]
     batch = rows // NN
-    plane = batch * C * NN + (rows - batch * NN)
-    dzn = tl.zeros([ROWS, BLOCK_K], ACC)
-    for c0 in range(0, C, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        c_ok = cols < C
-        o_ok = row_ok[:, None] & c_ok[None, :]
-        out = plane[:, None] + cols[None, :].to(tl.int64) * NN
-        dzn += _gate_bwd(zn, W, BIAS, DA, DPROJ, rows, out, 0, cols, c_ok, o_ok, m, k, k_ok, CZ, C, DPROJ_STRIDE,
-                         ACC, DOT, PREC)  # fmt: skip
-        dzn += _gate_bwd(zn, W, BIAS, DB, DPROJ, rows, out, 2 * C, cols, c_ok, o_ok, m, k, k_ok, CZ, C,
-                         DPROJ_STRIDE, ACC, DOT, PREC)  # fmt: skip
-    for n0 in range(0, CZ, BLOCK_C):
-        cols = n0 + tl.arange(0, BLOCK_C)
-        c_ok = cols < CZ
-        dg = tl.load(DPROJ + rows[:, None] * DPROJ_STRIDE + 4 * C + cols[None, :],
-                     mask=row_ok[:, None] & c_ok[None, :], other=0.0)  # fmt: skip
-        dzn += _back(dg, W, 4 * C + cols, c_ok, k, k_ok, CZ, DOT, ACC, PREC)
-    dz = _ln_backward(dzn, zhat, lw, rstd, CZ)
-    tl.store(DZ + rows[:, None] * CZ + k[None, :], dz.to(DZ.dtype.element_ty), mask=io)
-    tl.store(DW_PART + pid * CZ + k, tl.sum(dzn * zhat, 0), mask=k_ok)
-    tl.store(DB_PART + pid * CZ + k, tl.sum(dzn, 0), mask=k_ok)
+    cm = (batch * C * NN + (rows - batch * NN))[:, None] + cols[None, :].to(tl.int64) * NN
+    base = rows[:, None] * PROJ_STRIDE + cols[None, :]
+    dbase = rows[:, None] * DPROJ_STRIDE + cols[None, :]
+    for which in tl.static_range(2):
+        off = which * 2 * C
+        p = tl.load(PROJ + base + off, mask=o_ok, other=0.0).to(ACC)
+        s = _sigmoid(tl.load(PROJ + base + off + C, mask=o_ok, other=0.0).to(ACC))
+        if which == 0:
+            d = tl.load(DA + cm, mask=o_ok, other=0.0).to(ACC) * m
+        else:
+            d = tl.load(DB + cm, mask=o_ok, other=0.0).to(ACC) * m
+        tl.store(DPROJ + dbase + off, (d * s).to(DPROJ.dtype.element_ty), mask=o_ok)
+        tl.store(DPROJ + dbase + off + C, (d * p * s * (1.0 - s)).to(DPROJ.dtype.element_ty), mask=o_ok)
 
 
 # Candidate launch configs (autotune.Tuner's lists; the first is the default, launched where the
-# launch-config table has no entry): rows per program and the width of the output-column blocks.
-# The whole LayerNorm'd row (c_z or C wide) stays in registers beside one block of each projection.
+# launch-config table has no entry): rows per program and the width of the output-column blocks. The
+# whole LayerNorm'd row (c_z or C wide) stays in registers beside one block of each projection. Compiled
+# for sm_90 (Triton 3.9, bf16, c_z = C = 128; bench/RESULTS.md): 128-row forward tiles on 8 warps use
+# 125-136 registers, no spills; the output backward (the dLN(x) accumulator and the LayerNorm's backward
+# over a whole row) spilled with 64 rows or more on 4-16 warps, not with 32 rows on 4 warps (166 registers).
 TRIMUL_CONFIGS = {
     "trimul_in_fwd": [
-        {"ROWS": 32, "BLOCK_C": 32, "num_warps": 4, "num_stages": 1},
-        {"ROWS": 64, "BLOCK_C": 32, "num_warps": 4, "num_stages": 1},
-        {"ROWS": 64, "BLOCK_C": 64, "num_warps": 8, "num_stages": 1},
         {"ROWS": 128, "BLOCK_C": 32, "num_warps": 8, "num_stages": 1},
+        {"ROWS": 64, "BLOCK_C": 32, "num_warps": 4, "num_stages": 1},
+        {"ROWS": 128, "BLOCK_C": 16, "num_warps": 8, "num_stages": 1},
+        {"ROWS": 128, "BLOCK_C": 64, "num_warps": 8, "num_stages": 1},
+        {"ROWS": 256, "BLOCK_C": 32, "num_warps": 16, "num_stages": 1},
+        {"ROWS": 32, "BLOCK_C": 32, "num_warps": 4, "num_stages": 1},
     ],
     "trimul_out_fwd": [
-        {"ROWS": 32, "BLOCK_C": 32, "num_warps": 4, "num_stages": 1},
+        {"ROWS": 128, "BLOCK_C": 32, "num_warps": 8, "num_stages": 1},
         {"ROWS": 64, "BLOCK_C": 32, "num_warps": 4, "num_stages": 1},
-        {"ROWS": 64, "BLOCK_C": 64, "num_warps": 8, "num_stages": 1},
+        {"ROWS": 128, "BLOCK_C": 16, "num_warps": 8, "num_stages": 1},
         {"ROWS": 128, "BLOCK_C": 64, "num_warps": 8, "num_stages": 1},
+        {"ROWS": 128, "BLOCK_C": 32, "num_warps": 16, "num_stages": 1},
+        {"ROWS": 32, "BLOCK_C": 32, "num_warps": 4, "num_stages": 1},
     ],
     "trimul_out_bwd": [
         {"ROWS": 32, "BLOCK_C": 32, "num_warps": 4, "num_stages": 1},
+        {"ROWS": 16, "BLOCK_C": 32, "num_warps": 4, "num_stages": 1},
+        {"ROWS": 32, "BLOCK_C": 16, "num_warps": 4, "num_stages": 1},
         {"ROWS": 64, "BLOCK_C": 32, "num_warps": 8, "num_stages": 1},
-        {"ROWS": 32, "BLOCK_C": 64, "num_warps": 4, "num_stages": 1},
     ],
-    "trimul_in_bwd": [
-        {"ROWS": 32, "BLOCK_C": 32, "num_warps": 4, "num_stages": 1},
-        {"ROWS": 64, "BLOCK_C": 32, "num_warps": 8, "num_stages": 1},
+    "trimul_gates_bwd": [
+        {"ROWS": 64, "BLOCK_C": 32, "num_warps": 4, "num_stages": 1},
+        {"ROWS": 128, "BLOCK_C": 32, "num_warps": 4, "num_stages": 1},
         {"ROWS": 32, "BLOCK_C": 64, "num_warps": 4, "num_stages": 1},
+        {"ROWS": 128, "BLOCK_C": 64, "num_warps": 8, "num_stages": 1},
     ],
 }
 # Interpreter (CPU): few programs (each costs milliseconds); 16-wide column blocks, so the test shapes
@@ -314,24 +296,25 @@ def _consts(dtype: torch.dtype, cfg: dict) -> dict:
 
 
 def input_forward(z, mask, w_in, b_in, ln_w, ln_b, eps: float, n: int, dtype: torch.dtype):
-    """``z`` ``[M, c_z]`` -> ``(a, b [B, C, N, N] channel-major, g [M, c_z], mean, rstd [M])``."""
+    """``z`` ``[M, c_z]`` -> ``(a, b [B, C, N, N] channel-major, g [M, c_z], LN(z) [M, c_z], mean, rstd [M])``."""
     M, CZ = z.shape
     C = (w_in.shape[0] - CZ) // 4
     acc = _acc(dtype)[1]
     a = torch.empty((M // (n * n), C, n, n), dtype=dtype, device=z.device)
     b = torch.empty_like(a)
     g = torch.empty((M, CZ), dtype=dtype, device=z.device)
+    zn = torch.empty_like(g)
     mean = torch.empty(M, dtype=acc, device=z.device)
     rstd = torch.empty_like(mean)
 
     def launch(cfg: dict) -> None:
         _in_fwd[(triton.cdiv(M, cfg["ROWS"]),)](
-            z, mask, w_in, b_in, ln_w, ln_b, a, b, g, mean, rstd, M, n * n, CZ, C, eps,
+            z, mask, w_in, b_in, ln_w, ln_b, a, b, g, zn, mean, rstd, M, n * n, CZ, C, eps,
             BLOCK_K=max(16, triton.next_power_of_2(CZ)), **_consts(dtype, cfg),
         )  # fmt: skip
 
     _launch("trimul_in_fwd", CZ, C, M, a, launch)
-    return a, b, g, mean, rstd
+    return a, b, g, zn, mean, rstd
 
 
 def output_forward(x, ln_w, ln_b, w_out, b_out, g, eps: float):
@@ -353,7 +336,7 @@ def output_forward(x, ln_w, ln_b, w_out, b_out, g, eps: float):
     return out, mean, rstd
 
 
-def output_backward(dout, x, ln_w, ln_b, w_out, b_out, g, mean, rstd, dproj):
+def output_backward(dout, out, x, ln_w, ln_b, w_out, g, mean, rstd, dproj):
     """Writes ``dg`` into ``dproj[:, 4C:]``; returns ``(dy [M, c_z], LN(x) [M, C], dx like x, dln_w, dln_b)``."""
     C, n = x.shape[1], x.shape[-1]
     M, CZ = g.shape
@@ -367,7 +350,7 @@ def output_backward(dout, x, ln_w, ln_b, w_out, b_out, g, mean, rstd, dproj):
         programs = triton.cdiv(M, cfg["ROWS"])
         parts[:] = [torch.empty((programs, C), dtype=acc, device=x.device) for _ in range(2)]
         _out_bwd[(programs,)](
-            dout, x, ln_w, ln_b, w_out, b_out, g, mean, rstd, dy, xn, dproj, dx, parts[0], parts[1],
+            dout, out, x, ln_w, ln_b, w_out, g, mean, rstd, dy, xn, dproj, dx, parts[0], parts[1],
             M, n * n, C, CZ, dproj.stride(0), BLOCK_H=max(16, triton.next_power_of_2(C)), **_consts(x.dtype, cfg),
         )  # fmt: skip
 
@@ -375,26 +358,21 @@ def output_backward(dout, x, ln_w, ln_b, w_out, b_out, g, mean, rstd, dproj):
     return dy, xn, dx, parts[0].sum(0).to(ln_w.dtype), parts[1].sum(0).to(ln_b.dtype)
 
 
-def input_backward(z, mask, w_in, b_in, ln_w, ln_b, mean, rstd, da, db, dproj, n: int):
-    """Fills ``dproj[:, :4C]``; returns ``(LN(z) [M, c_z], dz like z, dln_w, dln_b)``."""
-    M, CZ = z.shape
+def gates_backward(zn, mask, w_in, b_in, da, db, dproj, n: int) -> None:
+    """Fills ``dproj[:, :4C]``: the four gated projections are recomputed (one matmul from the saved
+    ``LN(z)``), then differentiated elementwise."""
+    M = zn.shape[0]
     C = da.shape[1]
-    dtype = da.dtype
-    acc = _acc(dtype)[1]
-    zn = torch.empty((M, CZ), dtype=dtype, device=z.device)
-    dz = torch.empty_like(z)
-    parts: list[torch.Tensor] = []
+    proj = torch.addmm(b_in[: 4 * C], zn, w_in[: 4 * C].mT)
 
     def launch(cfg: dict) -> None:
-        programs = triton.cdiv(M, cfg["ROWS"])
-        parts[:] = [torch.empty((programs, CZ), dtype=acc, device=z.device) for _ in range(2)]
-        _in_bwd[(programs,)](
-            z, mask, w_in, b_in, ln_w, ln_b, mean, rstd, da, db, dproj, zn, dz, parts[0], parts[1],
-            M, n * n, CZ, C, dproj.stride(0), BLOCK_K=max(16, triton.next_power_of_2(CZ)), **_consts(dtype, cfg),
+        grid = (triton.cdiv(M, cfg["ROWS"]), triton.cdiv(C, cfg["BLOCK_C"]))
+        _gates_bwd[grid](
+            proj, mask, da, db, dproj, M, n * n, C, proj.stride(0), dproj.stride(0), ACC=_acc(da.dtype)[0], ROWS=cfg["ROWS"],
+            BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
 
-    _launch("trimul_in_bwd", CZ, C, M, da, launch)
-    return zn, dz, parts[0].sum(0).to(ln_w.dtype), parts[1].sum(0).to(ln_b.dtype)
+    _launch("trimul_gates_bwd", zn.shape[1], C, M, da, launch)
 
 
 def product(a: torch.Tensor, b: torch.Tensor, outgoing: bool) -> torch.Tensor:

@@ -322,13 +322,15 @@ def trimul_fwd(
     n: int,
     outgoing: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``z`` ``[M, c_z]`` -> ``(out [M, c_z], a, b, x [B, C, N, N], g [M, c_z], mean, rstd, mean_x, rstd_x)``
-    in the compute dtype (``w_in``'s)."""
-    a, b, g, mean, rstd = trimul_triton.input_forward(z, mask, w_in, b_in, ln_in_w, ln_in_b, eps_in, n, w_in.dtype)
+           torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``z`` ``[M, c_z]`` -> ``(out [M, c_z], a, b, x [B, C, N, N], g [M, c_z], LN(z) [M, c_z], mean, rstd,
+    mean_x, rstd_x)`` in the compute dtype (``w_in``'s)."""
+    a, b, g, zn, mean, rstd = trimul_triton.input_forward(
+        z, mask, w_in, b_in, ln_in_w, ln_in_b, eps_in, n, w_in.dtype
+    )
     x = trimul_triton.product(a, b, outgoing)
     out, mean_x, rstd_x = trimul_triton.output_forward(x, ln_out_w, ln_out_b, w_out, b_out, g, eps_out)
-    return out, a, b, x, g, mean, rstd, mean_x, rstd_x
+    return out, a, b, x, g, zn, mean, rstd, mean_x, rstd_x
 
 
 @trimul_fwd.register_fake
@@ -339,27 +341,28 @@ def _(z, mask, w_in, b_in, ln_in_w, ln_in_b, w_out, b_out, ln_out_w, ln_out_b, e
     planes = z.new_empty((M // (n * n), C, n, n), dtype=w_in.dtype)
     stats = z.new_empty((M,), dtype=acc)
     out = z.new_empty((M, CZ), dtype=w_in.dtype)
-    return (out, planes, torch.empty_like(planes), torch.empty_like(planes), torch.empty_like(out), stats,
-            torch.empty_like(stats), torch.empty_like(stats), torch.empty_like(stats))  # fmt: skip
+    return (out, planes, torch.empty_like(planes), torch.empty_like(planes), torch.empty_like(out),
+            torch.empty_like(out), stats, torch.empty_like(stats), torch.empty_like(stats),
+            torch.empty_like(stats))  # fmt: skip
 
 
 @torch.library.custom_op("scalefold::trimul_bwd", mutates_args=())
 def trimul_bwd(
     dout: torch.Tensor,
+    out: torch.Tensor,
     z: torch.Tensor,
     mask: torch.Tensor,
     w_in: torch.Tensor,
     b_in: torch.Tensor,
     ln_in_w: torch.Tensor,
-    ln_in_b: torch.Tensor,
     w_out: torch.Tensor,
-    b_out: torch.Tensor,
     ln_out_w: torch.Tensor,
     ln_out_b: torch.Tensor,
     a: torch.Tensor,
     b: torch.Tensor,
     x: torch.Tensor,
     g: torch.Tensor,
+    zn: torch.Tensor,
     mean: torch.Tensor,
     rstd: torch.Tensor,
     mean_x: torch.Tensor,
@@ -368,39 +371,45 @@ def trimul_bwd(
     outgoing: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``(dz, dw_in, db_in, dln_in_w, dln_in_b, dw_out, db_out, dln_out_w, dln_out_b)``."""
-    M, CZ = z.shape
-    dproj = torch.empty((M, w_in.shape[0]), dtype=w_in.dtype, device=z.device)
+    """``(dz, dw_in, db_in, dln_in_w, dln_in_b, dw_out, db_out, dln_out_w, dln_out_b)``: the output kernel
+    (``dy``, ``dg``, ``dx`` through the output LayerNorm), the product's two batched matmuls, the gates
+    (recomputed), the weight gradients as matmuls and the input LayerNorm's backward kernel."""
+    dproj = torch.empty((z.shape[0], w_in.shape[0]), dtype=w_in.dtype, device=z.device)
     dy, xn, dx, dln_out_w, dln_out_b = trimul_triton.output_backward(
-        dout.contiguous(), x, ln_out_w, ln_out_b, w_out, b_out, g, mean_x, rstd_x, dproj
+        dout.contiguous(), out, x, ln_out_w, ln_out_b, w_out, g, mean_x, rstd_x, dproj
     )
     da, db = trimul_triton.product_backward(dx, a, b, outgoing)
-    zn, dz, dln_in_w, dln_in_b = trimul_triton.input_backward(
-        z, mask, w_in, b_in, ln_in_w, ln_in_b, mean, rstd, da, db, dproj, n
-    )
+    del dx
+    trimul_triton.gates_backward(zn, mask, w_in, b_in, da, db, dproj, n)
+    del da, db
+    dz, dln_in_w, dln_in_b = layer_norm_triton.layer_norm_backward(torch.matmul(dproj, w_in), z, ln_in_w, mean, rstd)
     acc = torch.float64 if w_in.dtype == torch.float64 else torch.float32
     dw_in, db_in = torch.matmul(dproj.mT, zn), dproj.sum(0, dtype=acc).to(b_in.dtype)
-    dw_out, db_out = torch.matmul(dy.mT, xn), dy.sum(0, dtype=acc).to(b_out.dtype)
+    dw_out, db_out = torch.matmul(dy.mT, xn), dy.sum(0, dtype=acc).to(w_out.dtype)
     return dz, dw_in, db_in, dln_in_w, dln_in_b, dw_out, db_out, dln_out_w, dln_out_b
 
 
 @trimul_bwd.register_fake
-def _(dout, z, mask, w_in, b_in, ln_in_w, ln_in_b, w_out, b_out, ln_out_w, ln_out_b, a, b, x, g, mean, rstd,
+def _(dout, out, z, mask, w_in, b_in, ln_in_w, w_out, ln_out_w, ln_out_b, a, b, x, g, zn, mean, rstd,
       mean_x, rstd_x, n, outgoing):  # fmt: skip
-    return tuple(t.new_empty(t.shape) for t in (z, w_in, b_in, ln_in_w, ln_in_b, w_out, b_out, ln_out_w, ln_out_b))
+    cz = w_out.shape[0]
+    return (z.new_empty(z.shape), w_in.new_empty(w_in.shape), b_in.new_empty(b_in.shape), ln_in_w.new_empty(cz),
+            ln_in_w.new_empty(cz), w_out.new_empty(w_out.shape), w_out.new_empty(cz), ln_out_w.new_empty(ln_out_w.shape),
+            ln_out_b.new_empty(ln_out_b.shape))  # fmt: skip
 
 
 def _trimul_setup_context(ctx, inputs, output):
-    z, mask, w_in, b_in, ln_in_w, ln_in_b, w_out, b_out, ln_out_w, ln_out_b, _, _, n, outgoing = inputs
-    _out, a, b, x, g, mean, rstd, mean_x, rstd_x = output
-    ctx.save_for_backward(z, mask, w_in, b_in, ln_in_w, ln_in_b, w_out, b_out, ln_out_w, ln_out_b, a, b, x, g,
+    z, mask, w_in, b_in, ln_in_w, _, w_out, _, ln_out_w, ln_out_b, _, _, n, outgoing = inputs
+    out, a, b, x, g, zn, mean, rstd, mean_x, rstd_x = output
+    ctx.save_for_backward(out, z, mask, w_in, b_in, ln_in_w, w_out, ln_out_w, ln_out_b, a, b, x, g, zn,
                           mean, rstd, mean_x, rstd_x)  # fmt: skip
     ctx.n, ctx.outgoing = n, outgoing
-    ctx.mark_non_differentiable(a, b, x, g, mean, rstd, mean_x, rstd_x)
+    ctx.mark_non_differentiable(a, b, x, g, zn, mean, rstd, mean_x, rstd_x)
 
 
 def _trimul_backward(ctx, dout, *_unused):
-    grads = trimul_bwd(dout, *ctx.saved_tensors, ctx.n, ctx.outgoing)
+    out, *saved = ctx.saved_tensors
+    grads = trimul_bwd(dout, out, *saved, ctx.n, ctx.outgoing)
     dz, dw_in, db_in, dln_in_w, dln_in_b, dw_out, db_out, dln_out_w, dln_out_b = grads
     return dz, None, dw_in, db_in, dln_in_w, dln_in_b, dw_out, db_out, dln_out_w, dln_out_b, None, None, None, None
 

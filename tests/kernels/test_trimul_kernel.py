@@ -151,12 +151,13 @@ def _launch_mlperf_sites(trimul_triton, dtype):
             z, mask = torch.empty(m, cz, dtype=dtype), torch.empty(m)
             w_in, b_in = torch.empty(4 * c + cz, cz, dtype=dtype), torch.empty(4 * c + cz, dtype=dtype)
             w_out, b_out, ln = torch.empty(cz, c, dtype=dtype), torch.empty(cz, dtype=dtype), torch.empty(c)
-            a, b, g, mean, rstd = trimul_triton.input_forward(z, mask, w_in, b_in, ln[:cz], ln[:cz], 1e-5, n, dtype)
+            lnz = torch.empty(cz)
+            a, b, g, zn, mean, rstd = trimul_triton.input_forward(z, mask, w_in, b_in, lnz, lnz, 1e-5, n, dtype)
             x = torch.empty_like(a)
-            trimul_triton.output_forward(x, ln, ln, w_out, b_out, g, 1e-5)
+            out, _, _ = trimul_triton.output_forward(x, ln, ln, w_out, b_out, g, 1e-5)
             dproj = torch.empty(m, 4 * c + cz, dtype=dtype)
-            trimul_triton.output_backward(g, x, ln, ln, w_out, b_out, g, mean, rstd, dproj)
-            trimul_triton.input_backward(z, mask, w_in, b_in, ln[:cz], ln[:cz], mean, rstd, a, b, dproj, n)
+            trimul_triton.output_backward(out, out, x, ln, ln, w_out, g, mean, rstd, dproj)
+            trimul_triton.gates_backward(zn, mask, w_in, b_in, a, b, dproj, n)
 
 
 def test_launch_table_holds_the_mlperf_keys(monkeypatch):
@@ -181,7 +182,7 @@ def test_launch_table_holds_the_mlperf_keys(monkeypatch):
             return self.default
 
     monkeypatch.setattr(autotune, "get_tuner", Recorder)
-    for kernel in ("_in_fwd", "_out_fwd", "_out_bwd", "_in_bwd"):
+    for kernel in ("_in_fwd", "_out_fwd", "_out_bwd", "_gates_bwd"):
         monkeypatch.setattr(trimul_triton, kernel, NoLaunch())
     allow_tf32 = torch.backends.cuda.matmul.allow_tf32
     try:
