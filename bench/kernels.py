@@ -234,12 +234,26 @@ def bench_trimul(shape: str, dtype: torch.dtype, device: str, iters: int) -> Non
                                               iters, fwd_work=fwd_flops, bwd_work=3 * fwd_flops, unit="TFLOP/s")  # fmt: skip
                 except Exception as exc:  # e.g. torch.compile without a working backend here
                     print(f"trimul     {label:10s} {name:8s} failed: {type(exc).__name__}: {str(exc)[:120]}")
+            _trimul_agreement(label, variants, (z, mask, w, outgoing), z, dout)
             for base in ("eager", "module", "compile"):
                 if "triton" in times and base in times:
                     (tf, tfb), (bf, bfb) = times["triton"], times[base]
                     print(
                         f"trimul     {label:10s} triton vs {base:7s}: forward x{bf / tf:.2f}, forward+backward x{bfb / tfb:.2f}"
                     )
+
+
+def _trimul_agreement(label: str, variants: dict, args: tuple, z: torch.Tensor, dout: torch.Tensor) -> None:
+    """One line: the fused kernels' output and dz against the eager reference's (max |difference|, and the
+    reference's max |value| for scale)."""
+    results = []
+    for name in ("triton", "eager"):
+        out = variants[name](*args)
+        results.append((out.detach().float(), torch.autograd.grad(out, z, dout)[0].float()))
+    (o, dz), (o_ref, dz_ref) = results
+    print(f"trimul     {label:10s} triton vs eager: max|d out| {(o - o_ref).abs().max().item():.3g} "
+          f"(max|out| {o_ref.abs().max().item():.3g}), max|d dz| {(dz - dz_ref).abs().max().item():.3g} "
+          f"(max|dz| {dz_ref.abs().max().item():.3g})")  # fmt: skip
 
 
 def main() -> None:

@@ -260,6 +260,29 @@ TRIMUL_CONFIGS = {
         {"ROWS": 128, "BLOCK_C": 64, "num_warps": 8, "num_stages": 1},
     ],
 }
+# Exact fp32/fp64 dots (CUDA cores, the whole K extent of each operand tile in every thread's registers)
+# have their own tuners ("<kernel>_exact"), as the attention kernels do: the 128-row forward tiles spilled
+# kilobytes in fp32 on sm_90, and the input kernel spilled 200-800 B at c_z 128 with 16-64 rows on 2, 4 or
+# 16 warps -- not with 16 rows on 8 warps (178 registers). The gates' backward has no dot: one list.
+TRIMUL_EXACT_CONFIGS = {
+    "trimul_in_fwd": [
+        {"ROWS": 16, "BLOCK_C": 16, "num_warps": 8, "num_stages": 1},
+        {"ROWS": 16, "BLOCK_C": 16, "num_warps": 4, "num_stages": 1},
+        {"ROWS": 32, "BLOCK_C": 16, "num_warps": 8, "num_stages": 1},
+    ],
+    "trimul_out_fwd": [
+        {"ROWS": 64, "BLOCK_C": 16, "num_warps": 8, "num_stages": 1},
+        {"ROWS": 32, "BLOCK_C": 16, "num_warps": 4, "num_stages": 1},
+        {"ROWS": 16, "BLOCK_C": 16, "num_warps": 4, "num_stages": 1},
+        {"ROWS": 32, "BLOCK_C": 32, "num_warps": 4, "num_stages": 1},
+    ],
+    "trimul_out_bwd": [
+        {"ROWS": 32, "BLOCK_C": 16, "num_warps": 8, "num_stages": 1},
+        {"ROWS": 16, "BLOCK_C": 16, "num_warps": 4, "num_stages": 1},
+        {"ROWS": 16, "BLOCK_C": 32, "num_warps": 4, "num_stages": 1},
+        {"ROWS": 32, "BLOCK_C": 32, "num_warps": 4, "num_stages": 1},
+    ],
+}
 # Interpreter (CPU): few programs (each costs milliseconds); 16-wide column blocks, so the test shapes
 # (32 channels) run the column loops more than once.
 INTERPRETER_CONFIG = {"ROWS": 64, "BLOCK_C": 16, "num_warps": 1, "num_stages": 1}
@@ -285,8 +308,14 @@ def shape_key(cz: int, c: int, m: int) -> dict:
 
 
 def _launch(name: str, cz: int, c: int, m: int, like: torch.Tensor, launch) -> dict:
-    label = "tf32" if like.dtype == torch.float32 and dot_precision(like.dtype) == "tf32" else None
+    """Launch kernel ``name`` with its config for this shape class (the launch-config table's, or timed with
+    ``SCALEFOLD_AUTOTUNE=1``): exact dots have their own tuner (``<name>_exact``), fp32 with TF32 dots the
+    dtype label ``tf32``."""
+    precision = dot_precision(like.dtype)
+    label = "tf32" if like.dtype == torch.float32 and precision == "tf32" else None
     key = autotune.make_key(shape_key(cz, c, m), like, label)
+    if precision == "ieee" and name in TRIMUL_EXACT_CONFIGS:
+        return autotune.get_tuner(f"{name}_exact", TRIMUL_EXACT_CONFIGS[name], INTERPRETER_CONFIG).run(key, launch)
     return autotune.get_tuner(name, TRIMUL_CONFIGS[name], INTERPRETER_CONFIG).run(key, launch)
 
 

@@ -210,6 +210,7 @@ def _candidate_lists() -> dict:
 
     lists = {"adam_swa": adam_swa_triton.ADAM_CONFIGS, "layer_norm_fwd": layer_norm_triton.LAYER_NORM_CONFIGS,
              "layer_norm_bwd": layer_norm_triton.LAYER_NORM_CONFIGS, **trimul_triton.TRIMUL_CONFIGS}  # fmt: skip
+    lists.update({f"{name}_exact": configs for name, configs in trimul_triton.TRIMUL_EXACT_CONFIGS.items()})
     for name in attention_triton.ATTENTION_CONFIGS:
         lists[name] = attention_triton.ATTENTION_CONFIGS[name]
         lists[f"{name}_exact"] = attention_triton.ATTENTION_EXACT_CONFIGS[name]

@@ -191,10 +191,11 @@ def test_launch_table_holds_the_mlperf_keys(monkeypatch):
             _launch_mlperf_sites(trimul_triton, dtype)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = allow_tf32
-    assert {k[0] for k in keys} == set(trimul_triton.TRIMUL_CONFIGS) and len(keys) == 4 * 3 * 2
+    lists = {**trimul_triton.TRIMUL_CONFIGS, **{f"{n}_exact": c for n, c in trimul_triton.TRIMUL_EXACT_CONFIGS.items()}}
+    assert {k[0] for k in keys} == set(lists) and len(keys) == 4 * 3 * 2  # 4 kernels x 3 dtypes x 2 sites
     table = launch_table.read(launch_table.SHIPPED)
     for arch in ("sm_90", "sm_80"):
         for name, label, shape in sorted(keys):
             entry = table.entry(arch, name, label, shape)
             assert entry is not None, (arch, name, label, shape)
-            assert launch_table.misfit(entry, trimul_triton.TRIMUL_CONFIGS[name][0]) is None
+            assert launch_table.misfit(entry, lists[name][0]) is None
