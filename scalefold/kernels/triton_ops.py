@@ -23,6 +23,7 @@ import math
 import os
 
 import torch
+from torch.utils.flop_counter import register_flop_formula
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -415,6 +416,29 @@ def _trimul_backward(ctx, dout, *_unused):
 
 
 torch.library.register_autograd("scalefold::trimul_fwd", _trimul_backward, setup_context=_trimul_setup_context)
+
+
+def _trimul_model_flops(z_shape, w_in_shape, w_out_shape, n: int) -> int:
+    """Matrix FLOPs of a triangle multiplication's forward as the PyTorch path runs them: the five input
+    projections, the product over the third edge and the output projection."""
+    rows, cz = z_shape
+    c = w_out_shape[1]
+    return 2 * rows * cz * w_in_shape[0] + 2 * (rows // (n * n)) * c * n**3 + 2 * rows * c * cz
+
+
+# The kernels' FLOPs for torch.utils.flop_counter (and ``scalefold estimate-step``, which reads its registry):
+# the forward's products, and twice those for the backward (each product's two gradients). The backward
+# also recomputes the four gate projections (2 M c_z 4C, one matmul): a recomputation, not counted here.
+@register_flop_formula(torch.ops.scalefold.trimul_fwd)
+def _(z, mask, w_in, *args, out_shape=None, **kwargs) -> int:
+    w_out, n = args[3], args[9]
+    return _trimul_model_flops(z, w_in, w_out, n)
+
+
+@register_flop_formula(torch.ops.scalefold.trimul_bwd)
+def _(dout, out, z, mask, w_in, *args, out_shape=None, **kwargs) -> int:
+    w_out, n = args[2], args[14]
+    return 2 * _trimul_model_flops(z, w_in, w_out, n)
 
 
 def _compute_dtype(z: torch.Tensor) -> torch.dtype:

@@ -199,3 +199,21 @@ def test_launch_table_holds_the_mlperf_keys(monkeypatch):
             entry = table.entry(arch, name, label, shape)
             assert entry is not None, (arch, name, label, shape)
             assert launch_table.misfit(entry, lists[name][0]) is None
+
+
+def test_flop_count_matches_the_pytorch_path(device):
+    """``torch.utils.flop_counter`` (and so ``scalefold estimate-step``) counts the fused ops' matrix FLOPs as
+    the products the PyTorch path runs: forward and forward + backward equal."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    module = _module(True, 16, 24, torch.float64, device)
+    z = torch.randn(2, 6, 6, 16, dtype=torch.float64, device=device, requires_grad=True)
+    w = module.weights()
+    counts = []
+    for fn in (triton_ops.triangle_multiplication, reference.triangle_multiplication):
+        with FlopCounterMode(display=False) as fwd:
+            out = fn(z, None, w, False)
+        with FlopCounterMode(display=False) as bwd:
+            out.backward(torch.ones_like(out))
+        counts.append((fwd.get_total_flops(), bwd.get_total_flops()))
+    assert counts[0] == counts[1] and counts[0][0] > 0 and counts[0][1] == 2 * counts[0][0]
