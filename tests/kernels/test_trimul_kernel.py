@@ -217,3 +217,22 @@ def test_flop_count_matches_the_pytorch_path(device):
             out.backward(torch.ones_like(out))
         counts.append((fwd.get_total_flops(), bwd.get_total_flops()))
     assert counts[0] == counts[1] and counts[0][0] > 0 and counts[0][1] == 2 * counts[0][0]
+
+
+def test_ops_pass_opcheck(device):
+    """``scalefold::trimul_fwd`` / ``trimul_bwd`` pass torch.library.opcheck (schema, fake impl, autograd
+    registration), fp64 so the interpreter's dots are exact."""
+    f64 = dict(dtype=torch.float64, device=device)
+    n, cz, c = 4, 16, 16
+    z = torch.randn(n * n, cz, **f64, requires_grad=True)
+    mask = torch.ones(n * n, **f64)
+    w_in, b_in = torch.randn(4 * c + cz, cz, **f64, requires_grad=True), torch.randn(4 * c + cz, **f64)
+    w_out, b_out = torch.randn(cz, c, **f64, requires_grad=True), torch.randn(cz, **f64)
+    ln_in, ln_out = (torch.ones(cz, **f64), torch.zeros(cz, **f64)), (torch.ones(c, **f64), torch.zeros(c, **f64))
+    args = (z, mask, w_in, b_in, *ln_in, w_out, b_out, *ln_out, 1e-5, 1e-5, n, True)
+    utils = ("test_schema", "test_faketensor", "test_autograd_registration")
+    torch.library.opcheck(torch.ops.scalefold.trimul_fwd.default, args, test_utils=utils)
+    out, a, b, x, g, zn, mean, rstd, mean_x, rstd_x = torch.ops.scalefold.trimul_fwd(*args)
+    bwd_args = (torch.randn_like(out), out, z.detach(), mask, w_in.detach(), b_in, ln_in[0], w_out.detach(), *ln_out,
+                a, b, x, g, zn, mean, rstd, mean_x, rstd_x, n, True)  # fmt: skip
+    torch.library.opcheck(torch.ops.scalefold.trimul_bwd.default, bwd_args, test_utils=("test_schema", "test_faketensor"))
