@@ -414,3 +414,28 @@ def product_backward(dx: torch.Tensor, a: torch.Tensor, b: torch.Tensor, outgoin
     if outgoing:
         return torch.matmul(dx, b), torch.matmul(dx.mT, a)
     return torch.matmul(b, dx.mT), torch.matmul(a, dx)
+
+
+#: The MLPerf call sites (crop 256) as ``(name, batch, N, c_z, C)``: the Evoformer's and the extra-MSA stack's
+#: pair (``[1, 256, 256, 128]``, C 128) and the template pair stack's (4 templates, c_t 64, C 64)
+MLPERF_SITES = (("pair", 1, 256, 128, 128), ("template_pair", 4, 256, 64, 64))
+
+
+def run_site(batch: int, n: int, cz: int, c: int, dtype: torch.dtype) -> None:
+    """Launch the four kernels once, as one call's forward and backward do, on inputs made on the current
+    default device (``meta``: shapes only, nothing runs -- the launches are what a recorder sees; elsewhere
+    random values, for timing). For the ahead-of-time check and ``scalefold tune-kernels``."""
+    meta = torch.empty(0).device.type == "meta"
+
+    def new(*shape, dt=dtype):
+        return torch.empty(shape, dtype=dt) if meta else torch.randn(shape, dtype=dt)
+
+    m = batch * n * n
+    z, mask, ln_z, ln_x = new(m, cz), new(m).sign().abs(), new(cz), new(c)
+    w_in, b_in, w_out, b_out = new(4 * c + cz, cz), new(4 * c + cz), new(cz, c), new(cz)
+    a, b, g, zn, mean, rstd = input_forward(z, mask, w_in, b_in, ln_z, ln_z, 1e-5, n, dtype)
+    x = new(batch, c, n, n)
+    out, mean_x, rstd_x = output_forward(x, ln_x, ln_x, w_out, b_out, g, 1e-5)
+    dproj = torch.empty((m, 4 * c + cz), dtype=dtype)
+    output_backward(new(m, cz), out, x, ln_x, ln_x, w_out, g, mean_x, rstd_x, dproj)
+    gates_backward(zn, mask, w_in, b_in, a, b, dproj, n)

@@ -138,28 +138,6 @@ def test_bf16_autocast_on_gpu():
     assert all(g.dtype == torch.float32 for g in grads)
 
 
-#: The MLPerf call sites (crop 256): the Evoformer's and the extra-MSA stack's pair (c_z 128, c_hidden 128,
-#: one 256 x 256 pair) and the template pair stack (c_t 64, c_hidden 64, 4 templates)
-MLPERF_SITES = {"pair": ((1, 256), 128, 128), "template_pair": ((4, 256), 64, 64)}
-
-
-def _launch_mlperf_sites(trimul_triton, dtype):
-    """The four launchers at each MLPerf call site, on meta tensors."""
-    for (batch, n), cz, c in MLPERF_SITES.values():
-        with torch.device("meta"):
-            m = batch * n * n
-            z, mask = torch.empty(m, cz, dtype=dtype), torch.empty(m)
-            w_in, b_in = torch.empty(4 * c + cz, cz, dtype=dtype), torch.empty(4 * c + cz, dtype=dtype)
-            w_out, b_out, ln = torch.empty(cz, c, dtype=dtype), torch.empty(cz, dtype=dtype), torch.empty(c)
-            lnz = torch.empty(cz)
-            a, b, g, zn, mean, rstd = trimul_triton.input_forward(z, mask, w_in, b_in, lnz, lnz, 1e-5, n, dtype)
-            x = torch.empty_like(a)
-            out, _, _ = trimul_triton.output_forward(x, ln, ln, w_out, b_out, g, 1e-5)
-            dproj = torch.empty(m, 4 * c + cz, dtype=dtype)
-            trimul_triton.output_backward(out, out, x, ln, ln, w_out, g, mean, rstd, dproj)
-            trimul_triton.gates_backward(zn, mask, w_in, b_in, a, b, dproj, n)
-
-
 def test_launch_table_holds_the_mlperf_keys(monkeypatch):
     """The launch keys the four launchers build at the MLPerf call sites (bf16, and fp32 with and without
     TF32), recorded without launching anything (meta tensors), each have an entry in the shipped table for
@@ -188,7 +166,9 @@ def test_launch_table_holds_the_mlperf_keys(monkeypatch):
     try:
         for dtype, tf32 in ((torch.bfloat16, False), (torch.float32, True), (torch.float32, False)):
             torch.backends.cuda.matmul.allow_tf32 = tf32
-            _launch_mlperf_sites(trimul_triton, dtype)
+            for _, batch, n, cz, c in trimul_triton.MLPERF_SITES:
+                with torch.device("meta"):
+                    trimul_triton.run_site(batch, n, cz, c, dtype)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = allow_tf32
     lists = {**trimul_triton.TRIMUL_CONFIGS, **{f"{n}_exact": c for n, c in trimul_triton.TRIMUL_EXACT_CONFIGS.items()}}
@@ -236,3 +216,12 @@ def test_ops_pass_opcheck(device):
     bwd_args = (torch.randn_like(out), out, z.detach(), mask, w_in.detach(), b_in, ln_in[0], w_out.detach(), *ln_out,
                 a, b, x, g, zn, mean, rstd, mean_x, rstd_x, n, True)  # fmt: skip
     torch.library.opcheck(torch.ops.scalefold.trimul_bwd.default, bwd_args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_run_site_runs_the_four_kernels(device):
+    """``run_site`` (the ahead-of-time check's and tune-kernels' entry) runs the four kernels on real inputs
+    (here a tiny site in the interpreter), not only on meta tensors."""
+    from scalefold.kernels import trimul_triton
+
+    with torch.device(device):
+        trimul_triton.run_site(2, 4, 16, 16, torch.float32)
