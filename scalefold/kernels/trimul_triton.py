@@ -18,19 +18,20 @@ Backward:
 
 * ``_out_bwd``: ``dy = dout * sigmoid(g)``, the gate's ``dg = dout * out * (1 - sigmoid(g))`` (from the
   saved output: ``y`` is not recomputed), ``dLN(x) = dy @ W_z`` accumulated over column blocks, ``dx``
-  through the LayerNorm (channel-major) with per-program partial sums of its weight gradients (summed
-  in a fixed order after: deterministic, no atomics), and ``LN(x)`` for the weight gradient;
+  through the LayerNorm (channel-major), ``LN(x)`` for the weight gradient, and per-program partial sums
+  (the LayerNorm's weight and bias, the output and gate biases: summed in a fixed order after --
+  deterministic, no atomics);
 * the product's gradients: two batched matmuls;
-* ``_gates_bwd``: the four gated projections are recomputed (one matmul from the saved ``LN(z)``: the
-  gates are not stored) and differentiated elementwise;
+* ``_gates_bwd``: the four gate projections recomputed from the saved ``LN(z)`` by ``tl.dot`` (the gates
+  are not stored) and differentiated, with their biases' partial sums;
 * ``dLN(z) = d(proj) @ W_in`` and the weight gradients as matmuls; the input LayerNorm's backward is
   ``layer_norm_triton``'s.
 
 Dots take the compute dtype's operands (bf16/fp16 on tensor cores; fp32 exactly, or as TF32 where
 PyTorch allows TF32 matmuls; fp64 exactly) and accumulate in fp32 (fp64 for fp64). Fusing the
-backward's projections into one kernel (as the forward does) held LN(z), the gradient's accumulator
-and eight dots' tiles in registers: it spilled at c_z 128 on sm_90 for every tile size tried, so
-the backward leaves those matmuls to cuBLAS.
+backward's ``dLN(z)`` into the gates' kernel as well held LN(z), its accumulator and eight dots' tiles in
+registers: it spilled at c_z 128 on sm_90 for every tile of 32 rows or more, so that product and the weight
+gradients are cuBLAS matmuls.
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ def _out_fwd(
 
 @triton.jit
 def _out_bwd(
-    DOUT, OUT, X, LN_W, LN_B, W, G, MEAN, RSTD, DY, XN, DPROJ, DX, DW_PART, DB_PART,
+    DOUT, OUT, X, LN_W, LN_B, W, G, MEAN, RSTD, DY, XN, DPROJ, DX, DW_PART, DB_PART, DG_PART, DYB_PART,
     M, NN, C, CZ, DPROJ_STRIDE,
     ACC: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -181,10 +182,12 @@ def _out_bwd(
         offs = rows[:, None] * CZ + cols[None, :]
         s = _sigmoid(tl.load(G + offs, mask=o_ok, other=0.0).to(ACC))
         do = tl.load(DOUT + offs, mask=o_ok, other=0.0).to(ACC)
-        dy = (do * s).to(DOT)
-        tl.store(DY + offs, dy, mask=o_ok)
+        dy = do * s
+        tl.store(DY + offs, dy.to(DOT), mask=o_ok)
+        tl.store(DYB_PART + pid * CZ + cols, tl.sum(dy, 0), mask=c_ok)  # the output bias's gradient, partial
         dg = do * tl.load(OUT + offs, mask=o_ok, other=0.0).to(ACC) * (1.0 - s)
         tl.store(DPROJ + rows[:, None] * DPROJ_STRIDE + 4 * C + cols[None, :], dg.to(DPROJ.dtype.element_ty), mask=o_ok)
+        tl.store(DG_PART + pid * CZ + cols, tl.sum(dg, 0), mask=c_ok)
         dxn = _back(dxn, dy, W, cols, c_ok, h, h_ok, C, DOT, PREC)
     x, x_offs, io, lw, lb = _load_x(X, rows, row_ok, h, h_ok, NN, C, LN_W, LN_B, ACC)
     mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
@@ -199,29 +202,42 @@ def _out_bwd(
 
 @triton.jit
 def _gates_bwd(
-    PROJ, MASK, DA, DB, DPROJ, M, NN, C, PROJ_STRIDE, DPROJ_STRIDE,
-    ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
+    ZN, MASK, W, BIAS, DA, DB, DPROJ, DBIAS_PART, M, NN, CZ, C, DPROJ_STRIDE,
+    ACC: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """``d(a_p), d(a_g), d(b_p), d(b_g)`` (``DPROJ[:, :4C]``) from the recomputed projections ``PROJ``
-    (row-major) and ``da``, ``db`` (channel-major)."""
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    o_ok = (rows < M)[:, None] & (cols < C)[None, :]
-    m = tl.load(MASK + rows, mask=rows < M, other=0.0).to(ACC)[:, None]
+    """``d(a_p), d(a_g), d(b_p), d(b_g)`` (``DPROJ[:, :4C]``) with per-program partial sums of each (the
+    biases' gradients): the projections recomputed from the saved ``LN(z)`` (``tl.dot``, as the forward),
+    ``da``, ``db`` read channel-major."""
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < M
+    k = tl.arange(0, BLOCK_K)
+    k_ok = k < CZ
+    zn = tl.load(ZN + rows[:, None] * CZ + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT)
+    m = tl.load(MASK + rows, mask=row_ok, other=0.0).to(ACC)[:, None]
     batch = rows // NN
-    cm = (batch * C * NN + (rows - batch * NN))[:, None] + cols[None, :].to(tl.int64) * NN
-    base = rows[:, None] * PROJ_STRIDE + cols[None, :]
-    dbase = rows[:, None] * DPROJ_STRIDE + cols[None, :]
-    for which in tl.static_range(2):
-        off = which * 2 * C
-        p = tl.load(PROJ + base + off, mask=o_ok, other=0.0).to(ACC)
-        s = _sigmoid(tl.load(PROJ + base + off + C, mask=o_ok, other=0.0).to(ACC))
-        if which == 0:
-            d = tl.load(DA + cm, mask=o_ok, other=0.0).to(ACC) * m
-        else:
-            d = tl.load(DB + cm, mask=o_ok, other=0.0).to(ACC) * m
-        tl.store(DPROJ + dbase + off, (d * s).to(DPROJ.dtype.element_ty), mask=o_ok)
-        tl.store(DPROJ + dbase + off + C, (d * p * s * (1.0 - s)).to(DPROJ.dtype.element_ty), mask=o_ok)
+    plane = batch * C * NN + (rows - batch * NN)
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        c_ok = cols < C
+        o_ok = row_ok[:, None] & c_ok[None, :]
+        cm = plane[:, None] + cols[None, :].to(tl.int64) * NN
+        for which in tl.static_range(2):
+            off = which * 2 * C
+            p = _proj(zn, W, BIAS, off + cols, c_ok, k, k_ok, CZ, ACC, PREC)
+            s = _sigmoid(_proj(zn, W, BIAS, off + C + cols, c_ok, k, k_ok, CZ, ACC, PREC))
+            if which == 0:
+                d = tl.load(DA + cm, mask=o_ok, other=0.0).to(ACC) * m
+            else:
+                d = tl.load(DB + cm, mask=o_ok, other=0.0).to(ACC) * m
+            dp = d * s
+            dgate = d * p * s * (1.0 - s)
+            base = rows[:, None] * DPROJ_STRIDE + off + cols[None, :]
+            tl.store(DPROJ + base, dp.to(DPROJ.dtype.element_ty), mask=o_ok)
+            tl.store(DPROJ + base + C, dgate.to(DPROJ.dtype.element_ty), mask=o_ok)
+            tl.store(DBIAS_PART + pid * 4 * C + off + cols, tl.sum(dp, 0), mask=c_ok)
+            tl.store(DBIAS_PART + pid * 4 * C + off + C + cols, tl.sum(dgate, 0), mask=c_ok)
 
 
 # Candidate launch configs (autotune.Tuner's lists; the first is the default, launched where the
@@ -254,16 +270,18 @@ TRIMUL_CONFIGS = {
         {"ROWS": 64, "BLOCK_C": 32, "num_warps": 8, "num_stages": 1},
     ],
     "trimul_gates_bwd": [
+        {"ROWS": 128, "BLOCK_C": 32, "num_warps": 8, "num_stages": 1},
         {"ROWS": 64, "BLOCK_C": 32, "num_warps": 4, "num_stages": 1},
-        {"ROWS": 128, "BLOCK_C": 32, "num_warps": 4, "num_stages": 1},
-        {"ROWS": 32, "BLOCK_C": 64, "num_warps": 4, "num_stages": 1},
-        {"ROWS": 128, "BLOCK_C": 64, "num_warps": 8, "num_stages": 1},
+        {"ROWS": 128, "BLOCK_C": 16, "num_warps": 8, "num_stages": 1},
+        {"ROWS": 64, "BLOCK_C": 16, "num_warps": 4, "num_stages": 1},
+        {"ROWS": 32, "BLOCK_C": 32, "num_warps": 4, "num_stages": 1},
     ],
 }
 # Exact fp32/fp64 dots (CUDA cores, the whole K extent of each operand tile in every thread's registers)
 # have their own tuners ("<kernel>_exact"), as the attention kernels do: the 128-row forward tiles spilled
 # kilobytes in fp32 on sm_90, and the input kernel spilled 200-800 B at c_z 128 with 16-64 rows on 2, 4 or
-# 16 warps -- not with 16 rows on 8 warps (178 registers). The gates' backward has no dot: one list.
+# 16 warps -- not with 16 rows on 8 warps (178 registers). The gates' backward recomputes the same
+# projections: the input kernel's list.
 TRIMUL_EXACT_CONFIGS = {
     "trimul_in_fwd": [
         {"ROWS": 16, "BLOCK_C": 16, "num_warps": 8, "num_stages": 1},
@@ -283,6 +301,7 @@ TRIMUL_EXACT_CONFIGS = {
         {"ROWS": 32, "BLOCK_C": 32, "num_warps": 4, "num_stages": 1},
     ],
 }
+TRIMUL_EXACT_CONFIGS["trimul_gates_bwd"] = [dict(c) for c in TRIMUL_EXACT_CONFIGS["trimul_in_fwd"]]
 # Interpreter (CPU): few programs (each costs milliseconds); 16-wide column blocks, so the test shapes
 # (32 channels) run the column loops more than once.
 INTERPRETER_CONFIG = {"ROWS": 64, "BLOCK_C": 16, "num_warps": 1, "num_stages": 1}
@@ -366,7 +385,8 @@ def output_forward(x, ln_w, ln_b, w_out, b_out, g, eps: float):
 
 
 def output_backward(dout, out, x, ln_w, ln_b, w_out, g, mean, rstd, dproj):
-    """Writes ``dg`` into ``dproj[:, 4C:]``; returns ``(dy [M, c_z], LN(x) [M, C], dx like x, dln_w, dln_b)``."""
+    """Writes ``dg`` into ``dproj[:, 4C:]``; returns ``(dy [M, c_z], LN(x) [M, C], dx like x, dln_w, dln_b,
+    sum of dg [c_z], sum of dy [c_z])`` (the sums in fp32, fp64 for fp64: the biases' gradients)."""
     C, n = x.shape[1], x.shape[-1]
     M, CZ = g.shape
     acc = _acc(x.dtype)[1]
@@ -377,31 +397,33 @@ def output_backward(dout, out, x, ln_w, ln_b, w_out, g, mean, rstd, dproj):
 
     def launch(cfg: dict) -> None:
         programs = triton.cdiv(M, cfg["ROWS"])
-        parts[:] = [torch.empty((programs, C), dtype=acc, device=x.device) for _ in range(2)]
+        parts[:] = [torch.empty((programs, width), dtype=acc, device=x.device) for width in (C, C, CZ, CZ)]
         _out_bwd[(programs,)](
-            dout, out, x, ln_w, ln_b, w_out, g, mean, rstd, dy, xn, dproj, dx, parts[0], parts[1],
+            dout, out, x, ln_w, ln_b, w_out, g, mean, rstd, dy, xn, dproj, dx, *parts,
             M, n * n, C, CZ, dproj.stride(0), BLOCK_H=max(16, triton.next_power_of_2(C)), **_consts(x.dtype, cfg),
         )  # fmt: skip
 
     _launch("trimul_out_bwd", CZ, C, M, x, launch)
-    return dy, xn, dx, parts[0].sum(0).to(ln_w.dtype), parts[1].sum(0).to(ln_b.dtype)
+    return dy, xn, dx, parts[0].sum(0).to(ln_w.dtype), parts[1].sum(0).to(ln_b.dtype), parts[2].sum(0), parts[3].sum(0)
 
 
-def gates_backward(zn, mask, w_in, b_in, da, db, dproj, n: int) -> None:
-    """Fills ``dproj[:, :4C]``: the four gated projections are recomputed (one matmul from the saved
-    ``LN(z)``), then differentiated elementwise."""
-    M = zn.shape[0]
+def gates_backward(zn, mask, w_in, b_in, da, db, dproj, n: int) -> torch.Tensor:
+    """Fills ``dproj[:, :4C]`` (the four gated projections recomputed from the saved ``LN(z)`` and
+    differentiated); returns the sum of each over the rows, ``[4C]`` in fp32 (fp64 for fp64)."""
+    M, CZ = zn.shape
     C = da.shape[1]
-    proj = torch.addmm(b_in[: 4 * C], zn, w_in[: 4 * C].mT)
+    parts: list[torch.Tensor] = []
 
     def launch(cfg: dict) -> None:
-        grid = (triton.cdiv(M, cfg["ROWS"]), triton.cdiv(C, cfg["BLOCK_C"]))
-        _gates_bwd[grid](
-            proj, mask, da, db, dproj, M, n * n, C, proj.stride(0), dproj.stride(0), ACC=_acc(da.dtype)[0], ROWS=cfg["ROWS"],
-            BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        programs = triton.cdiv(M, cfg["ROWS"])
+        parts[:] = [torch.empty((programs, 4 * C), dtype=_acc(da.dtype)[1], device=zn.device)]
+        _gates_bwd[(programs,)](
+            zn, mask, w_in, b_in, da, db, dproj, parts[0], M, n * n, CZ, C, dproj.stride(0),
+            BLOCK_K=max(16, triton.next_power_of_2(CZ)), **_consts(da.dtype, cfg),
         )  # fmt: skip
 
-    _launch("trimul_gates_bwd", zn.shape[1], C, M, da, launch)
+    _launch("trimul_gates_bwd", CZ, C, M, da, launch)
+    return parts[0].sum(0)
 
 
 def product(a: torch.Tensor, b: torch.Tensor, outgoing: bool) -> torch.Tensor:

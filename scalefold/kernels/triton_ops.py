@@ -376,18 +376,16 @@ def trimul_bwd(
     (``dy``, ``dg``, ``dx`` through the output LayerNorm), the product's two batched matmuls, the gates
     (recomputed), the weight gradients as matmuls and the input LayerNorm's backward kernel."""
     dproj = torch.empty((z.shape[0], w_in.shape[0]), dtype=w_in.dtype, device=z.device)
-    dy, xn, dx, dln_out_w, dln_out_b = trimul_triton.output_backward(
+    dy, xn, dx, dln_out_w, dln_out_b, dg_sum, db_out = trimul_triton.output_backward(
         dout.contiguous(), out, x, ln_out_w, ln_out_b, w_out, g, mean_x, rstd_x, dproj
     )
     da, db = trimul_triton.product_backward(dx, a, b, outgoing)
     del dx
-    trimul_triton.gates_backward(zn, mask, w_in, b_in, da, db, dproj, n)
+    db_in = torch.cat([trimul_triton.gates_backward(zn, mask, w_in, b_in, da, db, dproj, n), dg_sum])
     del da, db
     dz, dln_in_w, dln_in_b = layer_norm_triton.layer_norm_backward(torch.matmul(dproj, w_in), z, ln_in_w, mean, rstd)
-    acc = torch.float64 if w_in.dtype == torch.float64 else torch.float32
-    dw_in, db_in = torch.matmul(dproj.mT, zn), dproj.sum(0, dtype=acc).to(b_in.dtype)
-    dw_out, db_out = torch.matmul(dy.mT, xn), dy.sum(0, dtype=acc).to(w_out.dtype)
-    return dz, dw_in, db_in, dln_in_w, dln_in_b, dw_out, db_out, dln_out_w, dln_out_b
+    dw_in, dw_out = torch.matmul(dproj.mT, zn), torch.matmul(dy.mT, xn)
+    return dz, dw_in, db_in.to(b_in.dtype), dln_in_w, dln_in_b, dw_out, db_out.to(w_out.dtype), dln_out_w, dln_out_b
 
 
 @trimul_bwd.register_fake
