@@ -16,10 +16,10 @@ The environment variable ``SCALEFOLD_KERNELS`` (``auto``/``triton``/``torch``) o
 ``"auto"`` globally, so a whole run can be pinned to either path.
 
 Kernels (``scalefold.kernels.triton_ops`` registers them as ``torch.ops.scalefold.*`` custom ops):
-:func:`attention` (``attention_triton``), :func:`layer_norm` (``layer_norm_triton``) and
-:func:`adam_swa_` (``adam_swa_triton``), and :func:`triangle_multiplication` (``trimul_triton``). Their launch configs come from the table shipped in the
-package (``launch_table``: per GPU architecture, kernel, dtype and shape class; no autotuning at
-start-up), timed only with ``SCALEFOLD_AUTOTUNE=1`` (``autotune``); ``scalefold tune-kernels``
+:func:`attention` (``attention_triton``), :func:`layer_norm` (``layer_norm_triton``),
+:func:`adam_swa_` (``adam_swa_triton``) and :func:`triangle_multiplication` (``trimul_triton``). Their
+launch configs come from the table shipped in the package (``launch_table``: per GPU architecture,
+kernel, dtype and shape class; no autotuning at start-up), timed only with ``SCALEFOLD_AUTOTUNE=1`` (``autotune``); ``scalefold tune-kernels``
 (``tune``) times the candidates on a GPU and writes the table. The flat
 optimizer (``scalefold.optim.adam_swa``) steps through :func:`adam_swa_`: training and the
 kernel tests share one Adam+SWA reference.
@@ -231,11 +231,12 @@ def triangle_multiplication(
 
     ``"triton"``: the fused kernels (``trimul_triton``: LN + projections + gates + mask in one kernel writing
     ``a``, ``b`` channel-major, the product as one batched matmul, LN + output projection + gate in one
-    kernel; backward recomputes the gates); the mask gets no gradient there. ``"torch"``: the model's
+    kernel; backward recomputes the gates); the mask gets no gradient there; fp64 under ``"auto"`` uses the
+    PyTorch path where Triton has no fp64 ``tl.dot`` (as :func:`attention` does). ``"torch"``: the model's
     operators one by one (its gates through the elementwise chains, compiled when those are enabled).
     ``weights``: :class:`scalefold.kernels.reference.TrimulWeights`.
     """
-    if resolve_backend(backend, z, mask) == "triton":
+    if resolve_backend(backend, z, mask) == "triton" and not _fp64_attention_falls_back(backend, z.dtype):
         return _triton_module().triangle_multiplication(z, mask, weights, outgoing, eps_in, eps_out)
     w = weights
     m = z.new_ones(z.shape[:-1]) if mask is None else mask.to(z.dtype)
