@@ -1,6 +1,6 @@
 """Benchmark: ScaleFold's Triton kernels vs PyTorch eager, ``torch.compile`` and (attention) SDPA.
 
-    python bench/kernels.py --kernel attention|layernorm|adam --shape mlperf|small [--dtype bf16]
+    python bench/kernels.py --kernel attention|layernorm|adam|trimul --shape mlperf|small [--dtype bf16]
 
 This is a GPU benchmark. For every variant it reports the forward and forward+backward time
 (attention, LayerNorm) or the step time (Adam+SWA), achieved FLOP/s (attention) or bandwidth
@@ -11,7 +11,10 @@ This is a GPU benchmark. For every variant it reports the forward and forward+ba
   bias + mask as a float ``attn_mask`` that requires grad: the memory-efficient backend computes
   the bias gradient; gate applied outside);
 * layernorm -- ``triton``, ``eager`` (``F.layer_norm``), ``compile``;
-* adam      -- ``triton`` (one fused kernel), ``eager`` (``reference.adam_swa_``), ``compile``.
+* adam      -- ``triton`` (one fused kernel), ``eager`` (``reference.adam_swa_``), ``compile``;
+* trimul    -- the triangle multiplication (outgoing and incoming): ``triton`` (the fused kernels),
+  ``eager`` (``reference.triangle_multiplication``), ``module`` (the model's operators before the fused
+  kernel), ``compile``; then triton's speed-up over each, forward and forward+backward.
 
 Without CUDA it says so; ``--shape small`` then runs every variant once on the CPU (the Triton
 kernels in the interpreter) as a smoke test -- its timings mean nothing.
@@ -19,7 +22,9 @@ kernels in the interpreter) as a smoke test -- its timings mean nothing.
 MLPerf shapes (crop 256 residues, 128 MSA clusters, c_m 256, c_z 128, bf16):
 MSA row attention ``[1, 128, 8, 256, 32]`` + bias ``[1, 1, 8, 256, 256]``; MSA column attention
 ``[1, 256, 8, 128, 32]``; triangle attention ``[1, 256, 4, 256, 32]`` + bias ``[1, 1, 4, 256, 256]``;
-LayerNorm ``[128*256, 256]`` and ``[256*256, 128]``; Adam over 93,229,082 parameters.
+LayerNorm ``[128*256, 256]`` and ``[256*256, 128]``; Adam over 93,229,082 parameters; triangle
+multiplication ``z [1, 256, 256, 128]``, c_hidden 128 (the Evoformer's and the extra-MSA stack's) and
+``[1, 4, 256, 256, 64]``, c_hidden 64 (the template pair stack's).
 """
 
 from __future__ import annotations
@@ -54,6 +59,11 @@ ATTENTION_SHAPES = {
     "small": [("msa_row", (1, 2), 2, 17, 17, 16, (1, 1, 2, 17, 17)), ("msa_col", (1, 2), 2, 5, 5, 8, None)],
 }
 LAYER_NORM_SHAPES = {"mlperf": [(128 * 256, 256), (256 * 256, 128)], "small": [(100, 96)]}
+TRIMUL_SHAPES = {
+    # name: (batch, N_res, c_z, c_hidden)
+    "mlperf": [("pair", (1,), 256, 128, 128), ("template", (1, 4), 256, 64, 64)],
+    "small": [("pair", (1,), 8, 16, 16)],
+}
 ADAM_NUMEL = {"mlperf": 93_229_082, "small": 5_000}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -135,8 +145,10 @@ def run_variant(kernel, case, name, fn, args, leaves, grad_out, iters, *, fwd_wo
 
     fwd()
     fwd_bwd()
-    report(kernel, case, name + ":f", timeit(fwd, iters), fwd_work, unit, peak_memory(fwd))
-    report(kernel, case, name + ":fb", timeit(fwd_bwd, iters), bwd_work, unit, peak_memory(fwd_bwd))
+    ms_f, ms_fb = timeit(fwd, iters), timeit(fwd_bwd, iters)
+    report(kernel, case, name + ":f", ms_f, fwd_work, unit, peak_memory(fwd))
+    report(kernel, case, name + ":fb", ms_fb, bwd_work, unit, peak_memory(fwd_bwd))
+    return ms_f, ms_fb
 
 
 def bench_layer_norm(shape: str, dtype: torch.dtype, device: str, iters: int) -> None:
@@ -182,9 +194,71 @@ def bench_adam(shape: str, dtype: torch.dtype, device: str, iters: int) -> None:
         report("adam", f"{n}", name, timeit(step, iters), per_param * n, "GB/s", peak_memory(step))
 
 
+def bench_trimul(shape: str, dtype: torch.dtype, device: str, iters: int) -> None:
+    """The triangle multiplication, outgoing and incoming: ``triton`` (the fused kernels), ``eager``
+    (``reference.triangle_multiplication``: PyTorch operators, ``F.layer_norm``), ``module`` (the model's
+    operators as they ran before the fused kernel: the dispatch point's PyTorch path, Triton LayerNorm on a
+    GPU) and ``compile`` (``torch.compile`` of the reference); the last lines give triton's speed-up."""
+    from scalefold import kernels
+    from scalefold.kernels import triton_ops
+
+    variants = {
+        "triton": triton_ops.triangle_multiplication,
+        "eager": reference.triangle_multiplication,
+        "module": functools.partial(kernels.triangle_multiplication, backend="torch"),
+        "compile": torch.compile(reference.triangle_multiplication),
+    }
+    for case, batch, n, c_z, c in TRIMUL_SHAPES[shape]:
+        new = dict(device=device, dtype=dtype)
+        z = torch.randn(*batch, n, n, c_z, **new).requires_grad_()
+        mask = (torch.rand(*batch, n, n, device=device) > 0.1).to(dtype)
+        dims = dict(ln_in=(c_z,), a_p=(c, c_z), a_g=(c, c_z), b_p=(c, c_z), b_g=(c, c_z), g=(c_z, c_z),
+                    ln_out=(c,), z=(c_z, c))  # fmt: skip
+        tensors = []
+        for name, dim in dims.items():
+            scale = 1.0 if name.startswith("ln") else dim[-1] ** -0.5
+            tensors += [
+                (torch.randn(*dim, **new) * scale).requires_grad_(),
+                torch.randn(dim[0], **new).requires_grad_(),
+            ]
+        w = reference.TrimulWeights(*tensors)
+        dout = torch.randn_like(z)
+        m = math.prod(batch) * n * n
+        fwd_flops = 2.0 * m * c_z * (4 * c + c_z) + 2.0 * math.prod(batch) * c * n**3 + 2.0 * m * c * c_z
+        for outgoing in (True, False):
+            label = f"{case}:{'out' if outgoing else 'in'}"
+            times = {}
+            for name, fn in variants.items():
+                try:
+                    times[name] = run_variant("trimul", label, name, fn, (z, mask, w, outgoing), [z, *w], dout,
+                                              iters, fwd_work=fwd_flops, bwd_work=3 * fwd_flops, unit="TFLOP/s")  # fmt: skip
+                except Exception as exc:  # e.g. torch.compile without a working backend here
+                    print(f"trimul     {label:10s} {name:8s} failed: {type(exc).__name__}: {str(exc)[:120]}")
+            _trimul_agreement(label, variants, (z, mask, w, outgoing), z, dout)
+            for base in ("eager", "module", "compile"):
+                if "triton" in times and base in times:
+                    (tf, tfb), (bf, bfb) = times["triton"], times[base]
+                    print(
+                        f"trimul     {label:10s} triton vs {base:7s}: forward x{bf / tf:.2f}, forward+backward x{bfb / tfb:.2f}"
+                    )
+
+
+def _trimul_agreement(label: str, variants: dict, args: tuple, z: torch.Tensor, dout: torch.Tensor) -> None:
+    """One line: the fused kernels' output and dz against the eager reference's (max |difference|, and the
+    reference's max |value| for scale)."""
+    results = []
+    for name in ("triton", "eager"):
+        out = variants[name](*args)
+        results.append((out.detach().float(), torch.autograd.grad(out, z, dout)[0].float()))
+    (o, dz), (o_ref, dz_ref) = results
+    print(f"trimul     {label:10s} triton vs eager: max|d out| {(o - o_ref).abs().max().item():.3g} "
+          f"(max|out| {o_ref.abs().max().item():.3g}), max|d dz| {(dz - dz_ref).abs().max().item():.3g} "
+          f"(max|dz| {dz_ref.abs().max().item():.3g})")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kernel", choices=["attention", "layernorm", "adam"], required=True)
+    parser.add_argument("--kernel", choices=["attention", "layernorm", "adam", "trimul"], required=True)
     parser.add_argument("--shape", choices=["mlperf", "small"], default="mlperf")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16" if CUDA else "fp32")
     parser.add_argument("--iters", type=int, default=100, help="measurement budget (ms) per variant on GPU")
@@ -202,7 +276,8 @@ def main() -> None:
         if args.dtype == "bf16":  # the interpreter's bf16 dot is wrong
             args.dtype = "fp32"
     dtype = DTYPES[args.dtype]
-    bench = {"attention": bench_attention, "layernorm": bench_layer_norm, "adam": bench_adam}[args.kernel]
+    bench = {"attention": bench_attention, "layernorm": bench_layer_norm, "adam": bench_adam,
+             "trimul": bench_trimul}[args.kernel]  # fmt: skip
     bench(args.shape, dtype, device, args.iters)
 
 

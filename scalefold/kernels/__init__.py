@@ -16,10 +16,10 @@ The environment variable ``SCALEFOLD_KERNELS`` (``auto``/``triton``/``torch``) o
 ``"auto"`` globally, so a whole run can be pinned to either path.
 
 Kernels (``scalefold.kernels.triton_ops`` registers them as ``torch.ops.scalefold.*`` custom ops):
-:func:`attention` (``attention_triton``), :func:`layer_norm` (``layer_norm_triton``) and
-:func:`adam_swa_` (``adam_swa_triton``). Their launch configs come from the table shipped in the
-package (``launch_table``: per GPU architecture, kernel, dtype and shape class; no autotuning at
-start-up), timed only with ``SCALEFOLD_AUTOTUNE=1`` (``autotune``); ``scalefold tune-kernels``
+:func:`attention` (``attention_triton``), :func:`layer_norm` (``layer_norm_triton``),
+:func:`adam_swa_` (``adam_swa_triton``) and :func:`triangle_multiplication` (``trimul_triton``). Their
+launch configs come from the table shipped in the package (``launch_table``: per GPU architecture,
+kernel, dtype and shape class; no autotuning at start-up), timed only with ``SCALEFOLD_AUTOTUNE=1`` (``autotune``); ``scalefold tune-kernels``
 (``tune``) times the candidates on a GPU and writes the table. The flat
 optimizer (``scalefold.optim.adam_swa``) steps through :func:`adam_swa_`: training and the
 kernel tests share one Adam+SWA reference.
@@ -37,6 +37,7 @@ import sys
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 # Without CUDA the Triton kernels run in Triton's interpreter. Triton reads TRITON_INTERPRET when it is
 # first imported (its standard library's @jit functions are made then), and torch.compile's inductor may
@@ -213,6 +214,45 @@ def gated_projection(gate: torch.Tensor, mask: torch.Tensor, proj: torch.Tensor)
     return _chain("gated_projection", gate, mask, proj)
 
 
+def triangle_multiplication(
+    z: torch.Tensor,
+    mask: torch.Tensor | None,
+    weights: reference.TrimulWeights,
+    outgoing: bool,
+    eps_in: float = 1e-5,
+    eps_out: float = 1e-5,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The triangle multiplication (Supplementary Alg. 11 ``outgoing``, Alg. 12 incoming) of ``z``
+    ``[*, N, N, c_z]`` with a 0/1 ``mask`` broadcasting to ``[*, N, N]`` (None: all ones):
+
+    ``z = LN(z)``; ``a = sigmoid(z W_ag) * mask * (z W_ap)``, ``b`` likewise; ``x_ij = sum_k a_ik b_jk``
+    (outgoing) or ``sum_k a_ki b_kj`` (incoming); ``sigmoid(z W_g) * (LN(x) W_z)``.
+
+    ``"triton"``: the fused kernels (``trimul_triton``: LN + projections + gates + mask in one kernel writing
+    ``a``, ``b`` channel-major, the product as one batched matmul, LN + output projection + gate in one
+    kernel; backward recomputes the gates); the mask gets no gradient there; fp64 under ``"auto"`` uses the
+    PyTorch path where Triton has no fp64 ``tl.dot`` (as :func:`attention` does). ``"torch"``: the model's
+    operators one by one (its gates through the elementwise chains, compiled when those are enabled).
+    ``weights``: :class:`scalefold.kernels.reference.TrimulWeights`.
+    """
+    if resolve_backend(backend, z, mask) == "triton" and not _fp64_attention_falls_back(backend, z.dtype):
+        return _triton_module().triangle_multiplication(z, mask, weights, outgoing, eps_in, eps_out)
+    w = weights
+    m = z.new_ones(z.shape[:-1]) if mask is None else mask.to(z.dtype)
+    m = m.unsqueeze(-1)
+    z = layer_norm(z, w.ln_in_w, w.ln_in_b, eps_in)
+    if outgoing:  # the module's order (its DAP path overlaps the gathered projection with the other one)
+        b = gated_projection(F.linear(z, w.b_g_w, w.b_g_b), m, F.linear(z, w.b_p_w, w.b_p_b))
+        a = gated_projection(F.linear(z, w.a_g_w, w.a_g_b), m, F.linear(z, w.a_p_w, w.a_p_b))
+    else:
+        a = gated_projection(F.linear(z, w.a_g_w, w.a_g_b), m, F.linear(z, w.a_p_w, w.a_p_b))
+        b = gated_projection(F.linear(z, w.b_g_w, w.b_g_b), m, F.linear(z, w.b_p_w, w.b_p_b))
+    x = reference.triangle_product(a, b, outgoing)
+    x = F.linear(layer_norm(x, w.ln_out_w, w.ln_out_b, eps_out), w.z_w, w.z_b)
+    return sigmoid_gate(x, F.linear(z, w.g_w, w.g_b))
+
+
 def dropout_add(x: torch.Tensor, update: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """The residual update ``x + update * mask`` (``mask``: a drawn dropout mask, scaled; None: ``x + update``)."""
     if mask is None:  # one op: nothing to fuse
@@ -290,5 +330,5 @@ def _adam_swa_compiled(param, grad, exp_avg, exp_avg_sq, swa, compute, *, lr, st
 
 __all__ = [
     "adam_swa_", "attention", "dropout_add", "elementwise", "gated_projection", "layer_norm", "reference",
-    "resolve_backend", "sigmoid_gate",
+    "resolve_backend", "sigmoid_gate", "triangle_multiplication",
 ]  # fmt: skip

@@ -8,12 +8,14 @@ autotuning at start-up.
   entries of its own architecture only (another one gets the kernels' default configs);
 * *kernel*: the :class:`~scalefold.kernels.autotune.Tuner` name (``attention_fwd``,
   ``attention_bwd_dkdv``, ``attention_bwd_dq``, their ``_exact`` twins for fp32/fp64 dots without
-  TF32, ``layer_norm_fwd``, ``layer_norm_bwd``, ``adam_swa``);
+  TF32, ``layer_norm_fwd``, ``layer_norm_bwd``, ``adam_swa``, and the fused triangle multiplication's
+  ``trimul_in_fwd``, ``trimul_out_fwd``, ``trimul_out_bwd``, ``trimul_in_bwd``);
 * *dtype*: ``bf16``/``fp16``/``fp32``/``tf32``/``fp64`` (``tf32``: fp32 tensors with TF32 dots,
   attention only);
 * *shape class*: :func:`scalefold.kernels.autotune.shape_class`'s string, e.g. attention
   ``"NQ=256,NK=256,D=32,bias=1,shared=1,gate=1"``, LayerNorm ``"C=128,M=65536"`` (rows bucketed to a
-  power of two), Adam ``"numel=134217728,master=fp32,compute=0"``;
+  power of two), Adam ``"numel=134217728,master=fp32,compute=0"``, triangle multiplication
+  ``"CZ=128,C=128,M=65536"`` (c_z, c_hidden, rows bucketed);
 * *config*: the kernel's launch parameters (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``
   ...), the same keys as its candidate list.
 

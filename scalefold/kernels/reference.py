@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -197,3 +198,60 @@ def adam_swa_(
             param[sl], grad[sl], exp_avg[sl], exp_avg_sq[sl], swa[sl], None if compute is None else compute[sl],
             **scalars, scratch=None if scratch is None else [t[:n] for t in scratch],
         )  # fmt: skip
+
+
+class TrimulWeights(NamedTuple):
+    """The parameters of a triangle multiplication (Alg. 11 / 12), ``weight``/``bias`` pairs in the
+    reference model's order: the input LayerNorm, the projections ``a_p``, ``a_g``, ``b_p``, ``b_g``
+    (``[c_hidden, c_z]``), the output gate ``g`` (``[c_z, c_z]``), the output LayerNorm and the output
+    projection ``z`` (``[c_z, c_hidden]``)."""
+
+    ln_in_w: torch.Tensor
+    ln_in_b: torch.Tensor
+    a_p_w: torch.Tensor
+    a_p_b: torch.Tensor
+    a_g_w: torch.Tensor
+    a_g_b: torch.Tensor
+    b_p_w: torch.Tensor
+    b_p_b: torch.Tensor
+    b_g_w: torch.Tensor
+    b_g_b: torch.Tensor
+    g_w: torch.Tensor
+    g_b: torch.Tensor
+    ln_out_w: torch.Tensor
+    ln_out_b: torch.Tensor
+    z_w: torch.Tensor
+    z_b: torch.Tensor
+
+
+def triangle_product(a: torch.Tensor, b: torch.Tensor, outgoing: bool) -> torch.Tensor:
+    """``x_ij = sum_k a_ik b_jk`` (outgoing) or ``sum_k a_ki b_kj`` (incoming), channel by channel:
+    ``a``, ``b``, ``x`` ``[*, N, N, C]``."""
+    if outgoing:
+        a = a.movedim(-1, -3)  # a_ik: [*, C, i, k]
+        b = b.swapdims(-1, -3)  # b_jk -> [*, C, k, j]
+    else:
+        a = a.swapdims(-1, -3)  # a_ki -> [*, C, i, k]
+        b = b.movedim(-1, -3)  # b_kj: [*, C, k, j]
+    return torch.matmul(a, b).movedim(-3, -1)
+
+
+def triangle_multiplication(
+    z: torch.Tensor,
+    mask: torch.Tensor | None,
+    w: TrimulWeights,
+    outgoing: bool,
+    eps_in: float = 1e-5,
+    eps_out: float = 1e-5,
+) -> torch.Tensor:
+    """Reference triangle multiplication (Alg. 11 outgoing, Alg. 12 incoming); see
+    :func:`scalefold.kernels.triangle_multiplication`. ``z`` ``[*, N, N, c_z]``, ``mask`` 0/1
+    broadcasting to ``[*, N, N]`` (None: all ones) -> the update ``[*, N, N, c_z]``."""
+    m = z.new_ones(z.shape[:-1]) if mask is None else mask.to(z.dtype)
+    m = m.unsqueeze(-1)
+    z = layer_norm(z, w.ln_in_w, w.ln_in_b, eps_in)
+    a = gated_projection(F.linear(z, w.a_g_w, w.a_g_b), m, F.linear(z, w.a_p_w, w.a_p_b))
+    b = gated_projection(F.linear(z, w.b_g_w, w.b_g_b), m, F.linear(z, w.b_p_w, w.b_p_b))
+    x = triangle_product(a, b, outgoing)
+    x = F.linear(layer_norm(x, w.ln_out_w, w.ln_out_b, eps_out), w.z_w, w.z_b)
+    return sigmoid_gate(x, F.linear(z, w.g_w, w.g_b))

@@ -9,7 +9,8 @@ Ops (canonical layouts, see each kernel module):
 
 * ``scalefold::attention_fwd`` / ``attention_bwd`` -- ``attention_triton``;
 * ``scalefold::layer_norm_fwd`` / ``layer_norm_bwd`` -- ``layer_norm_triton``;
-* ``scalefold::adam_swa_`` (in place) -- ``adam_swa_triton``.
+* ``scalefold::adam_swa_`` (in place) -- ``adam_swa_triton``;
+* ``scalefold::trimul_fwd`` / ``trimul_bwd`` -- ``trimul_triton`` (the fused triangle multiplication).
 
 Without CUDA the kernels run in Triton's interpreter: ``TRITON_INTERPRET=1`` is set here, before
 any kernel is defined, unless the environment already says otherwise.
@@ -22,12 +23,13 @@ import math
 import os
 
 import torch
+from torch.utils.flop_counter import register_flop_formula
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from scalefold.kernels import adam_swa_triton, attention_triton, layer_norm_triton  # noqa: E402
-from scalefold.kernels.reference import adam_step_scalars  # noqa: E402
+from scalefold.kernels import adam_swa_triton, attention_triton, layer_norm_triton, trimul_triton  # noqa: E402
+from scalefold.kernels.reference import TrimulWeights, adam_step_scalars  # noqa: E402
 
 _EMPTY = (0,)  # placeholder output for an absent gradient (custom ops cannot return None)
 
@@ -299,4 +301,177 @@ def adam_swa_update_(
     )  # fmt: skip
 
 
-__all__ = ["adam_swa_update_", "attention", "layer_norm"]
+# ----------------------------------------------------------------------------------------------
+# Triangle multiplication
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("scalefold::trimul_fwd", mutates_args=())
+def trimul_fwd(
+    z: torch.Tensor,
+    mask: torch.Tensor,
+    w_in: torch.Tensor,
+    b_in: torch.Tensor,
+    ln_in_w: torch.Tensor,
+    ln_in_b: torch.Tensor,
+    w_out: torch.Tensor,
+    b_out: torch.Tensor,
+    ln_out_w: torch.Tensor,
+    ln_out_b: torch.Tensor,
+    eps_in: float,
+    eps_out: float,
+    n: int,
+    outgoing: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``z`` ``[M, c_z]`` -> ``(out [M, c_z], a, b, x [B, C, N, N], g [M, c_z], LN(z) [M, c_z], mean, rstd,
+    mean_x, rstd_x)`` in the compute dtype (``w_in``'s)."""
+    a, b, g, zn, mean, rstd = trimul_triton.input_forward(
+        z, mask, w_in, b_in, ln_in_w, ln_in_b, eps_in, n, w_in.dtype
+    )
+    x = trimul_triton.product(a, b, outgoing)
+    out, mean_x, rstd_x = trimul_triton.output_forward(x, ln_out_w, ln_out_b, w_out, b_out, g, eps_out)
+    return out, a, b, x, g, zn, mean, rstd, mean_x, rstd_x
+
+
+@trimul_fwd.register_fake
+def _(z, mask, w_in, b_in, ln_in_w, ln_in_b, w_out, b_out, ln_out_w, ln_out_b, eps_in, eps_out, n, outgoing):
+    M, CZ = z.shape
+    C = w_out.shape[1]
+    acc = torch.float64 if w_in.dtype == torch.float64 else torch.float32
+    planes = z.new_empty((M // (n * n), C, n, n), dtype=w_in.dtype)
+    stats = z.new_empty((M,), dtype=acc)
+    out = z.new_empty((M, CZ), dtype=w_in.dtype)
+    return (out, planes, torch.empty_like(planes), torch.empty_like(planes), torch.empty_like(out),
+            torch.empty_like(out), stats, torch.empty_like(stats), torch.empty_like(stats),
+            torch.empty_like(stats))  # fmt: skip
+
+
+@torch.library.custom_op("scalefold::trimul_bwd", mutates_args=())
+def trimul_bwd(
+    dout: torch.Tensor,
+    out: torch.Tensor,
+    z: torch.Tensor,
+    mask: torch.Tensor,
+    w_in: torch.Tensor,
+    b_in: torch.Tensor,
+    ln_in_w: torch.Tensor,
+    w_out: torch.Tensor,
+    ln_out_w: torch.Tensor,
+    ln_out_b: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    x: torch.Tensor,
+    g: torch.Tensor,
+    zn: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    mean_x: torch.Tensor,
+    rstd_x: torch.Tensor,
+    n: int,
+    outgoing: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(dz, dw_in, db_in, dln_in_w, dln_in_b, dw_out, db_out, dln_out_w, dln_out_b)``: the output kernel
+    (``dy``, ``dg``, ``dx`` through the output LayerNorm), the product's two batched matmuls, the gates
+    (recomputed), the weight gradients as matmuls and the input LayerNorm's backward kernel."""
+    dproj = torch.empty((z.shape[0], w_in.shape[0]), dtype=w_in.dtype, device=z.device)
+    dy, xn, dx, dln_out_w, dln_out_b, dg_sum, db_out = trimul_triton.output_backward(
+        dout.contiguous(), out, x, ln_out_w, ln_out_b, w_out, g, mean_x, rstd_x, dproj
+    )
+    da, db = trimul_triton.product_backward(dx, a, b, outgoing)
+    del dx
+    db_in = torch.cat([trimul_triton.gates_backward(zn, mask, w_in, b_in, da, db, dproj, n), dg_sum])
+    del da, db
+    dz, dln_in_w, dln_in_b = layer_norm_triton.layer_norm_backward(torch.matmul(dproj, w_in), z, ln_in_w, mean, rstd)
+    dw_in, dw_out = torch.matmul(dproj.mT, zn), torch.matmul(dy.mT, xn)
+    return dz, dw_in, db_in.to(b_in.dtype), dln_in_w, dln_in_b, dw_out, db_out.to(w_out.dtype), dln_out_w, dln_out_b
+
+
+@trimul_bwd.register_fake
+def _(dout, out, z, mask, w_in, b_in, ln_in_w, w_out, ln_out_w, ln_out_b, a, b, x, g, zn, mean, rstd,
+      mean_x, rstd_x, n, outgoing):  # fmt: skip
+    cz = w_out.shape[0]
+    return (z.new_empty(z.shape), w_in.new_empty(w_in.shape), b_in.new_empty(b_in.shape), ln_in_w.new_empty(cz),
+            ln_in_w.new_empty(cz), w_out.new_empty(w_out.shape), w_out.new_empty(cz), ln_out_w.new_empty(ln_out_w.shape),
+            ln_out_b.new_empty(ln_out_b.shape))  # fmt: skip
+
+
+def _trimul_setup_context(ctx, inputs, output):
+    z, mask, w_in, b_in, ln_in_w, _, w_out, _, ln_out_w, ln_out_b, _, _, n, outgoing = inputs
+    out, a, b, x, g, zn, mean, rstd, mean_x, rstd_x = output
+    ctx.save_for_backward(out, z, mask, w_in, b_in, ln_in_w, w_out, ln_out_w, ln_out_b, a, b, x, g, zn,
+                          mean, rstd, mean_x, rstd_x)  # fmt: skip
+    ctx.n, ctx.outgoing = n, outgoing
+    ctx.mark_non_differentiable(a, b, x, g, zn, mean, rstd, mean_x, rstd_x)
+
+
+def _trimul_backward(ctx, dout, *_unused):
+    out, *saved = ctx.saved_tensors
+    grads = trimul_bwd(dout, out, *saved, ctx.n, ctx.outgoing)
+    dz, dw_in, db_in, dln_in_w, dln_in_b, dw_out, db_out, dln_out_w, dln_out_b = grads
+    return dz, None, dw_in, db_in, dln_in_w, dln_in_b, dw_out, db_out, dln_out_w, dln_out_b, None, None, None, None
+
+
+torch.library.register_autograd("scalefold::trimul_fwd", _trimul_backward, setup_context=_trimul_setup_context)
+
+
+def _trimul_model_flops(z_shape, w_in_shape, w_out_shape, n: int) -> int:
+    """Matrix FLOPs of a triangle multiplication's forward as the PyTorch path runs them: the five input
+    projections, the product over the third edge and the output projection."""
+    rows, cz = z_shape
+    c = w_out_shape[1]
+    return 2 * rows * cz * w_in_shape[0] + 2 * (rows // (n * n)) * c * n**3 + 2 * rows * c * cz
+
+
+# The kernels' FLOPs for torch.utils.flop_counter (and ``scalefold estimate-step``, which reads its registry):
+# the forward's products, and twice those for the backward (each product's two gradients). The backward
+# also recomputes the four gate projections (2 M c_z 4C, one matmul): a recomputation, not counted here.
+@register_flop_formula(torch.ops.scalefold.trimul_fwd)
+def _(z, mask, w_in, *args, out_shape=None, **kwargs) -> int:
+    w_out, n = args[3], args[9]
+    return _trimul_model_flops(z, w_in, w_out, n)
+
+
+@register_flop_formula(torch.ops.scalefold.trimul_bwd)
+def _(dout, out, z, mask, w_in, *args, out_shape=None, **kwargs) -> int:
+    w_out, n = args[2], args[14]
+    return 2 * _trimul_model_flops(z, w_in, w_out, n)
+
+
+def _compute_dtype(z: torch.Tensor) -> torch.dtype:
+    """The dtype the projections and the product run in: autocast's (bf16 training) for fp32 ``z``,
+    else ``z``'s own."""
+    device = z.device.type
+    if z.dtype == torch.float32 and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return z.dtype
+
+
+def triangle_multiplication(
+    z: torch.Tensor,
+    mask: torch.Tensor | None,
+    w: TrimulWeights,
+    outgoing: bool,
+    eps_in: float = 1e-5,
+    eps_out: float = 1e-5,
+) -> torch.Tensor:
+    """Fused triangle multiplication; semantics of :func:`scalefold.kernels.triangle_multiplication`
+    (the mask gets no gradient)."""
+    *lead, n, n2, cz = z.shape
+    if n != n2:
+        raise ValueError(f"triangle multiplication expects a square pair [*, N, N, c_z], got {tuple(z.shape)}")
+    lead = tuple(lead)
+    dtype = _compute_dtype(z)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    m = z.new_ones(()) if mask is None else mask
+    m = m.detach().to(acc).expand(lead + (n, n)).reshape(-1).contiguous()
+    z2 = z.reshape(-1, cz).contiguous()
+    w_in = torch.cat([w.a_p_w, w.a_g_w, w.b_p_w, w.b_g_w, w.g_w]).to(dtype)
+    b_in = torch.cat([w.a_p_b, w.a_g_b, w.b_p_b, w.b_g_b, w.g_b]).to(dtype)
+    out = trimul_fwd(z2, m, w_in, b_in, w.ln_in_w, w.ln_in_b, w.z_w.to(dtype).contiguous(), w.z_b.to(dtype),
+                     w.ln_out_w, w.ln_out_b, float(eps_in), float(eps_out), n, bool(outgoing))[0]  # fmt: skip
+    return out.reshape(lead + (n, n, cz))
+
+
+__all__ = ["adam_swa_update_", "attention", "layer_norm", "triangle_multiplication"]

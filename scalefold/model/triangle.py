@@ -48,7 +48,13 @@ class TriangleMultiplicativeUpdate(nn.Module):
 
         Under DAP (``plane`` given) ``z`` and ``mask`` are row-sharded for the outgoing update
         (``b`` is all-gathered over ``j``) and column-sharded for the incoming one (``a`` is
-        all-gathered over ``i``)."""
+        all-gathered over ``i``). Without DAP the whole update is one call of the kernels' dispatch
+        point (:func:`scalefold.kernels.triangle_multiplication`: the PyTorch operators below, or the
+        fused Triton kernels)."""
+        if plane is None:
+            return kernels.triangle_multiplication(
+                z, mask, self.weights(), self.outgoing, self.layer_norm_in.eps, self.layer_norm_out.eps
+            )
         mask = _pair_mask(mask, z).unsqueeze(-1)
         # mask: [*, N_res, N_res, 1]
         z = self.layer_norm_in(z)
@@ -71,20 +77,19 @@ class TriangleMultiplicativeUpdate(nn.Module):
         # x: [*, N_res, N_res, c_z]
         return kernels.sigmoid_gate(x, self.linear_g(z))
 
+    def weights(self) -> kernels.reference.TrimulWeights:
+        """The parameters in the order of :class:`scalefold.kernels.reference.TrimulWeights`."""
+        mods = (self.layer_norm_in, self.linear_a_p, self.linear_a_g, self.linear_b_p, self.linear_b_g,
+                self.linear_g, self.layer_norm_out, self.linear_z)  # fmt: skip
+        return kernels.reference.TrimulWeights(*(t for m in mods for t in (m.weight, m.bias)))
+
     @staticmethod
     def _project(z: torch.Tensor, mask: torch.Tensor, gate: nn.Module, proj: nn.Module) -> torch.Tensor:
         return kernels.gated_projection(gate(z), mask, proj(z))
 
     def _combine(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """Channel-wise matrix product over the shared edge ``k``."""
-        if self.outgoing:
-            a = a.movedim(-1, -3)  # a_ik: [*, C, i, k]
-            b = b.swapdims(-1, -3)  # b_jk -> [*, C, k, j]
-        else:
-            a = a.swapdims(-1, -3)  # a_ki -> [*, C, i, k]
-            b = b.movedim(-1, -3)  # b_kj: [*, C, k, j]
-        return torch.matmul(a, b).movedim(-3, -1)
-        # [*, i, j, C]
+        """Channel-wise matrix product over the shared edge ``k``: ``[*, i, j, C]``."""
+        return kernels.reference.triangle_product(a, b, self.outgoing)
 
 
 class TriangleMultiplicationOutgoing(TriangleMultiplicativeUpdate):
