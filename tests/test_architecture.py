@@ -31,8 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("scalefold.mlperf",),
     ("scalefold.evaluation", "scalefold.compilation"),
     ("scalefold.train",),
-    ("scalefold.inference", "scalefold.perf", "scalefold.kernels.aot", "scalefold.reference"),
-    ("scalefold.kernels.tune",),
+    ("scalefold.inference", "scalefold.perf", "scalefold.kerneltools", "scalefold.reference"),
     ("scalefold.commands", "scalefold.cli"),
     ("scalefold.__main__",),
 )

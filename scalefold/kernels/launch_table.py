@@ -19,10 +19,10 @@ autotuning at start-up.
 
 Each architecture says where its entries come from in ``source``: ``"untimed defaults"`` (each
 kernel's default config, checked ahead of time to compile for that architecture without spills:
-``python -m scalefold.kernels.aot --table``; written by ``scalefold tune-kernels --untimed-defaults``)
+``scalefold aot-check --table``; written by ``scalefold tune-kernels --untimed-defaults``)
 or ``"tuned on <GPU>, <date>"`` (``scalefold tune-kernels`` timed the candidates on that GPU; its
 ``timings`` give the best and the default config's milliseconds per key). The entries cover every
-Triton kernel at the MLPerf call sites (:func:`scalefold.kernels.aot.all_sites`) in bf16, tf32 and
+Triton kernel at the MLPerf call sites (:func:`scalefold.kerneltools.sites.all_sites`) in bf16, tf32 and
 fp32; a key not in the table (other shapes, e.g. the demo's) uses the kernel's default config.
 
 Faults never stop a run and never start autotuning: a missing or unreadable table, or one of another
