@@ -33,6 +33,7 @@ _SUBCOMMAND_PROVIDERS: tuple[tuple[str, str], ...] = (
     ("scalefold.commands.perf", "add_parsers"),
     ("scalefold.commands.checkpoint", "add_parsers"),
     ("scalefold.commands.kernels", "add_parsers"),
+    ("scalefold.commands.slurm", "add_parsers"),
 )
 
 
@@ -56,7 +57,18 @@ def build_parser() -> argparse.ArgumentParser:
             raise
         add: Callable[[argparse._SubParsersAction], None] = getattr(module, func_name)
         add(subparsers)
+    _name_commands(parser)
     return parser
+
+
+def _name_commands(parser: argparse.ArgumentParser) -> None:
+    """Every (sub-)subcommand's parser records its name for messages (``bench step``): the innermost
+    parser's default wins."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                sub.set_defaults(command_name=sub.prog.removeprefix(parser.prog.split()[0]).strip())
+                _name_commands(sub)
 
 
 def _split_debug(argv: Sequence[str]) -> tuple[list[str], bool]:
@@ -90,7 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise  # a bug: the traceback is the report
         if debug:
             traceback.print_exc()
-        print(f"scalefold {args.command}: error: {message}", file=sys.stderr, flush=True)
+        name = getattr(args, "command_name", args.command)
+        print(f"scalefold {name}: error: {message}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
     return int(result or 0)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from scalefold.errors import UserError
 from scalefold.kerneltools import tune as tuning
-from scalefold.kerneltools.sites import ARCHS, DTYPES, KERNELS
+from scalefold.kerneltools.targets import ARCHS, DTYPE_NAMES, KERNELS
 
 #: exit status when the installed Triton or its CUDA tools cannot compile for GPUs (not the user's input)
 EXIT_NO_TOOLCHAIN = 2
@@ -93,7 +93,7 @@ def _add_aot_parser(subparsers: argparse._SubParsersAction) -> None:
         "See scalefold/kerneltools/compile_report.py.",
     )  # fmt: skip
     p.add_argument("--arch", action="append", choices=sorted(ARCHS), help="target (repeatable; default both)")
-    p.add_argument("--dtype", action="append", choices=sorted(DTYPES), help="data type (repeatable; default all)")
+    p.add_argument("--dtype", action="append", choices=sorted(DTYPE_NAMES), help="data type (repeatable; default all)")
     p.add_argument("--kernel", action="append", choices=KERNELS, help="kernel (repeatable; default all)")
     p.add_argument("--site", action="append", help="only this MLPerf call site, e.g. msa_row (repeatable; default all)")
     p.add_argument("--default-only", action="store_true", help="only the configs used without autotuning")
@@ -156,7 +156,7 @@ def _run_aot_check(args: argparse.Namespace) -> int:
         else:
             records = report.run(
                 archs=args.arch or tuple(ARCHS),
-                dtypes=args.dtype or tuple(DTYPES),
+                dtypes=args.dtype or DTYPE_NAMES,
                 kernels=args.kernel or KERNELS,
                 default_only=args.default_only,
                 sites=args.site,

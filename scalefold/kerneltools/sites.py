@@ -31,12 +31,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-#: ``--arch`` -> (compute capability, opt-in dynamic shared memory per block in bytes)
-ARCHS = {"sm_90": (90, 227 * 1024), "sm_80": (80, 163 * 1024)}
-#: ``--dtype`` -> tensor dtype; ``tf32`` is fp32 storage with TF32 matmuls
-#: (``torch.backends.cuda.matmul.allow_tf32``), which changes only the attention kernels' dots
+from scalefold.kerneltools.targets import ARCHS, DTYPE_NAMES, KERNELS
+
+#: ``--dtype`` -> tensor dtype (:data:`~scalefold.kerneltools.targets.DTYPE_NAMES`; ``tf32``: fp32 storage)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "tf32": torch.float32}
-KERNELS = ("attention_fwd", "attention_bwd", "layer_norm_fwd", "layer_norm_bwd", "adam_swa")
+assert tuple(DTYPES) == DTYPE_NAMES
 
 
 
