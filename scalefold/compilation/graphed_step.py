@@ -91,7 +91,7 @@ import numpy as np
 import torch
 
 from scalefold.compilation.cuda_graphs import CudaGraphBackend, CudaGraphCache, GraphBackend
-from scalefold.config.training import CUDA_GRAPHS_MODES
+from scalefold.config.training import CUDA_GRAPHS_MODES, ConfigError
 from scalefold.errors import exception_summary
 
 MODES = CUDA_GRAPHS_MODES  # one list: the config validates it too
@@ -101,7 +101,7 @@ VALIDATION_TOLERANCE = 5e-2
 _VALIDATION_SEED = 20240613
 
 
-class CudaGraphsUnavailable(ValueError):
+class CudaGraphsUnavailable(ConfigError):
     """``--cuda-graphs on`` where graphs cannot be used (not CUDA, DAP/BP > 1): refused before training."""
 
 

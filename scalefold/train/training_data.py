@@ -24,6 +24,7 @@ from scalefold.data.loader import SEED_HIGH, PriorityQueueLoader, Sampler, group
 from scalefold.data.pipeline import FeatureConfig, TrainingChainFilter, sampling_weights
 from scalefold.data.store import Store
 from scalefold.distributed.context import ParallelContext
+from scalefold.errors import UserError
 from scalefold.train.reporting import announce
 from scalefold.train.step import SEED_MODULUS
 from scalefold.train.stopping import ignore_stop_signals
@@ -55,8 +56,10 @@ def sample_pairs(
     return pairs
 
 
-class StoreNotFoundError(FileNotFoundError):
-    """The run's store does not exist and the run may not synthesise one."""
+class StoreNotFoundError(UserError, FileNotFoundError):
+    """The run's store does not exist and the run may not synthesise one (its message says what to do)."""
+
+    label = ""
 
 
 def check_store(cfg: TrainConfig) -> Path:
