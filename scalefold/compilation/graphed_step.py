@@ -417,7 +417,7 @@ def _where(exc: BaseException) -> str:
     """`` at path:line (function)`` of the innermost frame of the ``scalefold`` package, outside this
     machinery, that raised ``exc`` (e.g. the model line doing a host sync), or ``""``."""
     package = Path(__file__).resolve().parents[1]  # .../scalefold
-    ours = {Path(__file__).resolve(), package / "train" / "cuda_graphs.py"}
+    ours = {Path(__file__).resolve(), package / "compilation" / "cuda_graphs.py"}
     for frame in reversed(traceback.extract_tb(exc.__traceback__)):
         path = Path(frame.filename).resolve()
         if path.is_relative_to(package) and path not in ours:

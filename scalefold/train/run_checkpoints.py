@@ -5,7 +5,7 @@
 * ``--resume``: the newest of our own checkpoints that loads, chosen by the main training rank and
   announced to every rank (:func:`choose_resume_checkpoint`), restored by :func:`resume_from_checkpoint`;
 * :class:`CheckpointPolicy`: every ``checkpoint_every`` steps and at a requested stop, written by the main
-  training rank (atomic, the newest ``keep_last`` kept: :class:`~.checkpoint_io.CheckpointManager`).
+  training rank (atomic, the newest ``keep_last`` kept: :class:`~scalefold.checkpoint.files.CheckpointManager`).
 """
 
 from __future__ import annotations
