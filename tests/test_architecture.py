@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("scalefold.mlperf",),
     ("scalefold.evaluation", "scalefold.compilation"),
     ("scalefold.train",),
-    ("scalefold.inference", "scalefold.perf", "scalefold.kerneltools", "scalefold.reference"),
+    ("scalefold.inference", "scalefold.perf", "scalefold.kerneltools", "scalefold.reference_config"),
     ("scalefold.commands", "scalefold.cli"),
     ("scalefold.__main__",),
 )

@@ -83,6 +83,7 @@ from scalefold.train.run_checkpoints import (
     resume_from_checkpoint,
     save_checkpoint,
 )
+from scalefold.train.run_directory import check_out, check_starting_point, check_store, clear_previous_run, ensure_store
 from scalefold.train.step import TrainingStep, forward_seed, make_optimizer, nonfinite_terms_to_nan, recycling_count
 from scalefold.train.stopping import (
     NonFiniteGuard,
@@ -90,17 +91,7 @@ from scalefold.train.stopping import (
     TrainingAborted,
     start_multiprocessing_helpers_ignoring_stop_signals,
 )
-from scalefold.train.training_data import (
-    TrainingData,
-    check_out,
-    check_starting_point,
-    check_store,
-    clear_previous_run,
-    day_before,
-    ensure_store,
-    split_chains,
-    validation_chain_ids,
-)
+from scalefold.train.training_data import TrainingData, day_before, split_chains, validation_chain_ids
 
 
 @dataclass
@@ -129,7 +120,7 @@ def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
     """Run ``cfg`` on every rank of the launch; returns a summary (everything else is in ``cfg.out``).
 
     Raises :class:`TrainingAborted` (after logging ``run_stop status=aborted``) when the run aborts,
-    :class:`~.training_data.StoreNotFoundError` when the store is missing and may not be synthesised,
+    :class:`~.run_directory.StoreNotFoundError` when the store is missing and may not be synthesised,
     :class:`~scalefold.distributed.layout.LayoutError` when the rank layout does not fit the launch.
     """
     check_store(cfg)  # every rank, before anything is logged: a missing store is a configuration error

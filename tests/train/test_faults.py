@@ -319,7 +319,7 @@ def test_resume_log_is_named_after_the_checkpoint_that_loaded(tmp_path, store, c
 def test_missing_store_is_refused_unless_the_preset_synthesises_one(tmp_path, capsys):
     """--preset mlperf with an absent --store: exit status 3, the path and how to create a store named,
     nothing created. demo / tiny (and --synthesize-missing-store) synthesise it."""
-    from scalefold.train.training_data import StoreNotFoundError, check_store
+    from scalefold.train.run_directory import StoreNotFoundError, check_store
 
     missing = tmp_path / "data" / "store.h5"
     out = tmp_path / "run"
