@@ -34,6 +34,7 @@ _SUBCOMMAND_PROVIDERS: tuple[tuple[str, str], ...] = (
     ("scalefold.commands.checkpoint", "add_parsers"),
     ("scalefold.commands.kernels", "add_parsers"),
     ("scalefold.commands.slurm", "add_parsers"),
+    ("scalefold.commands.versions", "add_parsers"),
 )
 
 
