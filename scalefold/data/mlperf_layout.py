@@ -42,6 +42,7 @@ from scalefold.data.parsers.mmcif import MmcifChain, MmcifEntry
 from scalefold.data.parsers.msa import merge_msas, parse_a3m, validate_msa
 from scalefold.data.pickle_policy import PICKLE_RISK
 from scalefold.data.templates import TemplateHitFeaturizer, template_cutoff
+from scalefold.errors import UserError
 
 PathLike = Union[str, os.PathLike]
 
@@ -55,7 +56,7 @@ HHR_FILE = "pdb70_hits.hhr"
 
 
 
-class PickleNotAllowedError(PermissionError):
+class PickleNotAllowedError(UserError, PermissionError):
     """Raised when a pickle shard would be read without the explicit opt-in."""
 
 

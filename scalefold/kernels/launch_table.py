@@ -42,6 +42,8 @@ import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+from scalefold.errors import UserError
+
 FORMAT = "scalefold-launch-configs/1"
 PATH_ENV = "SCALEFOLD_LAUNCH_CONFIGS"
 SHIPPED = Path(__file__).with_name("launch_configs.json")
@@ -57,8 +59,8 @@ _active: tuple[str, Table] | None = None  # (path, table) of the table in use
 _said: set[str] = set()  # one-line notices already printed
 
 
-class TableError(ValueError):
-    """A file that is not a launch-config table of this format."""
+class TableError(UserError, ValueError):
+    """A file that is not a launch-config table of this format (``SCALEFOLD_LAUNCH_CONFIGS``, ``--table``)."""
 
 
 def arch_name(capability: int) -> str:
