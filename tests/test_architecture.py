@@ -196,7 +196,7 @@ def _dotted_strings(root: Path) -> list[tuple[str, str]]:
 
 
 def test_module_paths_written_as_strings_import():
-    """Module paths in strings (the error table of ``errors.py``, the subcommand table of ``cli.py``,
+    """Module paths in strings (the subcommand table of ``cli.py``,
     ``monkeypatch`` targets and ``python -m`` modules in the tests) follow the moves: each names a
     module, or an attribute of one, that exists."""
     import importlib
