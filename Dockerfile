@@ -35,7 +35,7 @@ WORKDIR /workspace/scalefold
 # NVIDIA's build); mpi4py builds against the image's HPC-X Open MPI.
 COPY pyproject.toml README.md LICENSE ./
 COPY scalefold ./scalefold
-RUN python scalefold/tested_versions.py \
+RUN python -m scalefold check-versions \
  && python -c "import torch; print(f'torch=={torch.__version__}')" > /tmp/torch-pin.txt \
  && pip install --constraint /tmp/torch-pin.txt ".[mpi]" "mlperf-logging>=3.0" \
  && python -c "import scalefold, mlperf_logging, mpi4py; print('scalefold', scalefold.__version__)" \

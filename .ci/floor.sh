@@ -36,7 +36,7 @@ else
 fi
 
 # the versions actually installed, and whether they are the tested floor (exit 1 if outside the range)
-versions=$("$VENV/bin/python" -m scalefold.tested_versions) || { echo "CI floor: $versions: outside the tested range"; exit 1; }
+versions=$("$VENV/bin/python" -m scalefold check-versions) || { echo "CI floor: $versions: outside the tested range"; exit 1; }
 echo "CI floor: environment $versions"
 
 tests_start=$(date +%s)

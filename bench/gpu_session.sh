@@ -450,7 +450,7 @@ for policy in on 22 off; do
 done
 
 # 4b. fill the launch-config table for this GPU (PARTS=tune; not in the default PARTS): the file comes back
-# in the tarball; check it with `python -m scalefold.kernels.aot --table FILE`, then copy it over
+# in the tarball; check it with `scalefold aot-check --table FILE`, then copy it over
 # scalefold/kernels/launch_configs.json
 part tune_kernels tune 270 "$PY" -m scalefold tune-kernels --out "$WORK/launch_configs.json" --max-seconds 240
 

@@ -1,7 +1,7 @@
 """Loader-stall benchmark: priority-queue loader vs in-order loader (ScaleFold Fig. 4 workload).
 
 Same as ``scalefold bench loader``; run ``python bench/loader_stall.py --json --plot stall.png``.
-The implementation lives in :mod:`scalefold.commands.bench` so the installed CLI has it too: a
+The implementation lives in :mod:`scalefold.perf.loader_bench` (its flags: :mod:`scalefold.commands.bench`), so the installed CLI has it too: a
 seeded heavy-tailed workload (log-normal spread, ~10 % of samples 10x slower) that both loaders
 build identically, warm-up steps excluded, repeats pooled, out-of-order deliveries counted.
 Measured numbers and the exact commands: ``bench/RESULTS.md``.

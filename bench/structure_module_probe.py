@@ -39,7 +39,8 @@ from scalefold.losses.fape import backbone_fape_loss
 from scalefold.model.config import StructureModuleConfig
 from scalefold.model.factory import build_model_config
 from scalefold.model.structure_module import StructureModule
-from scalefold.train.training_data import ensure_store, split_chains
+from scalefold.train.run_directory import ensure_store
+from scalefold.train.training_data import split_chains
 
 DISTANCE_BINS = (3.25, 50.75, 40)  # 39 evenly spaced edges (the template distogram's), 40 bins
 MAX_RELPOS = 32

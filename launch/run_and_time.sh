@@ -30,12 +30,12 @@ local_size=${local_size%%(*}  # "8(x2)" -> 8
 
 # --- environment -> flags ---------------------------------------------------------------------------
 # The config_*.sh variables (PRECISION, MAX_STEPS, VAL_EVERY, DAP_SIZE, ...) become flags through the
-# options' one declaration (scalefold/config/training.py): `python -m scalefold.config.slurm slurm-flags`
+# options' one declaration (scalefold/config/training.py): `python -m scalefold slurm-flags`
 # prints them, one a line (standard library only, run from this checkout).
 args=(train --preset "${PRESET:-mlperf}" --out "${RUN_OUT}" --store "${DATA_ROOT}/${STORE_NAME}" --no-progress)
 [[ -n "${TRAIN_CONFIG:-}" ]] && args+=(--config "${TRAIN_CONFIG}")
 checkout=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-if ! derived=$(PYTHONPATH="${checkout}${PYTHONPATH:+:${PYTHONPATH}}" "${PYTHON:-python3}" -m scalefold.config.slurm slurm-flags); then
+if ! derived=$(PYTHONPATH="${checkout}${PYTHONPATH:+:${PYTHONPATH}}" "${PYTHON:-python3}" -m scalefold slurm-flags); then
   echo "run_and_time.sh: could not map the config variables to scalefold train flags" >&2
   exit 3
 fi

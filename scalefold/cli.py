@@ -2,8 +2,8 @@
 
 Each subcommand lives with the code it drives; this module only assembles the parser, so
 ``scalefold --help`` stays cheap (heavy imports happen inside the handlers), and runs the one
-top-level error handler: a mistake in the user's input or environment (see :mod:`scalefold.errors`)
-ends with ``scalefold COMMAND: error: <message>`` on stderr and exit status 3, without a traceback
+top-level error handler: a mistake in the user's input or environment (a ``UserError``, see
+:mod:`scalefold.errors`) ends with ``scalefold COMMAND: error: <message>`` on stderr and exit status 3, without a traceback
 unless ``--debug`` (anywhere on the command line) or ``SCALEFOLD_DEBUG=1``; argparse's usage errors
 keep status 2; anything else is a bug and shows its traceback.
 """
@@ -18,7 +18,7 @@ import traceback
 from collections.abc import Callable, Sequence
 
 from scalefold import __version__
-from scalefold.errors import EXIT_USER_ERROR, user_error_message
+from scalefold.errors import EXIT_USER_ERROR, UserError, user_error_message
 
 DEBUG_FLAG = "--debug"
 DEBUG_ENV = "SCALEFOLD_DEBUG"
@@ -33,6 +33,8 @@ _SUBCOMMAND_PROVIDERS: tuple[tuple[str, str], ...] = (
     ("scalefold.commands.perf", "add_parsers"),
     ("scalefold.commands.checkpoint", "add_parsers"),
     ("scalefold.commands.kernels", "add_parsers"),
+    ("scalefold.commands.slurm", "add_parsers"),
+    ("scalefold.commands.versions", "add_parsers"),
 )
 
 
@@ -56,7 +58,18 @@ def build_parser() -> argparse.ArgumentParser:
             raise
         add: Callable[[argparse._SubParsersAction], None] = getattr(module, func_name)
         add(subparsers)
+    _name_commands(parser)
     return parser
+
+
+def _name_commands(parser: argparse.ArgumentParser) -> None:
+    """Every (sub-)subcommand's parser records its name for messages (``bench step``): the innermost
+    parser's default wins."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                sub.set_defaults(command_name=sub.prog.removeprefix(parser.prog.split()[0]).strip())
+                _name_commands(sub)
 
 
 def _split_debug(argv: Sequence[str]) -> tuple[list[str], bool]:
@@ -84,15 +97,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader of our output went away (`scalefold model-info --names | head`)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
         return 0
-    except Exception as exc:
+    except (UserError, OSError) as exc:
         message = user_error_message(exc)
         if message is None:
-            raise  # a bug: the traceback is the report
+            raise  # an OSError naming no file: a bug, the traceback is the report
         if debug:
             traceback.print_exc()
-        print(f"scalefold {args.command}: error: {message}", file=sys.stderr, flush=True)
+        _print_user_error(getattr(args, "command_name", args.command), exc, message)
         return EXIT_USER_ERROR
     return int(result or 0)
+
+
+def _print_user_error(command: str, exc: BaseException, message: str) -> None:
+    """``scalefold COMMAND: <label>: <message>`` (and the error's hint on a line of its own) on stderr."""
+    label = getattr(exc, "label", UserError.label)
+    print(f"scalefold {command}: {label + ': ' if label else ''}{message}", file=sys.stderr, flush=True)
+    hint = getattr(exc, "hint", None)
+    if hint:
+        print(f"scalefold {command}: {hint}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -6,10 +6,12 @@ cannot be written, a value out of range) the same way: exit status :data:`EXIT_U
 one- or two-line message naming the offending path or option and what was expected -- no traceback
 (``--debug`` or ``SCALEFOLD_DEBUG=1`` shows it). Usage errors argparse catches keep its status 2.
 
-Code raises :class:`UserError` (or a subclass) for such mistakes; :func:`user_error_message` also
-recognises the error types of the package's parts that predate it (parse errors, checkpoint errors,
-...) and ``OSError`` with a file name, so the one top-level handler in :mod:`scalefold.cli` can treat
-them alike. Anything else is a bug and keeps its traceback.
+Every error a user can cause is a :class:`UserError`: a subclass in the unit that raises it (a parse
+error, a checkpoint error, a parallel layout the launch cannot hold, ...), which may say how it is
+introduced (:attr:`UserError.label`: ``scalefold train: checkpoint error: ...``), how many lines of it
+are shown and a second line of advice. The one top-level handler in :mod:`scalefold.cli` catches
+:class:`UserError` -- and ``OSError`` with a file name, the standard library's own "this path cannot be
+used" -- and prints :func:`user_error_message`. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from __future__ import annotations
 import errno
 import os
 import re
-import sys
 from pathlib import Path
 
 EXIT_USER_ERROR = 3
@@ -25,20 +26,25 @@ MAX_MESSAGE_LINES = 2
 
 
 class UserError(Exception):
-    """A mistake in the user's input or environment; the message names the input and what was expected."""
+    """A mistake in the user's input or environment; the message names the input and what was expected.
 
+    A subclass (or one raise) may set :attr:`label` (the words before the message; empty: none),
+    :attr:`max_lines` (of the message shown; None: all) and :attr:`hint` (a second line of advice).
+    """
 
-# Error types of other parts of the package that mean "bad input", as (module, class name). They are
-# looked up only in modules already imported: an exception of such a class implies its module is loaded.
-_KNOWN_INPUT_ERRORS: tuple[tuple[str, str], ...] = (
-    ("scalefold.data.parsers", "ParseError"),
-    ("scalefold.data.store", "StoreSchemaError"),
-    ("scalefold.checkpoint.files", "CheckpointError"),
-    ("scalefold.train.training_data", "StoreNotFoundError"),
-    ("scalefold.distributed.runtime", "LaunchError"),
-    ("scalefold.distributed.layout", "LayoutError"),
-    ("scalefold.inference.weights", "InferenceError"),
-)
+    #: ``scalefold COMMAND: <label>: <message>``
+    label: str = "error"
+    #: lines of the message shown (None: every line, e.g. one per file that could not be loaded)
+    max_lines: int | None = MAX_MESSAGE_LINES
+    #: one more line after the message, or None
+    hint: str | None = None
+
+    def __init__(self, *args: object, label: str | None = None, hint: str | None = None) -> None:
+        super().__init__(*args)
+        if label is not None:
+            self.label = label
+        if hint is not None:
+            self.hint = hint
 
 _OS_ERROR_EXPECTATIONS = {
     errno.ENOENT: "does not exist",
@@ -58,14 +64,6 @@ def exception_summary(exc: BaseException) -> str:
     in one log line, for messages that list several or embed one in a sentence."""
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
-
-
-def _known_input_error(exc: BaseException) -> bool:
-    for module_name, class_name in _KNOWN_INPUT_ERRORS:
-        cls = getattr(sys.modules.get(module_name), class_name, None)
-        if isinstance(cls, type) and isinstance(exc, cls):
-            return True
-    return False
 
 
 def _message_text(exc: BaseException) -> str:
@@ -92,9 +90,10 @@ def shorten(text: str, max_lines: int | None = MAX_MESSAGE_LINES) -> str:
 
 
 def user_error_message(exc: BaseException) -> str | None:
-    """The short message for an error caused by the user's input or environment, None for anything else."""
-    if isinstance(exc, UserError) or _known_input_error(exc):
-        return shorten(_message_text(exc))
+    """The short message for an error caused by the user's input or environment (a :class:`UserError`, or an
+    ``OSError`` naming a file), None for anything else."""
+    if isinstance(exc, UserError):
+        return shorten(_message_text(exc), exc.max_lines)
     if isinstance(exc, OSError) and exc.filename is not None:
         expected = _OS_ERROR_EXPECTATIONS.get(exc.errno or -1, exc.strerror or type(exc).__name__)
         return shorten(f"{os.fsdecode(exc.filename)}: {expected}")

@@ -4,7 +4,7 @@ CI runs both ends (``.ci/run``): the main suite the newest (``TOP``: ``TORCH_SPE
 in the Makefile), the floor job the oldest (``FLOOR``: ``.ci/floor-constraints.txt``), which
 ``pyproject.toml`` declares as its lower bounds (``tests/test_packaging.py`` keeps them equal).
 
-``python -m scalefold.tested_versions`` prints the installed torch, Triton and numpy and exits 1
+``scalefold check-versions`` (:func:`main`) prints the installed torch, Triton and numpy and exits 1
 when torch or Triton lies outside the tested range -- the Dockerfile runs it on its base image.
 A pre-release of the floor's own minor version (NGC's ``2.6.0a0+ecf3bae``, a snapshot before
 2.6.0) counts as below the floor; other pre-releases count as their minor version.
@@ -72,6 +72,3 @@ def main() -> int:
         print(problem, file=sys.stderr)
     return 1 if problems else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

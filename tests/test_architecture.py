@@ -22,8 +22,8 @@ ARCHITECTURE_PAGE = REPO_ROOT / "docs" / "architecture.md"
 #: Ground floor first. A module belongs to the longest prefix listed; a module may import its own
 #: unit (the prefix it belongs to) and any unit on a lower layer. Units on one layer are independent.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("scalefold.errors", "scalefold.residue_constants", "scalefold.config", "scalefold.tested_versions",
-     "scalefold.__init__"),
+    ("scalefold.errors",),
+    ("scalefold.residue_constants", "scalefold.config", "scalefold.tested_versions", "scalefold.__init__"),
     ("scalefold.distributed", "scalefold.kernels"),
     ("scalefold.model", "scalefold.lddt"),
     ("scalefold.losses", "scalefold.data"),
@@ -31,8 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("scalefold.mlperf",),
     ("scalefold.evaluation", "scalefold.compilation"),
     ("scalefold.train",),
-    ("scalefold.inference", "scalefold.perf", "scalefold.kernels.aot", "scalefold.reference"),
-    ("scalefold.kernels.tune",),
+    ("scalefold.inference", "scalefold.perf", "scalefold.kerneltools", "scalefold.reference_config"),
     ("scalefold.commands", "scalefold.cli"),
     ("scalefold.__main__",),
 )
@@ -77,7 +76,7 @@ def unit_of(module: str) -> tuple[int, str]:
                 if best is None or len(unit) > len(best[1]):
                     best = (index, unit)
     if module == "scalefold":
-        return 0, "scalefold.__init__"
+        return 1, "scalefold.__init__"
     if best is None:
         raise LookupError(f"module {module} is on no layer of tests/test_architecture.py LAYERS")
     return best
@@ -164,7 +163,7 @@ def test_the_checker_catches_a_planted_upward_import_and_cycle(tmp_path):
     (pkg / "train" / "b.py").write_text("from scalefold.model import a\n")
     graph = import_graph(pkg)
     assert upward_imports(graph) == [
-        "scalefold.model.a:2 imports scalefold.train.b: upward, layer 2 (scalefold.model) -> 7 (scalefold.train)"
+        "scalefold.model.a:2 imports scalefold.train.b: upward, layer 3 (scalefold.model) -> 8 (scalefold.train)"
     ]
     assert cycles(graph) == [["scalefold.model.a", "scalefold.train.b"]]
 
@@ -197,7 +196,7 @@ def _dotted_strings(root: Path) -> list[tuple[str, str]]:
 
 
 def test_module_paths_written_as_strings_import():
-    """Module paths in strings (the error table of ``errors.py``, the subcommand table of ``cli.py``,
+    """Module paths in strings (the subcommand table of ``cli.py``,
     ``monkeypatch`` targets and ``python -m`` modules in the tests) follow the moves: each names a
     module, or an attribute of one, that exists."""
     import importlib
@@ -219,3 +218,84 @@ def test_module_paths_written_as_strings_import():
         except ModuleNotFoundError:
             missing.append(f"{where}: {text}")
     assert not missing, "strings naming modules or attributes that do not exist:\n" + "\n".join(missing)
+
+
+# -- rooms: whole folders on one floor, argument parsing only at the edge ----------------------------------
+
+
+def special_cases(layers: tuple[tuple[str, ...], ...] = LAYERS) -> list[str]:
+    """Units listed inside another listed unit (``scalefold.kernels.aot`` under ``scalefold.kernels``): a file
+    on another floor than its folder. There are none: every folder stands on one floor."""
+    units = [u for floor in layers for u in floor]
+    return sorted(u for u in units if any(u.startswith(v + ".") for v in units if v != "scalefold.__init__"))
+
+
+def folder_of(module: str) -> str:
+    """The top-level unit (``scalefold.kernels``) of a module (``scalefold.kernels.aot``)."""
+    return ".".join(module.split(".")[:2]) if module.startswith("scalefold.") else module
+
+
+def upward_folder_imports(graph: dict[str, list[tuple[str, int]]], unit=unit_of) -> list[str]:
+    """Imports between top-level folders that do not run down the folders' floors (each folder on the floor
+    ``unit`` gives the folder itself): what the folder as a whole depends on, special cases or not."""
+    found = []
+    for module, targets in graph.items():
+        src = folder_of(module)
+        for target, line in targets:
+            dst = folder_of(target)
+            if dst != src and unit(dst)[0] >= unit(src)[0]:
+                found.append(f"{module}:{line} imports {target}: folder {src} -> {dst}")
+    return found
+
+
+def argparse_outside_commands(root: Path = PACKAGE) -> list[str]:
+    """Modules outside ``commands/`` and ``cli.py`` that import ``argparse``."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("commands/") or rel == "cli.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) else [])  # fmt: skip
+            if "argparse" in names:
+                found.append(f"scalefold/{rel}:{node.lineno}")
+    return found
+
+
+def test_every_folder_stands_on_one_floor():
+    """No unit is a file inside another unit's folder, and no folder imports a folder at or above its floor."""
+    assert special_cases() == []
+    assert upward_folder_imports(import_graph()) == []
+
+
+def test_argument_parsing_only_in_commands_and_cli():
+    assert argparse_outside_commands() == []
+
+
+def test_the_room_checks_catch_a_tool_inside_the_kernels(tmp_path):
+    """A planted fault: a kernel tool inside ``scalefold/kernels/`` that builds the model, listed as a unit of
+    its own above the model, and parsing its own arguments. Each check names it."""
+    pkg = tmp_path / "scalefold"
+    for d in ("kernels", "model"):
+        (pkg / d).mkdir(parents=True)
+        (pkg / d / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "model" / "a.py").write_text("from scalefold.kernels import attention_op\n")
+    (pkg / "kernels" / "attention_op.py").write_text("")
+    (pkg / "kernels" / "tool.py").write_text("import argparse\n\nfrom scalefold.model import a\n")
+    graph = import_graph(pkg)
+    planted = (*LAYERS[:9], (*LAYERS[9], "scalefold.kernels.tool"), *LAYERS[10:])
+
+    def unit(module):  # the layering of the planted LAYERS
+        return max(((i, u) for i, us in enumerate(planted) for u in us if module == u or module.startswith(u + ".")),
+                   key=lambda x: len(x[1]))  # fmt: skip
+
+    assert special_cases(planted) == ["scalefold.kernels.tool"]
+    assert upward_folder_imports(graph, unit) == [
+        "scalefold.kernels.tool:3 imports scalefold.model.a: folder scalefold.kernels -> scalefold.model"
+    ]
+    assert upward_imports(graph) == [  # and with the real LAYERS, no special case: the file's own import
+        "scalefold.kernels.tool:3 imports scalefold.model.a: upward, layer 2 (scalefold.kernels) -> 3 (scalefold.model)"
+    ]
+    assert argparse_outside_commands(pkg) == ["scalefold/kernels/tool.py:1"]

@@ -275,3 +275,48 @@ def test_the_real_command_exits_3_without_a_traceback(files, argv, expected):
     assert proc.returncode == 3, proc.stderr
     assert "Traceback" not in proc.stderr and expected in proc.stderr
     assert len(_error_lines(proc.stderr)) <= 2
+
+
+def test_one_handler_prints_a_user_errors_label_lines_and_hint(monkeypatch, capsys):
+    """The CLI's one ``except UserError``: the error's label introduces it, at most its ``max_lines`` lines
+    are shown (None: all), its hint follows on a line of its own; exit 3, no traceback."""
+    import scalefold.commands.data as data_cli
+    from scalefold.errors import UserError
+
+    def refuse(path):
+        raise UserError("first\nsecond\nthird", label="checkpoint error", hint="try the other preset")
+
+    monkeypatch.delenv("SCALEFOLD_DEBUG", raising=False)
+    monkeypatch.setattr(data_cli, "store_stats", refuse)
+    assert main(["data-stats", "anything.h5"]) == 3
+    assert capsys.readouterr().err.splitlines() == [
+        "scalefold data-stats: checkpoint error: first", "second ...", "scalefold data-stats: try the other preset",
+    ]  # fmt: skip
+
+    class EveryLine(UserError):
+        label, max_lines = "", None
+
+    def refuse_every_line(path):
+        raise EveryLine("a\nb\nc")
+
+    monkeypatch.setattr(data_cli, "store_stats", refuse_every_line)
+    assert main(["data-stats", "anything.h5"]) == 3
+    assert capsys.readouterr().err.splitlines() == ["scalefold data-stats: a", "b", "c"]
+
+
+@pytest.mark.parametrize("module, name", [
+    ("scalefold.data.parsers", "ParseError"), ("scalefold.data.store", "StoreSchemaError"),
+    ("scalefold.checkpoint.files", "CheckpointError"), ("scalefold.train.run_directory", "StoreNotFoundError"),
+    ("scalefold.distributed.runtime", "LaunchError"), ("scalefold.distributed.layout", "LayoutError"),
+    ("scalefold.inference.weights", "InferenceError"), ("scalefold.config.training", "ConfigError"),
+    ("scalefold.perf.recompute", "PolicyDoesNotFit"), ("scalefold.compilation.graphed_step", "CudaGraphsUnavailable"),
+    ("scalefold.kernels.launch_table", "TableError"), ("scalefold.data.mlperf_layout", "PickleNotAllowedError"),
+])  # fmt: skip
+def test_the_input_errors_of_every_unit_are_user_errors(module, name):
+    """No registry of class names: each unit's input error is a ``UserError`` (the types it was before too,
+    for the callers that catch those)."""
+    import importlib
+
+    from scalefold.errors import UserError
+
+    assert issubclass(getattr(importlib.import_module(module), name), UserError)

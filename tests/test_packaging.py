@@ -74,8 +74,8 @@ def test_container_build_checks_its_base_against_the_range():
     """The Dockerfile checks the base image's torch/Triton before installing, keeps the image's Triton
     (no `triton` extra), and copies what the metadata needs (LICENSE)."""
     text = (REPO / "Dockerfile").read_text()
-    run = text[text.index("RUN python scalefold/tested_versions.py") :]
-    assert run.index("scalefold/tested_versions.py") < run.index("pip install")
+    run = text[text.index("RUN python -m scalefold check-versions") :]
+    assert run.index("scalefold check-versions") < run.index("pip install")
     assert "[triton" not in text and ",triton" not in text
     assert re.search(r"^COPY pyproject.toml README.md LICENSE \./$", text, re.MULTILINE)
 
@@ -107,7 +107,7 @@ def test_outside_range(package, version, verdict):
 
 
 def test_check_command_names_the_versions_and_fails_outside(monkeypatch, capsys):
-    """``python -m scalefold.tested_versions``: one line of versions; exit 1 with the reason outside the range."""
+    """``scalefold check-versions``: one line of versions; exit 1 with the reason outside the range."""
     versions = {"torch": "2.5.1+cu124", "triton": "3.1.0", "numpy": "2.3.5"}
     monkeypatch.setattr(tested_versions, "installed", versions.get)
     assert tested_versions.main() == 1

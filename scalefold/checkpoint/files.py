@@ -27,6 +27,8 @@ from typing import Any, Union
 import numpy as np
 import torch
 
+from scalefold.errors import UserError
+
 FORMAT_VERSION = 1
 DEFAULT_KEEP_LAST = 3
 HASH_CHUNK_BYTES = 1 << 20
@@ -36,7 +38,7 @@ _TMP_MARKER = ".tmp-"
 PathLike = Union[str, os.PathLike]
 
 
-class CheckpointError(ValueError, RuntimeError):
+class CheckpointError(UserError, ValueError, RuntimeError):
     """A checkpoint file or state dict that cannot be loaded: missing, truncated, corrupt, not a checkpoint,
     or not matching the model (ScaleFold's one checkpoint error; a ``ValueError`` and a ``RuntimeError``
     for the callers of its two former classes)."""

@@ -1,4 +1,4 @@
-"""Data subcommands: ``scalefold preprocess`` and ``scalefold data-stats``.
+"""Data subcommands: ``scalefold preprocess``, ``scalefold data-stats`` and ``scalefold export-chain``.
 
 Heavy imports (gemmi, h5py) happen inside the handlers so ``scalefold --help`` stays fast.
 """
@@ -12,13 +12,15 @@ import math
 from pathlib import Path
 from typing import Any
 
+from scalefold.errors import UserError
+
 # Length-histogram bin edges used by data-stats (residues).
 LENGTH_BINS = (0, 50, 100, 200, 300, 400, 500, 700, 1000, 1500, 2000, 10**9)
 
 
 def add_preprocess_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``preprocess`` and ``data-stats``."""
-    from scalefold.data.mlperf_layout import PICKLE_RISK
+    from scalefold.data.pickle_policy import PICKLE_RISK
 
     p = subparsers.add_parser(
         "preprocess",
@@ -69,12 +71,38 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     """Entry point used by ``scalefold.cli``: preprocess, data-stats, synth, export-chain and bench."""
     from scalefold.commands.bench import add_bench_parser
     from scalefold.commands.synthesize import add_synth_parser
-    from scalefold.inference.export import add_export_parser
 
     add_preprocess_parser(subparsers)
     add_synth_parser(subparsers)
     add_export_parser(subparsers)
     add_bench_parser(subparsers)
+
+
+def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "export-chain",
+        help="write one chain of a store as target.fasta, target.a3m and target_true.pdb (inputs of predict)",
+        description="Export one chain of a dataset store as the inputs of `scalefold predict` plus its true "
+        "structure. Default chain: the first held-out validation chain of the demo preset's split.",
+    )
+    p.add_argument("--store", required=True, help="dataset store (HDF5)")
+    p.add_argument("--chain", help="chain id (default: the first validation chain of the demo split)")
+    p.add_argument("--out-dir", required=True, help="directory to write the three files into")
+    p.set_defaults(handler=_run_export)
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from scalefold.data.store import check_store_file
+    from scalefold.inference.export import export_chain
+
+    check_store_file(args.store)
+    out = Path(args.out_dir)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out-dir {out} is a file (expected a directory to write into)")
+    paths = export_chain(args.store, out, args.chain)
+    for path in paths.values():
+        print(f"wrote {path}")
+    return 0
 
 
 def _check_preprocess_inputs(args: argparse.Namespace) -> None:
@@ -161,7 +189,7 @@ def _run_preprocess(args: argparse.Namespace) -> int:
     import sys
 
     if args.mlperf_dir and not args.allow_pickle:
-        from scalefold.data.mlperf_layout import PICKLE_RISK
+        from scalefold.data.pickle_policy import PICKLE_RISK
 
         print(f"scalefold preprocess: error: --mlperf-dir needs --allow-pickle: {PICKLE_RISK}", file=sys.stderr)
         return 2  # a usage error: an option is missing

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
 EXIT_BAD_INPUT = 3
@@ -240,8 +239,9 @@ def _format_policy(p: dict[str, Any], flop: str, scale: float) -> str:
 
 
 def _bad(message: str) -> int:
-    print(f"scalefold estimate-step: {message}", file=sys.stderr)
-    return EXIT_BAD_INPUT
+    from scalefold.errors import UserError
+
+    raise UserError(message, label="")  # scalefold estimate-step: <message>, exit 3
 
 
 __all__ = ["add_common_arguments", "add_parser", "check_arguments", "format_report", "report", "resolve", "train_config"]

@@ -11,8 +11,6 @@ from typing import Any
 from scalefold.commands.estimate_step import add_common_arguments, check_arguments, resolve, train_config
 from scalefold.commands.estimate_step import add_parser as add_step_parser
 
-EXIT_BAD_INPUT = 3
-
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -97,8 +95,9 @@ def _table(args: argparse.Namespace) -> int:
 
 
 def _bad(message: str) -> int:
-    print(f"scalefold estimate-memory: {message}", file=sys.stderr)
-    return EXIT_BAD_INPUT
+    from scalefold.errors import UserError
+
+    raise UserError(message, label="")  # scalefold estimate-memory: <message>, exit 3
 
 
 __all__ = ["add_parsers"]

@@ -7,9 +7,9 @@ import sys
 
 from scalefold.config.options import add_arguments, overrides_from_args
 from scalefold.config.training import PRESETS, TrainConfig, preset_from_env
+from scalefold.errors import UserError
 
 EXIT_ABORTED = 2  # the run aborted (too many non-finite steps): run_stop status=aborted was logged
-EXIT_BAD_INPUT = 3  # a bad configuration, store, launch environment or checkpoint, refused before training
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
@@ -100,60 +100,24 @@ def step_flops_hooks(cfg: TrainConfig) -> dict:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from scalefold.checkpoint.adapters import StateDictMismatchError
-    from scalefold.checkpoint.files import CheckpointError
-    from scalefold.compilation.graphed_step import CudaGraphsUnavailable
-    from scalefold.distributed.layout import LayoutError
-    from scalefold.distributed.runtime import LaunchError
+    """Every mistake in the input (configuration, store, layout, launch, checkpoint) is a ``UserError`` of the
+    unit that finds it, reported by :mod:`scalefold.cli`; an aborted run is not the user's: its own status."""
     from scalefold.train.reporting import print_run_files
     from scalefold.train.stopping import TrainingAborted
     from scalefold.train.trainer import train
-    from scalefold.train.training_data import StoreNotFoundError
 
     overrides = overrides_from_args(args, TrainConfig)
     overrides.pop("preset")  # chosen first, below
     preset = args.preset or preset_from_env()
     if preset not in PRESETS:
-        print(f"scalefold train: unknown preset {preset!r} from the environment; expected one of {sorted(PRESETS)}",
-              file=sys.stderr)  # fmt: skip
-        return EXIT_BAD_INPUT
-    try:
-        cfg = TrainConfig.from_preset(preset, overrides=overrides, config_file=args.config)
-    except (KeyError, ValueError, FileNotFoundError) as exc:  # bad config file / environment / flag value
-        text = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc  # KeyError's str() adds quotes
-        print(f"scalefold train: configuration error: {text}", file=sys.stderr, flush=True)
-        return EXIT_BAD_INPUT
-    try:
-        cfg = resolve_recompute_policy(cfg)
-    except ValueError as exc:  # PolicyDoesNotFit, or auto without a device memory
-        print(f"scalefold train: configuration error: {exc}", file=sys.stderr, flush=True)
-        return EXIT_BAD_INPUT
+        raise UserError(f"unknown preset {preset!r} from the environment; expected one of {sorted(PRESETS)}", label="")
+    cfg = TrainConfig.from_preset(preset, overrides=overrides, config_file=args.config)
+    cfg = resolve_recompute_policy(cfg)  # PolicyDoesNotFit, or auto without a device memory: a ConfigError
     try:
         result = train(cfg, run_hooks(cfg))
     except TrainingAborted as exc:
         print(f"scalefold train: aborted: {exc}", file=sys.stderr, flush=True)
         return EXIT_ABORTED
-    except LayoutError as exc:  # --dap / --bp / --parallel-evoformer vs the launch's world size
-        print(f"scalefold train: invalid parallel layout: {exc}", file=sys.stderr, flush=True)
-        return EXIT_BAD_INPUT
-    except CudaGraphsUnavailable as exc:  # --cuda-graphs on without CUDA (or with DAP/BP)
-        print(f"scalefold train: configuration error: {exc}", file=sys.stderr, flush=True)
-        return EXIT_BAD_INPUT
-    except CheckpointError as exc:  # corrupt / mismatching --init-from or --resume
-        from scalefold.errors import shorten  # without PyTorch's weights_only advice; --resume lists every file
-
-        print(f"scalefold train: checkpoint error: {shorten(str(exc), None)}", file=sys.stderr, flush=True)
-        if isinstance(exc, StateDictMismatchError) and exc.report.mismatched:  # other widths: another model
-            print(f"scalefold train: this run builds the {cfg.model_preset!r} model preset; a checkpoint of "
-                  "another one (e.g. the narrow demo) needs SCALEFOLD_MODEL_PRESET set as for the run that wrote it",
-                  file=sys.stderr, flush=True)  # fmt: skip
-        return EXIT_BAD_INPUT
-    except StoreNotFoundError as exc:  # --store absent and not to be synthesised
-        print(f"scalefold train: {exc}", file=sys.stderr, flush=True)
-        return EXIT_BAD_INPUT
-    except LaunchError as exc:  # e.g. mpirun without mpi4py
-        print(f"scalefold train: launch error: {exc}", file=sys.stderr, flush=True)
-        return EXIT_BAD_INPUT
     if result.out is not None:
         print_run_files(result.out, cfg.store)
     return 0

@@ -91,7 +91,7 @@ import numpy as np
 import torch
 
 from scalefold.compilation.cuda_graphs import CudaGraphBackend, CudaGraphCache, GraphBackend
-from scalefold.config.training import CUDA_GRAPHS_MODES
+from scalefold.config.training import CUDA_GRAPHS_MODES, ConfigError
 from scalefold.errors import exception_summary
 
 MODES = CUDA_GRAPHS_MODES  # one list: the config validates it too
@@ -101,7 +101,7 @@ VALIDATION_TOLERANCE = 5e-2
 _VALIDATION_SEED = 20240613
 
 
-class CudaGraphsUnavailable(ValueError):
+class CudaGraphsUnavailable(ConfigError):
     """``--cuda-graphs on`` where graphs cannot be used (not CUDA, DAP/BP > 1): refused before training."""
 
 
@@ -417,7 +417,7 @@ def _where(exc: BaseException) -> str:
     """`` at path:line (function)`` of the innermost frame of the ``scalefold`` package, outside this
     machinery, that raised ``exc`` (e.g. the model line doing a host sync), or ``""``."""
     package = Path(__file__).resolve().parents[1]  # .../scalefold
-    ours = {Path(__file__).resolve(), package / "train" / "cuda_graphs.py"}
+    ours = {Path(__file__).resolve(), package / "compilation" / "cuda_graphs.py"}
     for frame in reversed(traceback.extract_tb(exc.__traceback__)):
         path = Path(frame.filename).resolve()
         if path.is_relative_to(package) and path not in ours:

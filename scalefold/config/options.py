@@ -6,14 +6,13 @@ from that declaration:
 * the ``SCALEFOLD_<OPTION>`` environment overrides and the Slurm config variable map
   (:func:`slurm_config_env`, used by :meth:`TrainConfig.with_env`);
 * the flags ``launch/run_and_time.sh`` passes for a ``config_*.sh`` environment
-  (``python -m scalefold.config.slurm slurm-flags``, one argument a line; :func:`slurm_flags`).
+  (``scalefold slurm-flags``, one argument a line; :func:`slurm_flags`).
 
 Standard library only: ``run_and_time.sh`` runs it with whatever ``python3`` the node has.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import types
 import typing
@@ -60,8 +59,9 @@ def _value_type(f: dataclasses.Field, cls: type) -> type:
 # -- command line ----------------------------------------------------------------------------------
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One flag per option declared with ``cli``: default ``None`` (= not given: lower layers decide)."""
+def add_arguments(parser: Any, cls: type) -> None:
+    """One flag per option declared with ``cli`` on ``parser`` (an ``argparse`` parser of :mod:`scalefold.commands`):
+    default ``None`` (= not given: lower layers decide)."""
     for f in _options(cls):
         if not f.metadata.get("cli"):
             continue
@@ -74,8 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             parser.add_argument(flag, dest=f.name, type=kind, choices=f.metadata["choices"], help=help_text)
 
 
-def overrides_from_args(args: argparse.Namespace, cls: type) -> dict[str, Any]:
-    """The options given on the command line (``None``: not given)."""
+def overrides_from_args(args: Any, cls: type) -> dict[str, Any]:
+    """The options given on the command line (``args``: the parsed namespace; ``None``: not given)."""
     return {f.name: getattr(args, f.name) for f in _options(cls) if f.metadata.get("cli")}
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from scalefold.config.options import ENV_PREFIX, env_value_type, option, parse_value, slurm_config_env
+from scalefold.errors import UserError
 
 #: Set by every ``launch/config_*.sh``: its presence says "the environment is a Slurm submission's".
 SLURM_CONFIG_MARKER = "DGXSYSTEM"
@@ -43,6 +44,13 @@ PRESET_NAMES = ("demo", "demo-scratch", "mlperf", "tiny")  # the PRESETS below
 #: whole forwards of other top-level modules too)
 COMPILE_REGION_NAMES = ("elementwise", "evoformer_stack", "extra_msa_stack", "template_pair_stack", "structure_module",
                         "loss", "auxiliary_heads")  # fmt: skip
+
+
+class ConfigError(UserError, ValueError):
+    """A run's options cannot be used: an unknown preset, a bad config file, environment variable or flag
+    value, a policy the device cannot hold (``scalefold train: configuration error: ...``)."""
+
+    label = "configuration error"
 
 
 @dataclass
@@ -162,7 +170,18 @@ class TrainConfig:
         config_file: str | os.PathLike[str] | None = None,
     ) -> TrainConfig:
         """Preset, then ``config_file``, then ``SCALEFOLD_*`` environment variables, then ``overrides``
-        (``None`` values skipped)."""
+        (``None`` values skipped). Any value that cannot be used: :class:`ConfigError` (a ``ValueError``)."""
+        try:
+            return cls._from_preset(name, overrides, env, config_file)
+        except UserError:
+            raise
+        except (KeyError, ValueError, FileNotFoundError) as exc:  # bad preset, config file, environment, value
+            text = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc  # KeyError's str() adds quotes
+            raise ConfigError(str(text)) from exc
+
+    @classmethod
+    def _from_preset(cls, name: str, overrides: Mapping[str, Any] | None, env: Mapping[str, str] | None,
+                     config_file: str | os.PathLike[str] | None) -> TrainConfig:  # fmt: skip
         if name not in PRESETS:
             raise ValueError(f"unknown training preset {name!r}; expected one of {sorted(PRESETS)}")
         cfg = cls(preset=name, **PRESETS[name]())

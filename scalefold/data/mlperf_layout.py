@@ -40,7 +40,9 @@ from scalefold import residue_constants as rc
 from scalefold.data.parsers.hhr import parse_hhr
 from scalefold.data.parsers.mmcif import MmcifChain, MmcifEntry
 from scalefold.data.parsers.msa import merge_msas, parse_a3m, validate_msa
+from scalefold.data.pickle_policy import PICKLE_RISK
 from scalefold.data.templates import TemplateHitFeaturizer, template_cutoff
+from scalefold.errors import UserError
 
 PathLike = Union[str, os.PathLike]
 
@@ -52,13 +54,9 @@ SUPER_INDEX = "super.index"
 A3M_FILES = ("uniref90_hits.a3m", "bfd_uniclust_hits.a3m", "mgnify_hits.a3m")
 HHR_FILE = "pdb70_hits.hhr"
 
-PICKLE_RISK = (
-    "the MLPerf 'dicts/' shards are Python pickles, and unpickling can execute arbitrary code; "
-    "load them only from a source you trust, by passing allow_pickle=True (CLI: --allow-pickle)"
-)
 
 
-class PickleNotAllowedError(PermissionError):
+class PickleNotAllowedError(UserError, PermissionError):
     """Raised when a pickle shard would be read without the explicit opt-in."""
 
 

@@ -18,11 +18,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scalefold.errors import UserError
+
 BP_SIZES = (1, 2)
 
 
-class LayoutError(ValueError):
+class LayoutError(UserError, ValueError):
     """An invalid DP x BP x DAP (+ eval) rank layout (raised before any work starts)."""
+
+    label = "invalid parallel layout"
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from scalefold.distributed.context import ParallelContext, build_parallel_context
 from scalefold.distributed.launch import free_port
 from scalefold.distributed.layout import ParallelLayout
-from scalefold.errors import exception_summary
+from scalefold.errors import UserError, exception_summary
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
@@ -49,8 +49,10 @@ SLURM_PORT_RANGE = 20000
 DEFAULT_TIMEOUT_S = 1800
 
 
-class LaunchError(RuntimeError):
+class LaunchError(UserError, RuntimeError):
     """The launch environment cannot be used as it is (e.g. ``mpirun`` without mpi4py)."""
+
+    label = "launch error"
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""``scalefold export-chain``: one chain of a store as the files ``scalefold predict`` reads.
+"""``scalefold export-chain``'s work (its command line: :mod:`scalefold.commands.data`): one chain of a store as the files ``scalefold predict`` reads.
 
 Writes ``target.fasta`` (the sequence), ``target.a3m`` (the stored MSA, query first) and
 ``target_true.pdb`` (the stored true structure, all atoms; B-factors 0), so a prediction of the
@@ -13,7 +13,6 @@ drop and count, so the exported file gives back exactly the stored rows and dele
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 
@@ -74,30 +73,4 @@ def export_chain(store_path: str | os.PathLike[str], out_dir: str | os.PathLike[
     return paths
 
 
-def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "export-chain",
-        help="write one chain of a store as target.fasta, target.a3m and target_true.pdb (inputs of predict)",
-        description="Export one chain of a dataset store as the inputs of `scalefold predict` plus its true "
-        "structure. Default chain: the first held-out validation chain of the demo preset's split.",
-    )
-    p.add_argument("--store", required=True, help="dataset store (HDF5)")
-    p.add_argument("--chain", help="chain id (default: the first validation chain of the demo split)")
-    p.add_argument("--out-dir", required=True, help="directory to write the three files into")
-    p.set_defaults(handler=_run_export)
-
-
-def _run_export(args: argparse.Namespace) -> int:
-    from scalefold.data.store import check_store_file
-
-    check_store_file(args.store)
-    out = Path(args.out_dir)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out-dir {out} is a file (expected a directory to write into)")
-    paths = export_chain(args.store, out, args.chain)
-    for path in paths.values():
-        print(f"wrote {path}")
-    return 0
-
-
-__all__ = ["FILE_NAMES", "add_export_parser", "default_chain", "export_chain", "msa_to_a3m"]
+__all__ = ["FILE_NAMES", "default_chain", "export_chain", "msa_to_a3m"]

@@ -32,6 +32,7 @@ import torch
 
 from scalefold.checkpoint import adapters
 from scalefold.checkpoint import files as checkpoint_io
+from scalefold.errors import UserError
 from scalefold.model import AlphaFold, AlphaFoldConfig
 
 PathLike = Union[str, os.PathLike]
@@ -51,7 +52,7 @@ def plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
-class InferenceError(ValueError):
+class InferenceError(UserError, ValueError):
     """Bad input to ``predict`` / ``evaluate``: the message says what and where."""
 
 

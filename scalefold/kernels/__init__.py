@@ -19,13 +19,14 @@ Kernels (``scalefold.kernels.triton_ops`` registers them as ``torch.ops.scalefol
 :func:`attention` (``attention_triton``), :func:`layer_norm` (``layer_norm_triton``),
 :func:`adam_swa_` (``adam_swa_triton``) and :func:`triangle_multiplication` (``trimul_triton``). Their
 launch configs come from the table shipped in the package (``launch_table``: per GPU architecture,
-kernel, dtype and shape class; no autotuning at start-up), timed only with ``SCALEFOLD_AUTOTUNE=1`` (``autotune``); ``scalefold tune-kernels``
-(``tune``) times the candidates on a GPU and writes the table. The flat
+kernel, dtype and shape class; no autotuning at start-up), timed only with ``SCALEFOLD_AUTOTUNE=1``
+(``autotune``); ``scalefold tune-kernels`` times the candidates on a GPU and writes the table. The flat
 optimizer (``scalefold.optim.adam_swa``) steps through :func:`adam_swa_`: training and the
 kernel tests share one Adam+SWA reference.
-``python -m scalefold.kernels.aot`` compiles every one of them, for every candidate config (or, with
+``scalefold aot-check`` compiles every one of them, for every candidate config (or, with
 ``--table``, every table entry), for H100 (sm_90) and A100 (sm_80) without a GPU, and reports
-registers, shared memory and spills.
+registers, shared memory and spills. Those tools live above the model (``scalefold.kerneltools``):
+nothing here knows them.
 """
 
 from __future__ import annotations
@@ -42,11 +43,9 @@ import torch.nn.functional as F
 # Without CUDA the Triton kernels run in Triton's interpreter. Triton reads TRITON_INTERPRET when it is
 # first imported (its standard library's @jit functions are made then), and torch.compile's inductor may
 # import it before the kernels do: so the switch is set here, when the kernels' package is imported (the
-# model imports it), unless the environment already says otherwise.
-# ``python -m scalefold.kernels.aot`` compiles the kernels for real GPUs: the interpreter stays off there.
-if "scalefold.kernels.aot" in getattr(sys, "orig_argv", ()):
-    os.environ["TRITON_INTERPRET"] = "0"
-elif not torch.cuda.is_available():
+# model imports it), unless the environment already says otherwise. (A tool that compiles the kernels for
+# real GPUs switches it off itself before it imports the kernel modules.)
+if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from scalefold.kernels import elementwise, reference  # noqa: E402

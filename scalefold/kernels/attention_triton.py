@@ -630,7 +630,7 @@ def _block_d(d: int) -> int:
 # Candidate launch configs per program for tensor-core dots (fp16/bf16, fp32 under allow_tf32):
 # autotune.Tuner's list, the first is the default (launched where the launch-config table has no
 # entry, and the table's "untimed defaults"); a dict may map a compute capability to its own list. Checked ahead of time for sm_90 and sm_80 at every MLPerf
-# call site by ``python -m scalefold.kernels.aot`` (bench/RESULTS.md): each compiles and fits
+# call site by ``scalefold aot-check`` (bench/RESULTS.md): each compiles and fits
 # shared memory, the defaults do not spill registers -- with Triton 3.9 (here) and 3.6 (the lent
 # H100/H200 image), both checked. The dQ/dbias kernel holds the most tiles (S, P, dP, dS, the dbias
 # accumulator): BLOCK_N 64 spilled there, so its default is 64 x 32 on 8 warps; the forward's 64 x 64

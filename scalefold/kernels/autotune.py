@@ -20,7 +20,7 @@ launch config (block sizes, ``num_warps``, ``num_stages``) for a :class:`Key` --
   :func:`share_from_rank0` broadcasts rank 0's table to every rank when ``torch.distributed`` is
   initialised, so all ranks launch identical configs. Call it after a warm-up step. On the first
   GPU session (an H200) this timing took longer than a whole 70 s demo run: it is for measuring,
-  not for start-up. ``scalefold tune-kernels`` (:mod:`scalefold.kernels.tune`) times the
+  not for start-up. ``scalefold tune-kernels`` (:mod:`scalefold.kerneltools.tune`) times the
   candidates at the MLPerf shapes once and writes a table instead.
 
 Unlike ``triton.autotune`` the benchmark runs through a caller-supplied launch function, so an
@@ -30,7 +30,7 @@ tensor's ``_version`` inside an autograd Function.
 Candidates may differ per GPU architecture (``configs`` maps a compute capability such as 90 or
 80 to its list; a device uses the entry of the highest capability not above its own): which
 candidates compile and fit an architecture's shared memory is checked ahead of time, without a
-GPU, by ``python -m scalefold.kernels.aot`` (``--table`` checks the table's entries).
+GPU, by ``scalefold aot-check`` (``--table`` checks the table's entries).
 
 Under ``TRITON_INTERPRET=1`` (CPU) or without CUDA nothing is timed or looked up: the single
 interpreter config is used.

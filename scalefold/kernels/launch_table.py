@@ -21,10 +21,10 @@ autotuning at start-up.
 
 Each architecture says where its entries come from in ``source``: ``"untimed defaults"`` (each
 kernel's default config, checked ahead of time to compile for that architecture without spills:
-``python -m scalefold.kernels.aot --table``; written by ``scalefold tune-kernels --untimed-defaults``)
+``scalefold aot-check --table``; written by ``scalefold tune-kernels --untimed-defaults``)
 or ``"tuned on <GPU>, <date>"`` (``scalefold tune-kernels`` timed the candidates on that GPU; its
 ``timings`` give the best and the default config's milliseconds per key). The entries cover every
-Triton kernel at the MLPerf call sites (:func:`scalefold.kernels.aot.all_sites`) in bf16, tf32 and
+Triton kernel at the MLPerf call sites (:func:`scalefold.kerneltools.sites.all_sites`) in bf16, tf32 and
 fp32; a key not in the table (other shapes, e.g. the demo's) uses the kernel's default config.
 
 Faults never stop a run and never start autotuning: a missing or unreadable table, or one of another
@@ -44,6 +44,8 @@ import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+from scalefold.errors import UserError
+
 FORMAT = "scalefold-launch-configs/1"
 PATH_ENV = "SCALEFOLD_LAUNCH_CONFIGS"
 SHIPPED = Path(__file__).with_name("launch_configs.json")
@@ -59,8 +61,8 @@ _active: tuple[str, Table] | None = None  # (path, table) of the table in use
 _said: set[str] = set()  # one-line notices already printed
 
 
-class TableError(ValueError):
-    """A file that is not a launch-config table of this format."""
+class TableError(UserError, ValueError):
+    """A file that is not a launch-config table of this format (``SCALEFOLD_LAUNCH_CONFIGS``, ``--table``)."""
 
 
 def arch_name(capability: int) -> str:

@@ -1,6 +1,6 @@
 """The MLPerf side of a training run: which file, the init block, and the train-eval cycles.
 
-The logger itself (:mod:`.mlperf_logging`) writes events; this component knows the run: the log is
+The logger itself (:mod:`.logger`) writes events; this component knows the run: the log is
 named once the starting point is known (a resumed run logs its own init..run_stop sequence to
 ``mlperf_resumed_<iteration>.log``, as the compliance checker expects one run per file), the init block
 is filled from the run's options, and a cycle of ``eval_every`` steps opens with ``epoch_start`` and

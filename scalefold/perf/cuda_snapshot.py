@@ -95,7 +95,7 @@ _PACKAGE_ENTRIES = frozenset(
 
 
 def project_path(filename: str, prefix: str = "scalefold/") -> str | None:
-    """``filename`` from its last ``prefix`` on (``scalefold/model/x.py``), or None where it is not the
+    """``filename`` from its last ``prefix`` on (``scalefold/model/triangle.py``), or None where it is not the
     project's. For the default prefix the next path part must be one of the package's entries."""
     i = filename.rfind(prefix)
     while i > 0 and filename[i - 1] != "/":

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from scalefold.config.training import TrainConfig
+from scalefold.config.training import ConfigError, TrainConfig
 
 GiB = 2**30
 #: bench/RESULTS.md, "First GPU contact" (H200, torch 2.11, code at 5133cc2): ``max_memory_allocated`` of
@@ -87,7 +87,7 @@ def block_counts(cfg: TrainConfig) -> list[tuple[str, int]]:
     return [(name, sizes[name]) for name in CHECKPOINT_STACKS if sizes[name]]
 
 
-class PolicyDoesNotFit(ValueError):
+class PolicyDoesNotFit(ConfigError):
     """A policy whose calibrated peak exceeds the device (the message names the smallest ``N`` that fits)."""
 
 
@@ -231,23 +231,26 @@ def resolve_policy(
     device's memory). ``auto``: the smallest ``N`` that fits; ``on`` / ``off`` / ``N``: that policy,
     refused with :class:`PolicyDoesNotFit` (naming the prediction and the smallest ``N`` that fits)
     when it does not fit. Without a capacity (no CUDA, none given): ``None`` for an explicit policy;
-    ``auto`` raises ``ValueError``. ``estimate(cfg)`` (a MemoryEstimate or StepCount) replaces the fake
+    ``auto`` raises :class:`~scalefold.config.training.ConfigError`. ``estimate(cfg)`` (a MemoryEstimate or StepCount) replaces the fake
     step (default :func:`scalefold.perf.flops.count_step`, cached: the FLOPs of every policy tried).
-    A ``PolicyDoesNotFit`` is a ``ValueError``: the command line reports it as an input error."""
+    A ``PolicyDoesNotFit`` is a ``ConfigError`` (a ``ValueError``): the command line reports it as an input error."""
     from scalefold.config.recompute import parse_checkpointing
 
     policy = parse_checkpointing(cfg.activation_checkpointing)
     capacity = capacity_bytes if capacity_bytes is not None else device_capacity(device)
     if capacity is None:
         if policy == "auto":
-            raise ValueError("activation checkpointing auto needs the device memory: run on CUDA or give "
-                             "--device-memory-gib")  # fmt: skip
+            raise ConfigError("activation checkpointing auto needs the device memory: run on CUDA or give "
+                              "--device-memory-gib")  # fmt: skip
         return None
     search = _Search(cfg, capacity, estimate)
     if policy != "auto":
         n = search.total if policy is True else 0 if policy is False else int(policy)
         if n > search.total:
-            search.choice(n)  # raises, naming the blocks there are
+            try:
+                search.choice(n)  # raises, naming the blocks there are
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from exc
         if search(n).fits:
             return search.choice(n)
         head = search.too_big(n)

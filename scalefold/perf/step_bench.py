@@ -20,11 +20,8 @@ and every repeat's time, so a figure can be judged. Nothing here asserts a speed
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -312,54 +309,6 @@ def format_result(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def cmd_bench_step(args: argparse.Namespace) -> int:
-    from scalefold.config.training import PRESETS
-
-    if args.preset not in PRESETS:
-        print(f"scalefold bench step: unknown preset {args.preset!r}; expected one of {sorted(PRESETS)}", file=sys.stderr)
-        return 3
-    if args.repeats < 1 or args.warmup < 1:
-        print("scalefold bench step: --repeats and --warmup must be >= 1", file=sys.stderr)
-        return 3
-    overrides = {"precision": args.precision, "crop_size": args.crop}
-    try:
-        cfg = TrainConfig.from_preset(args.preset, overrides={k: v for k, v in overrides.items() if v is not None})
-    except ValueError as exc:
-        print(f"scalefold bench step: {exc}", file=sys.stderr)
-        return 3
-    from scalefold.compilation.cache import configure_compile_cache
-    from scalefold.compilation.regions import ALL_REGIONS, ELEMENTWISE_REGION, elementwise_chains
-
-    regions = tuple(r.strip() for r in (args.regions or "").split(",") if r.strip()) or None
-    try:
-        for r in regions or ():
-            if r.startswith(ELEMENTWISE_REGION + ":"):
-                elementwise_chains(r)
-            elif r not in ALL_REGIONS and r != "auxiliary_heads":
-                raise ValueError(f"unknown region {r!r}; expected some of {', '.join(ALL_REGIONS)} "
-                                 f"or {ELEMENTWISE_REGION}:<chain>")  # fmt: skip
-        if args.call_sites:
-            from scalefold.perf.compile_sites import check_regions
-
-            check_regions(regions)
-            args.compile = True
-    except ValueError as exc:
-        print(f"scalefold bench step: {exc}", file=sys.stderr)
-        return 3
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    log = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
-    cache = configure_compile_cache(args.compile_cache) if args.compile else None  # before anything compiles
-    result = run_step_benchmark(cfg, compile=args.compile, regions=regions, backend=args.backend, repeats=args.repeats,
-                                warmup=args.warmup, per_region=args.per_region, strict=args.strict, log=log,
-                                compile_cache=cache, compile_only=args.compile_only,
-                                call_sites=args.call_sites)  # fmt: skip
-    if not args.call_sites:
-        add_throughput(result, cfg)
-    print(json.dumps(result) if args.json else format_result(result), flush=True)
-    return 0
-
-
 def add_throughput(result: dict[str, Any], cfg: TrainConfig) -> None:
     """``flops_mean`` / ``model_flops_mean`` of the step (:func:`scalefold.perf.flops.run_flops_table`, over
     the uniform recycling draw a cycle takes) and each timed configuration's ``<config>_tflops`` (executed
@@ -388,41 +337,4 @@ def add_throughput(result: dict[str, Any], cfg: TrainConfig) -> None:
                 result[f"{key}_mfu"] = round(model / seconds / peak, 5)
 
 
-def add_bench_step_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
-    """``step`` under the ``scalefold bench`` sub-parser group."""
-    p = bench_subparsers.add_parser(
-        "step", help="training step time, eager vs torch.compile (graph breaks and recompiles counted)",
-        description="Time one training step (synthetic batch of the preset's shapes; recycling counts 0..R-1 in turn) "
-        "eager and, with --compile, compiled, in one process; medians over --repeats after --warmup cycles. "
-        "See scalefold/perf/step_bench.py.",
-    )  # fmt: skip
-    p.add_argument("--preset", default="demo", help="training preset (demo, tiny, mlperf; default demo)")
-    p.add_argument("--compile", action="store_true", help="also time the step with compile_blocks applied")
-    p.add_argument("--regions", help="comma-separated regions to compile (default: elementwise, the model's "
-                   "elementwise chains that pay on the device; elementwise:all, elementwise:<chain>+<chain>; also "
-                   "evoformer_stack, extra_msa_stack, template_pair_stack, structure_module, loss, auxiliary_heads: "
-                   "whole blocks)")  # fmt: skip
-    p.add_argument("--per-region", action="store_true", help="also each region compiled alone: its compile seconds "
-                   "and step-time gain (default regions: each elementwise chain alone)")
-    p.add_argument("--compile-cache", metavar="DIR", help="persistent inductor/Triton cache (a subfolder per "
-                   "torch/Triton/device; default ~/.cache/scalefold/compile; off: torch's defaults); a second run "
-                   "with the same code, shapes and versions starts warm")  # fmt: skip
-    p.add_argument("--compile-only", action="store_true", help="with --compile: measure compile_s only (no eager "
-                   "or compiled timing: for shapes whose steps are slow here, e.g. --preset mlperf on a CPU)")
-    p.add_argument("--call-sites", action="store_true", help="with --compile: compile each region at the call "
-                   "sites the preset's step makes (recorded on fake tensors; default regions: every elementwise chain "
-                   "and one block of each stack), without running the step: compile seconds per region at shapes "
-                   "whose step is too slow to run here (e.g. --preset mlperf on a CPU)")  # fmt: skip
-    p.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
-    p.add_argument("--strict", action="store_true", help="fail on any graph break or recompilation")
-    p.add_argument("--precision", choices=("fp32", "bf16"), help="default: the preset's")
-    p.add_argument("--crop", type=int, help="crop size override")
-    p.add_argument("--repeats", type=int, default=5, help="timed cycles (default 5)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed cycles first (default 2)")
-    p.add_argument("--threads", type=int, help="torch intra-op threads (default torch's; 1 is steadier on a loaded box)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(handler=cmd_bench_step)
-    return p
-
-
-__all__ = ["add_bench_step_parser", "add_throughput", "cmd_bench_step", "format_result", "run_step_benchmark"]
+__all__ = ["add_throughput", "format_result", "run_step_benchmark"]

@@ -169,7 +169,7 @@ def final_report(preset: str, out: Path, metrics_path: Path, result: TrainResult
 
 def time_to_train_line(clock: Any, result: TrainResult) -> str:
     """MLPerf's time to train (``run_start`` to ``run_stop``, summed over the segments of a resumed run:
-    ``clock`` is the run's :class:`~.checkpointing.RunClock`) with the status and the lDDT-Cα before/after."""
+    ``clock`` is the run's :class:`~scalefold.mlperf.clock.RunClock`) with the status and the lDDT-Cα before/after."""
     line = f"time to train: {clock.total_s():.1f} s (run_start to run_stop"
     if clock.segments_before:
         line += (f", {clock.segments_before + 1} segments: {clock.before_s:.1f} s up to the checkpoint of step "

@@ -5,11 +5,12 @@
 * ``--resume``: the newest of our own checkpoints that loads, chosen by the main training rank and
   announced to every rank (:func:`choose_resume_checkpoint`), restored by :func:`resume_from_checkpoint`;
 * :class:`CheckpointPolicy`: every ``checkpoint_every`` steps and at a requested stop, written by the main
-  training rank (atomic, the newest ``keep_last`` kept: :class:`~.checkpoint_io.CheckpointManager`).
+  training rank (atomic, the newest ``keep_last`` kept: :class:`~scalefold.checkpoint.files.CheckpointManager`).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,22 @@ from scalefold.model.factory import model_options
 from scalefold.optim.adam_swa import FlatAdamSWA
 
 
+def _run_checkpoint_error(fn):
+    """A checkpoint the run cannot start from is reported as ``scalefold train: checkpoint error: ...``, every
+    line of it (``--resume`` names each file it could not load)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except CheckpointError as exc:
+            exc.label, exc.max_lines = "checkpoint error", None
+            raise
+
+    return wrapper
+
+
+@_run_checkpoint_error
 def init_from_checkpoint(path: str, model: AlphaFold, opt: FlatAdamSWA, hash_file: bool = True) -> tuple[int, str | None]:
     """Load a reference-format checkpoint (weights strictly, Adam moments onto the flat buffers).
 
@@ -98,6 +115,7 @@ def save_checkpoint(
     return checkpoints.save(ckpt)
 
 
+@_run_checkpoint_error
 def resume_from_checkpoint(ckpt: dict[str, Any], cfg: TrainConfig, model: AlphaFold, opt: FlatAdamSWA,
                            source: Any = "checkpoint") -> int:  # fmt: skip
     """Restore weights, Adam and SWA state and RNG state of one of our checkpoints; returns its step.
@@ -124,7 +142,11 @@ def resume_from_checkpoint(ckpt: dict[str, Any], cfg: TrainConfig, model: AlphaF
         raise CheckpointError(f"{source}: not a resumable ScaleFold checkpoint, missing {missing}")
     report = compare_state_dict(model, ckpt["alphafold_state_dict"])
     if not report.ok:
-        raise StateDictMismatchError(report)
+        error = StateDictMismatchError(report)
+        if report.mismatched:  # other widths: another model
+            error.hint = (f"this run builds the {cfg.model_preset!r} model preset; a checkpoint of another one (e.g. "
+                          "the narrow demo) needs SCALEFOLD_MODEL_PRESET set as for the run that wrote it")  # fmt: skip
+        raise error
     model.load_state_dict(ckpt["alphafold_state_dict"])  # copies into the flat master views
     opt.load_state_dict(ckpt["optimizer_state_dict"])
     opt.load_swa_state_dict(ckpt["swa_state_dict"])
@@ -137,6 +159,7 @@ def resume_from_checkpoint(ckpt: dict[str, Any], cfg: TrainConfig, model: AlphaF
     return step
 
 
+@_run_checkpoint_error
 def choose_resume_checkpoint(cfg: TrainConfig, runtime: Runtime, checkpoints: CheckpointManager) -> tuple[Path | None, dict | None]:
     """``--resume``: (path, content) of the newest checkpoint that loads, ``(None, None)`` when there is no
     checkpoint at all (a fresh start). The main training rank chooses and tells every rank (collective

@@ -1,9 +1,9 @@
 """The training loop of ``scalefold train``: :func:`train` and the :class:`Trainer` (build -> warm-up ->
-step loop -> finish). Its parts are components in their own modules; the step arithmetic is in :mod:`.steps`.
+step loop -> finish). Its parts are components in their own modules; the step arithmetic is in :mod:`.step`.
 
 One step (supplement 1.11, MLPerf HPC OpenFold), on every data-parallel rank:
 
-1. take the next ready batch (:class:`~.run_data.TrainingData`: the priority-queue loader, ``[1, ..., R]``;
+1. take the next ready batch (:class:`~.training_data.TrainingData`: the priority-queue loader, ``[1, ..., R]``;
    one loader per DAP group / BP pair; a sample the loader gives up on is replaced, so every rank takes
    exactly ``max_steps`` steps);
 2. draw the recycling count ``n`` uniformly from ``{0 .. R-1}`` (a function of seed and step, so
@@ -11,18 +11,18 @@ One step (supplement 1.11, MLPerf HPC OpenFold), on every data-parallel rank:
 3. seed the forward pass from (seed, data-parallel rank, step) (dropout);
 4. forward (no-grad recycling passes, CUDA-graphed where possible, then one grad pass), loss, backward;
    with several ranks DDP averages the gradients and its communication hook accumulates the squared
-   norm of each reduced bucket (:class:`~.grad_clipping.GradClipper`), single-process runs take the
+   norm of each reduced bucket (:class:`~scalefold.optim.clipping.GradClipper`), single-process runs take the
    norm of the flat gradient buffers;
 5. one clip scale per step; a non-finite loss or gradient skips the step (counted; too many in a row
    abort the run with ``run_stop status=aborted``: :class:`~.stopping.NonFiniteGuard`);
 6. Adam + SWA over flat buffers (``FlatAdamSWA``) with the warm-up learning rate.
 
-Components the loop calls: evaluation at the end of each train-eval cycle (:mod:`.evaluation`:
+Components the loop calls: evaluation at the end of each train-eval cycle (:mod:`scalefold.evaluation`:
 synchronous on the main training rank, or on the last ``num_async_eval_ranks`` ranks, which
-:func:`train` sends to :func:`~.evaluation.serve_evaluations` before any training setup), the checkpoint
-policy and the starting point (:mod:`.checkpointing`), the MLPerf cycles (:mod:`.mlperf_run`), the
-CUDA-graphed forward (:mod:`.graphed_step`), stop handling (:mod:`.stopping`: SIGTERM / SIGUSR1:
-checkpoint at the end of the step and exit 0) and the run's records (:mod:`.run_log`). Outputs (main
+:func:`train` sends to :func:`~scalefold.evaluation.server.serve_evaluations` before any training setup), the checkpoint
+policy and the starting point (:mod:`.run_checkpoints`), the MLPerf cycles (:mod:`scalefold.mlperf.cycles`), the
+CUDA-graphed forward (:mod:`scalefold.compilation.graphed_step`), stop handling (:mod:`.stopping`: SIGTERM / SIGUSR1:
+checkpoint at the end of the step and exit 0) and the run's records (:mod:`.reporting`). Outputs (main
 training rank only) in ``out``: ``metrics.jsonl`` (strict JSON: a non-finite value is ``null``),
 ``mlperf.log`` (a resumed run: ``mlperf_resumed_<step>.log``), ``checkpoints/``, ``curves.png``.
 """
@@ -83,6 +83,7 @@ from scalefold.train.run_checkpoints import (
     resume_from_checkpoint,
     save_checkpoint,
 )
+from scalefold.train.run_directory import check_out, check_starting_point, check_store, clear_previous_run, ensure_store
 from scalefold.train.step import TrainingStep, forward_seed, make_optimizer, nonfinite_terms_to_nan, recycling_count
 from scalefold.train.stopping import (
     NonFiniteGuard,
@@ -90,17 +91,7 @@ from scalefold.train.stopping import (
     TrainingAborted,
     start_multiprocessing_helpers_ignoring_stop_signals,
 )
-from scalefold.train.training_data import (
-    TrainingData,
-    check_out,
-    check_starting_point,
-    check_store,
-    clear_previous_run,
-    day_before,
-    ensure_store,
-    split_chains,
-    validation_chain_ids,
-)
+from scalefold.train.training_data import TrainingData, day_before, split_chains, validation_chain_ids
 
 
 @dataclass
@@ -129,7 +120,7 @@ def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
     """Run ``cfg`` on every rank of the launch; returns a summary (everything else is in ``cfg.out``).
 
     Raises :class:`TrainingAborted` (after logging ``run_stop status=aborted``) when the run aborts,
-    :class:`~.run_data.StoreNotFoundError` when the store is missing and may not be synthesised,
+    :class:`~.run_directory.StoreNotFoundError` when the store is missing and may not be synthesised,
     :class:`~scalefold.distributed.layout.LayoutError` when the rank layout does not fit the launch.
     """
     check_store(cfg)  # every rank, before anything is logged: a missing store is a configuration error

@@ -248,7 +248,8 @@ def test_synthetic_warm_up_batch_has_the_training_shapes(tmp_path):
     from scalefold.data.dataset import StoreSample
     from scalefold.data.store import Store
     from scalefold.model.factory import build_model, build_model_config
-    from scalefold.train.training_data import ensure_store, split_chains
+    from scalefold.train.run_directory import ensure_store
+    from scalefold.train.training_data import split_chains
 
     cfg = TrainConfig.from_preset("tiny", overrides={"store": str(tmp_path / "s.h5"), "synth_num_chains": 6}, env={})
     ensure_store(cfg)

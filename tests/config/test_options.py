@@ -66,10 +66,10 @@ def test_slurm_flags_command_needs_only_the_standard_library():
     """run_and_time.sh runs the module with the node's python3: no site-packages (``-S``: no torch) needed."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SCALEFOLD_")}
     env.update(PYTHONPATH=str(REPO), DAP_SIZE="2", VAL_EVERY="40")
-    proc = subprocess.run([sys.executable, "-S", "-m", "scalefold.config.slurm", "slurm-flags"], env=env,
+    proc = subprocess.run([sys.executable, "-S", "-m", "scalefold", "slurm-flags"], env=env,
                           capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["--eval-every", "40", "--dap", "2"]
-    bad = subprocess.run([sys.executable, "-S", "-m", "scalefold.config.slurm", "slurm-flags"],
+    bad = subprocess.run([sys.executable, "-S", "-m", "scalefold", "slurm-flags"],
                          env={**env, "SEED": "x"}, capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
     assert bad.returncode == 3 and "SEED='x'" in bad.stderr and "Traceback" not in bad.stderr

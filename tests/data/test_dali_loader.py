@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from scalefold.commands.bench import SimulatedSample
 from scalefold.data.dataset import StoreSample
 from scalefold.data.loader import InOrderLoader
 from scalefold.data.pipeline import FeatureConfig
+from scalefold.perf.loader_bench import SimulatedSample
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))  # appended: shadows nothing
 from dali_loader import DaliLoader, dali_available  # noqa: E402

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from scalefold.commands.bench import SimulatedSample
 from scalefold.data.loader import InOrderLoader, PriorityQueueLoader, Sampler
+from scalefold.perf.loader_bench import SimulatedSample
 
 FAST = 0.01  # seconds per ordinary sample
 

@@ -4,7 +4,7 @@ The interpreter tests beside this one cannot show that a kernel compiles for a r
 interpreter accepts ``tl.dot`` tiles under 16, any amount of shared memory, bf16 paths it never
 really runs). Here Triton compiles to cubin for H100 (sm_90) and A100 (sm_80) through the
 wheel's ``ptxas``: the default config of every program, at representative MLPerf call sites, in
-bf16 and fp32. The full sweep (every site, candidate, dtype) is ``python -m scalefold.kernels.aot``.
+bf16 and fp32. The full sweep (every site, candidate, dtype) is ``scalefold aot-check``.
 
 The compile runs in a subprocess: this test session has already defined the kernels in
 interpreter mode (conftest), and a compile needs real ``JITFunction`` objects.
@@ -20,7 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from scalefold.kernels import aot
+from scalefold import cli
+from scalefold.errors import EXIT_USER_ERROR
+from scalefold.kerneltools import compile_report as aot
+from scalefold.kerneltools.sites import ARCHS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,7 +51,7 @@ def _cuda_toolchain_or_skip() -> None:
     if "nvidia" not in backends:
         pytest.skip(f"triton {triton.__version__} has no CUDA backend (backends: {sorted(backends)})")
     for tool in ("ptxas", "cuobjdump"):
-        path = Path(aot._tool(tool))
+        path = Path(aot.tool_path(tool))
         if not path.exists():
             pytest.skip(f"{tool} not shipped with triton {triton.__version__} (looked for {path})")
         try:
@@ -68,7 +71,7 @@ def _run_aot(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "SCALEFOLD_KERNELS")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     return subprocess.run(
-        [sys.executable, "-m", "scalefold.kernels.aot", *args], cwd=ROOT, env=env, capture_output=True, text=True
+        [sys.executable, "-m", "scalefold", "aot-check", *args], cwd=ROOT, env=env, capture_output=True, text=True
     )
 
 
@@ -95,7 +98,7 @@ def test_default_configs_compile_for_h100_and_a100_without_spills(triton_cache):
         assert r["default"], where
         assert r["ok"] and r["error"] is None, f"{where}: {r['error']}"
         assert 0 < r["registers"] <= 255, where
-        assert r["shared_bytes"] <= aot.ARCHS[r["arch"]][1], where
+        assert r["shared_bytes"] <= ARCHS[r["arch"]][1], where
         assert r["spill_bytes"] == 0, f"{where}: spills {r['spill_bytes']} B"
     sites = {s for r in records for s in r["sites"]}
     assert sites == set(CI_SITES)
@@ -105,7 +108,7 @@ def test_default_configs_compile_for_h100_and_a100_without_spills(triton_cache):
 # architectures at CI_SITES, in one process (~20 compiles, most found in the cache the defaults' test
 # filled). The whole table (every architecture, dtype and site: 186 compiles, 4.5 min on the loaded
 # 2-core box) is the command
-#   python -m scalefold.kernels.aot --table --jobs 2
+#   scalefold aot-check --table --jobs 2
 TABLE_SAMPLE = [("sm_90", "bf16"), ("sm_80", "bf16")]
 
 
@@ -130,7 +133,7 @@ def test_launch_table_entries_compile_without_spills(triton_cache):
     for r in records:
         where = f"{r['kernel']} {r['dtype']} {r['arch']} {r['config']} at {r['sites']}"
         assert r["ok"] and r["error"] is None and r["spill_bytes"] == 0, where
-        assert r["shared_bytes"] <= aot.ARCHS[r["arch"]][1], where
+        assert r["shared_bytes"] <= ARCHS[r["arch"]][1], where
 
 
 @pytest.mark.slow
@@ -162,7 +165,7 @@ def test_unknown_site_is_a_short_error():
     """A mistyped --site ends in a one-line message naming it (exit 3), not a traceback."""
     _cuda_toolchain_or_skip()
     proc = _run_aot("--site", "msa_rows", "--no-progress")
-    assert proc.returncode == aot.EXIT_BAD_INPUT
+    assert proc.returncode == EXIT_USER_ERROR
     assert "msa_rows" in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -173,7 +176,7 @@ def test_too_old_or_missing_triton_is_a_short_error(version, monkeypatch, capsys
     from scalefold import kernels
 
     monkeypatch.setattr(kernels, "triton_version", lambda: version)
-    assert aot.main(["--default-only", "--no-progress"]) == 2
+    assert cli.main(["aot-check", "--default-only", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
     assert "triton>=3.5" in err.replace(" ", "").lower() and "\n" not in err
     if version:
@@ -185,7 +188,7 @@ def test_too_old_or_missing_triton_is_a_short_error(version, monkeypatch, capsys
 def _record(**kw) -> aot.Record:
     base = dict(kernel="attention_fwd", dtype="bf16", arch="sm_90", config={"BLOCK_M": 64, "num_warps": 4},
                 default=True, ok=True, error=None, registers=128, shared_bytes=1024, spill_bytes=0,
-                shared_limit=aot.ARCHS["sm_90"][1], candidates=[], sites=["msa_row"], compile_s=1.0)  # fmt: skip
+                shared_limit=ARCHS["sm_90"][1], candidates=[], sites=["msa_row"], compile_s=1.0)  # fmt: skip
     base.update(kw)
     return aot.Record(**base)
 

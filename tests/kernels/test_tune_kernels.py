@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from scalefold import cli
-from scalefold.kernels import autotune, launch_table, tune
+from scalefold.kernels import autotune, launch_table
+from scalefold.kerneltools import tune
 
 ROOT = Path(__file__).resolve().parents[2]
 CANDIDATES = [{"B": 64, "num_warps": 4}, {"B": 128, "num_warps": 8}, {"B": 256, "num_warps": 8}]
@@ -167,8 +168,9 @@ def test_results_hold_no_nan(capsys):
 # capture), timed by a simulated benchmark -- every key the plan lists is timed, once.
 _WIRING = """
 import json, math, sys
-from scalefold.kernels import aot, autotune, launch_table, tune
-aot._kernel_modules()
+from scalefold.kernels import autotune, launch_table
+from scalefold.kerneltools import sites as aot, tune
+aot.kernel_modules()
 sites = sys.argv[1:]
 real_get_tuner = autotune.get_tuner
 planned = tune.plan(90, ["bf16", "tf32"], sites)
@@ -178,7 +180,7 @@ def bench(fn):
     calls.append(1)
     fn()
     return 1.0 + 0.1 * sum(v for k, v in fn.args[0].items() if k.startswith("BLOCK"))
-with aot.capturing(aot._Context(), 90, launch_table.Table()), tune.timing(state, bench, real_get_tuner):
+with aot.capturing(aot.CaptureContext(), 90, launch_table.Table()), tune.timing(state, bench, real_get_tuner):
     skipped = tune.run_sites(state, ["bf16", "tf32"], sites, device="meta")
 table = tune.merge_results(launch_table.Table(), "sm_90", "Test GPU", state, ["bf16", "tf32"])
 candidates = sum(len(autotune._tuners[name].candidates(90)) for name, _, _ in planned)

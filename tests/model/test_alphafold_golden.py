@@ -2,7 +2,7 @@
 
 ``golden_small.pt`` holds a train-mode forward + AlphaFoldLoss + backward of the reference model
 (float64, one recycling iteration, dropout 0). Built through the public entry point
-``scalefold.reference.from_reference_config`` and loaded strictly with the reference weights, our
+``scalefold.reference_config.from_reference_config`` and loaded strictly with the reference weights, our
 model must reproduce every output (at unpadded positions), every loss term and the gradient of
 ``loss_backpropagated`` with respect to every parameter to a relative error <= 1e-6.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scalefold.reference import from_reference_config
+from scalefold.reference_config import from_reference_config
 
 RTOL = 1e-6
 

@@ -1,4 +1,4 @@
-"""``scalefold.reference.from_reference_config`` works for reference configs other than the
+"""``scalefold.reference_config.from_reference_config`` works for reference configs other than the
 golden one: TM head + TM loss (the reference ``*_ptm`` presets), no template torsion rows,
 templates disabled."""
 
@@ -9,7 +9,7 @@ import torch
 
 from scalefold.model.config import AlphaFoldConfig
 from scalefold.model.features import make_synthetic_batch
-from scalefold.reference import from_reference_config
+from scalefold.reference_config import from_reference_config
 
 N_RES, N_CLUST, N_EXTRA, N_TEMPL = 10, 3, 4, 2
 

@@ -32,9 +32,10 @@ import torch
 from scalefold.checkpoint.adapters import CheckpointError as ReferenceCheckpointError
 from scalefold.checkpoint.files import load_checkpoint
 from scalefold.cli import main
-from scalefold.commands.train import EXIT_ABORTED, EXIT_BAD_INPUT
+from scalefold.commands.train import EXIT_ABORTED
 from scalefold.config.training import TrainConfig
 from scalefold.distributed.launch import free_port
+from scalefold.errors import EXIT_USER_ERROR
 from scalefold.model.factory import build_model, build_model_config
 from scalefold.train.trainer import train
 
@@ -202,7 +203,7 @@ def test_resume_refuses_a_checkpoint_of_another_preset(tmp_path, store):
     with pytest.raises(ReferenceCheckpointError, match="'demo'.*'tiny'"):
         train(cfg)
     rc = main(["train", "--preset", "tiny", "--out", str(out), "--store", str(store), "--max-steps", "2", "--resume"])
-    assert rc == EXIT_BAD_INPUT
+    assert rc == EXIT_USER_ERROR
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,7 +276,7 @@ def test_resume_refuses_when_no_checkpoint_loads(tmp_path, store, capsys):
     (out / "metrics.jsonl").write_text(old)
     rc = main(["train", "--preset", "tiny", "--out", str(out), "--store", str(store), "--resume", "--max-steps", "3",
                "--eval-every", "0"])  # fmt: skip
-    assert rc == EXIT_BAD_INPUT
+    assert rc == EXIT_USER_ERROR
     err = capsys.readouterr().err
     assert "none of the 2 checkpoint file(s)" in err, err
     assert "checkpoint_00000004.pt is empty" in err and "checkpoint_00000002.pt" in err and "truncated or corrupt" in err
@@ -318,12 +319,12 @@ def test_resume_log_is_named_after_the_checkpoint_that_loaded(tmp_path, store, c
 def test_missing_store_is_refused_unless_the_preset_synthesises_one(tmp_path, capsys):
     """--preset mlperf with an absent --store: exit status 3, the path and how to create a store named,
     nothing created. demo / tiny (and --synthesize-missing-store) synthesise it."""
-    from scalefold.train.training_data import StoreNotFoundError, check_store
+    from scalefold.train.run_directory import StoreNotFoundError, check_store
 
     missing = tmp_path / "data" / "store.h5"
     out = tmp_path / "run"
     rc = main(["train", "--preset", "mlperf", "--store", str(missing), "--out", str(out), "--max-steps", "1"])
-    assert rc == EXIT_BAD_INPUT
+    assert rc == EXIT_USER_ERROR
     err = capsys.readouterr().err
     assert str(missing) in err and "scalefold preprocess" in err and "scalefold synth" in err
     assert "--synthesize-missing-store" in err

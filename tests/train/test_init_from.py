@@ -19,8 +19,8 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from scalefold.checkpoint.adapters import CheckpointError
 from scalefold.cli import main
-from scalefold.commands.train import EXIT_BAD_INPUT
 from scalefold.config.training import TrainConfig
+from scalefold.errors import EXIT_USER_ERROR
 from scalefold.model import AlphaFold, AlphaFoldConfig
 from scalefold.model.factory import build_model, build_model_config
 from scalefold.optim.adam_swa import FlatAdamSWA
@@ -161,7 +161,7 @@ def test_corrupt_or_foreign_files_are_refused(tmp_path, tiny_store):
     assert "not found" in _refused(tmp_path / "missing.pt")
     rc = main(["train", "--preset", "tiny", "--out", str(tmp_path / "run"), "--store", str(tiny_store),
                "--init-from", str(tmp_path / "cut.pt"), "--max-steps", "1", "--eval-every", "0"])  # fmt: skip
-    assert rc == EXIT_BAD_INPUT
+    assert rc == EXIT_USER_ERROR
 
 
 def test_only_the_logging_rank_hashes_the_checkpoint(tmp_path, monkeypatch):

@@ -6,7 +6,7 @@ import pytest
 
 from scalefold.config.training import TrainConfig
 from scalefold.errors import UserError
-from scalefold.train.training_data import check_out, clear_previous_run
+from scalefold.train.run_directory import check_out, clear_previous_run
 
 
 def _cfg(out, **overrides):

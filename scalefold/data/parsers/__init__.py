@@ -7,8 +7,10 @@ input, count skips per reason and keep going.
 
 from __future__ import annotations
 
+from scalefold.errors import UserError
 
-class ParseError(ValueError):
+
+class ParseError(UserError, ValueError):
     """A raw input file (or one chain of it) cannot be used.
 
     Attributes:

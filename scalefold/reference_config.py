@@ -1,7 +1,7 @@
 """Entry point for the MLPerf HPC OpenFold reference's configuration format.
 
 ```python
-from scalefold.reference import from_reference_config
+from scalefold.reference_config import from_reference_config
 g = torch.load("golden_small.pt", weights_only=True)
 model, loss_fn = from_reference_config(g["config"])   # any config the reference accepts
 model.load_state_dict(g["state_dict"])                 # reference parameter names, strict

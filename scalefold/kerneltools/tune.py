@@ -4,7 +4,7 @@ that every later run uses without timing anything (:mod:`scalefold.kernels.launc
     scalefold tune-kernels --out TABLE [--max-seconds 300] [--dtype bf16] [--site msa_row ...]
     scalefold tune-kernels --untimed-defaults --out TABLE [--arch sm_90 --arch sm_80] [--jobs 2]
 
-**On a GPU** every MLPerf call site (:func:`scalefold.kernels.aot.all_sites`: the attention calls
+**On a GPU** every MLPerf call site (:func:`scalefold.kerneltools.sites.all_sites`: the attention calls
 of the MLPerf model, its LayerNorm shapes, Adam+SWA over its 93 M parameters) runs forward and
 backward on random tensors with ``SCALEFOLD_KERNELS=triton``. Each tuned launch times every
 candidate config of the GPU's architecture (``triton.testing.do_bench``, 10 ms warm-up and 40 ms
@@ -21,12 +21,12 @@ of this project is one command of at most ~9 minutes: the bf16 keys (the MLPerf 
 The output merges: ``TABLE`` (or, when it does not exist yet, the table in use) keeps its other
 architectures; this architecture's entries are replaced for the keys timed, its ``source`` becomes
 ``"tuned on <GPU>, <date>"`` and its ``timings`` hold, per key, the fastest and the default
-config's milliseconds. Check the result (``python -m scalefold.kernels.aot --table TABLE``) and
+config's milliseconds. Check the result (``scalefold aot-check --table TABLE``) and
 copy it over ``scalefold/kernels/launch_configs.json`` to ship it.
 
 **Without a GPU** ``--untimed-defaults`` writes each kernel's default config for the architectures
 named (default: those of the table without tuned entries) at every MLPerf key in bf16, tf32 and
-fp32, and compiles them ahead of time (:mod:`scalefold.kernels.aot`): a default that fails to
+fp32, and compiles them ahead of time (:mod:`scalefold.kerneltools.compile_report`): a default that fails to
 compile, does not fit the architecture's shared memory or spills is replaced by the next candidate
 that passes. That is how the shipped table was made. Without CUDA and without ``--untimed-defaults``
 the command ends with a one-line message (exit 3).
@@ -217,34 +217,34 @@ def timing(state: TuneState, bench_fn=None, get_tuner=None) -> Iterator[None]:
     """The kernels' tuners replaced by :class:`TimingTuner` (wrapping ``get_tuner``'s, default
     :func:`scalefold.kernels.autotune.get_tuner`), their ``@triton.jit`` kernels watched for spills,
     ``SCALEFOLD_KERNELS=triton``. ``bench_fn(fn) -> ms`` replaces ``do_bench`` (tests)."""
-    from scalefold.kernels import aot, autotune
+    from scalefold.kernels import autotune
+    from scalefold.kerneltools import sites as call_sites
 
-    aot._kernel_modules() if get_tuner is None else None  # compiled kernels (tests: recorders stand in)
-    mods = {name: importlib.import_module(f"scalefold.kernels.{name}") for name in aot._KERNEL_NAMES}
+    call_sites.kernel_modules() if get_tuner is None else None  # compiled kernels (tests: recorders stand in)
+    mods = {name: importlib.import_module(f"scalefold.kernels.{name}") for name in call_sites.KERNEL_NAMES}
     real_get_tuner = get_tuner or autotune.get_tuner
 
     def timing_tuner(name, configs, interpreter_config):
         return TimingTuner(real_get_tuner(name, configs, interpreter_config), state, bench_fn)
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(aot._patched(autotune, "get_tuner", timing_tuner))
-        for module, names in aot._KERNEL_NAMES.items():
+        stack.enter_context(call_sites.patched(autotune, "get_tuner", timing_tuner))
+        for module, names in call_sites.KERNEL_NAMES.items():
             for attr in names:
                 fn = getattr(mods[module], attr)
-                stack.enter_context(aot._patched(mods[module], attr, _SpillWatch(fn, state)))
+                stack.enter_context(call_sites.patched(mods[module], attr, _SpillWatch(fn, state)))
         stack.enter_context(scoped_env("SCALEFOLD_KERNELS", "triton"))
         yield
-
-
 
 
 def plan(capability: int, dtypes: Sequence[str], sites: Sequence[str] | None = None) -> dict:
     """``{(tuner, dtype label, shape class): default config}``: the keys the MLPerf call sites (all,
     or ``sites``) launch in ``dtypes`` on a GPU of ``capability``, captured on the meta device."""
-    from scalefold.kernels import aot, launch_table
+    from scalefold.kernels import launch_table
+    from scalefold.kerneltools import sites as call_sites
 
-    ctx = aot._Context()
-    aot.collect(dtypes, aot.KERNELS, capability, sites, table=launch_table.Table(), ctx=ctx)
+    ctx = call_sites.CaptureContext()
+    call_sites.collect(dtypes, call_sites.KERNELS, capability, sites, table=launch_table.Table(), ctx=ctx)
     return {k: config for k, (config, _) in ctx.visited.items() if k[1] in dtypes}
 
 
@@ -253,11 +253,11 @@ def run_sites(state: TuneState, dtypes: Sequence[str], sites: Sequence[str] | No
     skipped for want of time."""
     import torch
 
-    from scalefold.kernels import aot
+    from scalefold.kerneltools import sites as call_sites
 
-    all_sites = aot.all_sites()
+    all_sites = call_sites.all_sites()
     chosen = {name: go for name, go in all_sites.items() if not sites or name in sites}
-    dot_sites = set(aot.attention_sites())
+    dot_sites = set(call_sites.attention_sites())
     skipped = 0
     for dtype in dtypes:
         for name, go in chosen.items():
@@ -266,8 +266,8 @@ def run_sites(state: TuneState, dtypes: Sequence[str], sites: Sequence[str] | No
             if state.out_of_time():
                 skipped += 1
                 continue
-            with aot._patched(torch.backends.cuda.matmul, "allow_tf32", dtype == "tf32"):
-                go(aot.DTYPES[dtype], device=device)
+            with call_sites.patched(torch.backends.cuda.matmul, "allow_tf32", dtype == "tf32"):
+                go(call_sites.DTYPES[dtype], device=device)
             if device == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
@@ -345,28 +345,30 @@ def untimed_defaults(base, archs: Sequence[str] | None, dtypes: Sequence[str], j
     import triton
 
     from scalefold.errors import UserError
-    from scalefold.kernels import aot, launch_table
+    from scalefold.kernels import launch_table
+    from scalefold.kerneltools import compile_report
+    from scalefold.kerneltools import sites as call_sites
 
     if not archs:
-        archs = [a for a in aot.ARCHS if not base.archs.get(a, {}).get("source", "").startswith("tuned on")]
-        kept = sorted(set(aot.ARCHS) - set(archs))
+        archs = [a for a in call_sites.ARCHS if not base.archs.get(a, {}).get("source", "").startswith("tuned on")]
+        kept = sorted(set(call_sites.ARCHS) - set(archs))
         if kept:
             _say(f"{', '.join(kept)} keep their tuned entries (name them with --arch to replace them)")
     table = launch_table.Table({a: m for a, m in base.archs.items() if a not in archs})
-    for arch, keys in aot.table_keys(archs, dtypes).items():
+    for arch, keys in call_sites.table_keys(archs, dtypes).items():
         table.archs[arch] = {
             "source": launch_table.UNTIMED,
             "note": "each kernel's default config (the first of its candidates that compiles for this architecture "
-            "without spills), not timed: python -m scalefold.kernels.aot --table checks them",
+            "without spills), not timed: scalefold aot-check --table checks them",
             "triton": triton.__version__,
         }
         for key, (config, _) in sorted(keys.items()):
             table.set_entry(arch, *key, config)
     with tempfile.TemporaryDirectory(prefix="scalefold-aot-") as cache, scoped_env("TRITON_CACHE_DIR", cache):
         for round_ in range(MAX_DEFAULT_ROUNDS):
-            records, problems = aot.check_table(table, archs, dtypes, jobs=jobs, progress=False)
+            records, problems = compile_report.check_table(table, archs, dtypes, jobs=jobs, progress=False)
             _say(f"ahead-of-time check, round {round_ + 1}: {len(records)} compiles, {len(problems)} problem(s)")
-            failing = {(r.arch, tuple(k)) for r in records if aot.problems([r]) for k in r.keys}
+            failing = {(r.arch, tuple(k)) for r in records if compile_report.problems([r]) for k in r.keys}
             if not problems:
                 return table
             if not failing or not _next_candidates(table, failing):
@@ -376,10 +378,11 @@ def untimed_defaults(base, archs: Sequence[str] | None, dtypes: Sequence[str], j
 
 def _next_candidates(table, failing: set) -> bool:
     """Move each failing entry to the candidate after it; False when one has none left."""
-    from scalefold.kernels import aot, autotune
+    from scalefold.kernels import autotune
+    from scalefold.kerneltools import sites as call_sites
 
     for arch, (kernel, dtype, shape) in sorted(failing):
-        candidates = autotune._tuners[kernel].candidates(aot.ARCHS[arch][0])
+        candidates = autotune._tuners[kernel].candidates(call_sites.ARCHS[arch][0])
         current = table.entry(arch, kernel, dtype, shape)
         index = next((i for i, c in enumerate(candidates) if c == current), -1) + 1
         if index >= len(candidates):
