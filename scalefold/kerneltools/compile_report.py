@@ -16,8 +16,8 @@ frame when the kernel came from Triton's cache); shared memory is the dynamic am
 at launch (``metadata.shared``), checked against the architecture's opt-in limit (227 KiB H100,
 163 KiB A100).
 
-One record per compile: ``kernel`` (``attention_fwd``, ``attention_bwd:dkdv`` ...), ``dtype``
-(``bf16``/``fp16``/``fp32``, and ``tf32``: fp32 tensors under ``allow_tf32``, attention only),
+One record per compile: ``kernel`` (``attention_fwd``, ``attention_bwd:dkdv``, ``trimul:in_fwd`` ...), ``dtype``
+(``bf16``/``fp16``/``fp32``, and ``tf32``: fp32 tensors under ``allow_tf32``, attention and trimul only),
 ``arch``, ``config``, ``default`` (the config used without autotuning), ``ok`` (compiled and fits
 shared memory), ``error``, ``registers``, ``shared_bytes``, ``spill_bytes``, plus ``sites`` (the
 model call sites launching it), ``compile_s`` and ``keys`` (the ``(tuner, dtype label, shape
@@ -94,7 +94,7 @@ class Record:
     keys: list = field(default_factory=list)  # (tuner, dtype label, shape class) keys served
 
 
-_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK", "ROWS", "BLOCK_P")
+_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK", "ROWS", "BLOCK_P", "BLOCK_C")
 
 
 def tasks_for(launches: Sequence[Launch], arch: str) -> list[Task]:
@@ -317,7 +317,7 @@ def problems(records: Sequence[Record]) -> list[str]:
 
 def _config_text(config: dict) -> str:
     short = {"BLOCK_M": "M", "BLOCK_N": "N", "BLOCK_D": "D", "BLOCK": "B", "ROWS": "R", "BLOCK_P": "P",
-             "num_warps": "w", "num_stages": "s"}  # fmt: skip
+             "BLOCK_C": "C", "num_warps": "w", "num_stages": "s"}  # fmt: skip
     return " ".join(f"{short.get(k, k)}{v}" for k, v in config.items())
 
 

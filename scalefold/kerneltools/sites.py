@@ -8,7 +8,9 @@ How the launches are found (so that what is compiled or timed is what training l
 1. every attention call site of the MLPerf model (``mlperf`` preset: crop 256, 124 + 4 MSA rows,
    1,024 extra rows, 4 templates) is built from the real model modules on the ``meta`` device and
    run forward *and* backward with ``SCALEFOLD_KERNELS=triton``; LayerNorm runs at every (hidden
-   size, rows) of the MLPerf model; Adam+SWA on flat buffers of its 93 M parameters;
+   size, rows) of the MLPerf model; Adam+SWA on flat buffers of its 93 M parameters; the fused
+   triangle multiplication's launchers run directly at its two pair shapes
+   (``trimul_triton.run_site``);
 2. the custom ops' entry points (``triton_ops.attention_fwd`` ...) are wrapped so that each call
    also runs the real launcher (``attention_triton.attention_forward`` ...) on the same meta
    tensors, with the ``@triton.jit`` kernels replaced by recorders and the autotuner replaced by
@@ -155,6 +157,12 @@ KERNEL_NAMES = {
         "_ln_bwd_dwdb": "layer_norm_bwd:dwdb",
     },  # fmt: skip
     "adam_swa_triton": {"_adam_swa": "adam_swa"},
+    "trimul_triton": {
+        "_in_fwd": "trimul:in_fwd",
+        "_out_fwd": "trimul:out_fwd",
+        "_out_bwd": "trimul:out_bwd",
+        "_gates_bwd": "trimul:gates_bwd",
+    },
 }
 
 
@@ -178,12 +186,12 @@ def kernel_modules():
     os.environ.setdefault("TRITON_INTERPRET", "0")  # triton_ops would switch the interpreter on
     from triton.runtime.jit import JITFunction
 
-    from scalefold.kernels import adam_swa_triton, attention_triton, layer_norm_triton, triton_ops
+    from scalefold.kernels import adam_swa_triton, attention_triton, layer_norm_triton, triton_ops, trimul_triton
 
     if not isinstance(attention_triton._attn_fwd, JITFunction):
         raise RuntimeError("the Triton kernels were imported in interpreter mode; run the AOT check in its own process")
     return {"attention_triton": attention_triton, "layer_norm_triton": layer_norm_triton,
-            "adam_swa_triton": adam_swa_triton, "triton_ops": triton_ops}  # fmt: skip
+            "adam_swa_triton": adam_swa_triton, "trimul_triton": trimul_triton, "triton_ops": triton_ops}  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -380,6 +388,34 @@ def adam_sites() -> dict[str, Callable[..., None]]:
     return {"adam_swa_average": run(False), "adam_swa_first": run(True)}
 
 
+def trimul_sites() -> dict[str, Callable[..., None]]:
+    """The fused triangle multiplication at the MLPerf model's pair shapes
+    (:data:`scalefold.kernels.trimul_triton.MLPERF_SITES`: the Evoformer / extra-MSA pair, batch 1,
+    N 256, c_z 128, C 128; the template pair stack, 4 templates, c_t 64, C 64): its four kernels
+    launched once each, as one call's forward and backward do (``trimul_triton.run_site``; the
+    outgoing and incoming updates launch the same kernels)."""
+    from scalefold.kernels import trimul_triton
+
+    def run(batch, n, cz, c):
+        def go(dtype, device="meta"):
+            with torch.device(device):
+                trimul_triton.run_site(batch, n, cz, c, dtype)
+
+        return go
+
+    return {f"trimul_{name}": run(batch, n, cz, c) for name, batch, n, cz, c in trimul_triton.MLPERF_SITES}
+
+
+def dot_sites() -> set[str]:
+    """The sites whose kernels use ``tl.dot`` (attention, triangle multiplication): the only ones
+    ``tf32`` (fp32 under ``allow_tf32``) changes."""
+    return set(attention_sites()) | set(trimul_sites())
+
+
+#: the kernels (record-name prefixes) whose dots ``tf32`` changes; their tf32 launches are kept
+DOT_KERNELS = ("attention", "trimul")
+
+
 def all_sites(kernels: Sequence[str] = KERNELS) -> dict[str, Callable[[torch.dtype], None]]:
     """The call sites launching ``kernels``: name -> run(dtype)."""
     sites: dict[str, Callable] = {}
@@ -389,6 +425,8 @@ def all_sites(kernels: Sequence[str] = KERNELS) -> dict[str, Callable[[torch.dty
         sites.update(layer_norm_sites())
     if "adam_swa" in kernels:
         sites.update(adam_sites())
+    if "trimul" in kernels:
+        sites.update(trimul_sites())
     return sites
 
 
@@ -411,19 +449,19 @@ def collect(
             raise ValueError(f"unknown site(s) {', '.join(unknown)}; expected some of {', '.join(sites)}")
         if only_sites:
             sites = {name: go for name, go in sites.items() if name in only_sites}
-        dot_sites = set(attention_sites())
+        with_dots = dot_sites()
         for dtype in dtypes:
             with patched(torch.backends.cuda.matmul, "allow_tf32", dtype == "tf32"):
                 for site, go in sites.items():
-                    if dtype == "tf32" and site not in dot_sites:
+                    if dtype == "tf32" and site not in with_dots:
                         continue  # no matmul: the fp32 kernel
                     ctx.site, ctx.dtype = site, dtype
                     go(DTYPES[dtype])
-    # tf32 changes only the attention dots: the LayerNorms inside the attention modules are fp32's
+    # tf32 changes only the dots (attention, trimul): the LayerNorms inside the attention modules are fp32's
     return [
         launch
         for launch in ctx.launches
-        if launch.kernel.split(":")[0] in kernels and (launch.dtype != "tf32" or launch.kernel.startswith("attention"))
+        if launch.kernel.split(":")[0] in kernels and (launch.dtype != "tf32" or launch.kernel.startswith(DOT_KERNELS))
     ]
 
 

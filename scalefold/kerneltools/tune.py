@@ -5,7 +5,8 @@ that every later run uses without timing anything (:mod:`scalefold.kernels.launc
     scalefold tune-kernels --untimed-defaults --out TABLE [--arch sm_90 --arch sm_80] [--jobs 2]
 
 **On a GPU** every MLPerf call site (:func:`scalefold.kerneltools.sites.all_sites`: the attention calls
-of the MLPerf model, its LayerNorm shapes, Adam+SWA over its 93 M parameters) runs forward and
+of the MLPerf model, its LayerNorm shapes, Adam+SWA over its 93 M parameters, the fused triangle
+multiplication at its two pair shapes) runs forward and
 backward on random tensors with ``SCALEFOLD_KERNELS=triton``. Each tuned launch times every
 candidate config of the GPU's architecture (``triton.testing.do_bench``, 10 ms warm-up and 40 ms
 measured per candidate, after its compile), drops the candidates that fail to launch or spill
@@ -257,11 +258,11 @@ def run_sites(state: TuneState, dtypes: Sequence[str], sites: Sequence[str] | No
 
     all_sites = call_sites.all_sites()
     chosen = {name: go for name, go in all_sites.items() if not sites or name in sites}
-    dot_sites = set(call_sites.attention_sites())
+    with_dots = call_sites.dot_sites()
     skipped = 0
     for dtype in dtypes:
         for name, go in chosen.items():
-            if dtype == "tf32" and name not in dot_sites:
+            if dtype == "tf32" and name not in with_dots:
                 continue  # no matmul: the fp32 kernels
             if state.out_of_time():
                 skipped += 1
