@@ -78,9 +78,10 @@
 #   bench_attention       55  bench/kernels.py --kernel attention --shape mlperf --dtype bf16
 #   bench_layernorm       30  bench/kernels.py --kernel layernorm --shape mlperf --dtype bf16
 #   bench_adam            30  bench/kernels.py --kernel adam --shape mlperf --dtype bf16
+#   bench_trimul          60  bench/kernels.py --kernel trimul --shape mlperf --dtype bf16
 #   bench_cuda_graphs     35  bench/cuda_graphs.py --preset demo --precision bf16 --steps 3
 #   bench_dap             30  bench/dap.py --cuda --dap 1 [2 4 8: as many GPUs as there are]
-#                   total 1210 s of limits: more than one call, and a window's device time is 15 minutes,
+#                   total 1270 s of limits: more than one call, and a window's device time is 15 minutes,
 #                   the machine's start (1-2 minutes) included. So one group per window: PARTS=headline
 #                   first (the figure the project exists for); the global deadline cuts the tail
 #                   (SKIPPED lines in SUMMARY.txt).
@@ -147,7 +148,7 @@ ESTIMATES=${ESTIMATES:-$REPO/runs/headline_estimates}  # the headline's CPU esti
 HEADLINE_ESTIMATE_CAP=${HEADLINE_ESTIMATE_CAP:-}     # seconds each estimate may take (default: the headline's deadline)
 # expected seconds per part on an H100 (DRY_RUN prints them beside the limits; the limits are the caps)
 declare -A EXPECT=([env]=20 [install]=3 [tests_kernels]=60 [probe_attention_grid]=20 [tests_graphs]=110 [headline]=425 [tune_kernels]=240 [policy_on]=120 [policy_22]=120 [policy_off]=120
-                   [train_bf16]=60 [train_graphs]=45 [bench_attention]=35 [bench_layernorm]=20 [bench_adam]=20
+                   [train_bf16]=60 [train_graphs]=45 [bench_attention]=35 [bench_layernorm]=20 [bench_adam]=20 [bench_trimul]=40
                    [bench_cuda_graphs]=25 [bench_dap]=20)
 EXPECTED_TOTAL=${EXPECT[env]}
 PACK_S=5  # the last packing of $OUT (DRY_RUN's total of the call)
@@ -458,6 +459,7 @@ part tune_kernels tune 270 "$PY" -m scalefold tune-kernels --out "$WORK/launch_c
 part bench_attention bench 55 "$PY" bench/kernels.py --kernel attention --shape mlperf --dtype bf16 --iters 50
 part bench_layernorm bench 30 "$PY" bench/kernels.py --kernel layernorm --shape mlperf --dtype bf16 --iters 50
 part bench_adam bench 30 "$PY" bench/kernels.py --kernel adam --shape mlperf --dtype bf16 --iters 50
+part bench_trimul bench 60 "$PY" bench/kernels.py --kernel trimul --shape mlperf --dtype bf16 --iters 50
 part bench_cuda_graphs bench 35 "$PY" bench/cuda_graphs.py --preset "$BENCH_CUDA_GRAPHS_PRESET" --precision bf16 --steps 3
 DAP_SIZES="1"
 for d in 2 4 8; do [ "${NGPU:-0}" -ge "$d" ] && DAP_SIZES="$DAP_SIZES $d"; done
