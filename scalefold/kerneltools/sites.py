@@ -186,7 +186,7 @@ def kernel_modules():
     os.environ.setdefault("TRITON_INTERPRET", "0")  # triton_ops would switch the interpreter on
     from triton.runtime.jit import JITFunction
 
-    from scalefold.kernels import adam_swa_triton, attention_triton, layer_norm_triton, triton_ops, trimul_triton
+    from scalefold.kernels import adam_swa_triton, attention_triton, layer_norm_triton, trimul_triton, triton_ops
 
     if not isinstance(attention_triton._attn_fwd, JITFunction):
         raise RuntimeError("the Triton kernels were imported in interpreter mode; run the AOT check in its own process")

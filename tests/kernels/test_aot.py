@@ -30,13 +30,15 @@ ROOT = Path(__file__).resolve().parents[2]
 # Sites covering the kernel variants: pair bias shared over rows with gate and mask (dq through
 # the fp32 buffer, dbias reduced in the kernel, D = 32), head size 8 -> 16-wide tiles with a
 # stride-0 key head and no gate (global column attention), LayerNorm at a power-of-two width (the
-# pair, 128) and at 384 (the single representation, masked to 512), both Adam+SWA variants. Every
-# site: the command.
+# pair, 128) and at 384 (the single representation, masked to 512), both Adam+SWA variants, the fused
+# triangle multiplication's four programs at the Evoformer pair (c_z 128, C 128: the larger tiles).
+# Every site: the command.
 CI_SITES = ("msa_row", "extra_msa_col_global", "layer_norm_pair", "layer_norm_single", "adam_swa_average",
-            "adam_swa_first")  # fmt: skip
+            "adam_swa_first", "trimul_pair")  # fmt: skip
 PROGRAMS = {
     "attention_fwd", "attention_bwd:preprocess", "attention_bwd:dkdv", "attention_bwd:dq_dbias",
     "layer_norm_fwd", "layer_norm_bwd:dx", "layer_norm_bwd:dwdb", "adam_swa",
+    "trimul:in_fwd", "trimul:out_fwd", "trimul:out_bwd", "trimul:gates_bwd",
 }  # fmt: skip
 
 
@@ -78,8 +80,8 @@ def _run_aot(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_default_configs_compile_for_h100_and_a100_without_spills(triton_cache):
     """Every program's default config compiles for sm_90 (bf16, tensor-core dots) and sm_80 (fp32,
-    exact dots), fits the architecture's shared memory and does not spill registers. (~30
-    compiles: about a minute on the idle 2-core box.)"""
+    exact dots), fits the architecture's shared memory and does not spill registers. (~40
+    compiles: a minute or two on the idle 2-core box.)"""
     _cuda_toolchain_or_skip()
     site_args = [a for site in CI_SITES for a in ("--site", site)]
     runs = [("sm_90", "bf16"), ("sm_80", "fp32")]
@@ -105,8 +107,8 @@ def test_default_configs_compile_for_h100_and_a100_without_spills(triton_cache):
 
 
 # The sample of the launch-config table compiled in CI: the MLPerf precision (bf16) on both
-# architectures at CI_SITES, in one process (~20 compiles, most found in the cache the defaults' test
-# filled). The whole table (every architecture, dtype and site: 186 compiles, 4.5 min on the loaded
+# architectures at CI_SITES, in one process (~25 compiles, most found in the cache the defaults' test
+# filled). The whole table (every architecture, dtype and site: 186 compiles before the trimul kernels, 4.5 min on the loaded
 # 2-core box) is the command
 #   scalefold aot-check --table --jobs 2
 TABLE_SAMPLE = [("sm_90", "bf16"), ("sm_80", "bf16")]
@@ -129,7 +131,7 @@ def test_launch_table_entries_compile_without_spills(triton_cache):
     assert {(r["arch"], r["dtype"]) for r in records} == set(TABLE_SAMPLE)
     served = {k[0] for r in records for k in r["keys"]}  # the tuners whose table entries were compiled
     assert {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq", "layer_norm_fwd", "layer_norm_bwd",
-            "adam_swa"} == served  # fmt: skip
+            "adam_swa", "trimul_in_fwd", "trimul_out_fwd", "trimul_out_bwd", "trimul_gates_bwd"} == served  # fmt: skip
     for r in records:
         where = f"{r['kernel']} {r['dtype']} {r['arch']} {r['config']} at {r['sites']}"
         assert r["ok"] and r["error"] is None and r["spill_bytes"] == 0, where
@@ -138,11 +140,12 @@ def test_launch_table_entries_compile_without_spills(triton_cache):
 
 @pytest.mark.slow
 def test_launch_table_holds_every_mlperf_key(tmp_path):
-    """Completeness without compiling (two runs of ~10 s): for sm_90 bf16 the shipped table holds an entry for
-    every key the MLPerf sites launch; a table missing one, or holding one no site launches, or a
-    malformed one, fails the check naming it."""
+    """Completeness without compiling (two runs of ~10 s): for every architecture and dtype of the shipped
+    table (the trimul kernels' tf32 and exact fp32 keys among them) it holds an entry for every key the
+    MLPerf sites launch; a table missing one, or holding one no site launches, or a malformed one, fails
+    the check naming it."""
     _cuda_toolchain_or_skip()
-    proc = _run_aot("--table", "--no-compile", "--no-progress", "--arch", "sm_90", "--dtype", "bf16")
+    proc = _run_aot("--table", "--no-compile", "--no-progress")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "0 compiles" in proc.stderr and "0 problem(s)" in proc.stderr
     from scalefold.kernels import launch_table

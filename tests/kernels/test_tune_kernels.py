@@ -171,9 +171,9 @@ import json, math, sys
 from scalefold.kernels import autotune, launch_table
 from scalefold.kerneltools import sites as aot, tune
 aot.kernel_modules()
-sites = sys.argv[1:]
+dtypes, sites = sys.argv[1].split(","), sys.argv[2:]
 real_get_tuner = autotune.get_tuner
-planned = tune.plan(90, ["bf16", "tf32"], sites)
+planned = tune.plan(90, dtypes, sites)
 state = tune.TuneState(math.inf, 90, planned)
 calls = []
 def bench(fn):
@@ -181,12 +181,29 @@ def bench(fn):
     fn()
     return 1.0 + 0.1 * sum(v for k, v in fn.args[0].items() if k.startswith("BLOCK"))
 with aot.capturing(aot.CaptureContext(), 90, launch_table.Table()), tune.timing(state, bench, real_get_tuner):
-    skipped = tune.run_sites(state, ["bf16", "tf32"], sites, device="meta")
-table = tune.merge_results(launch_table.Table(), "sm_90", "Test GPU", state, ["bf16", "tf32"])
+    skipped = tune.run_sites(state, dtypes, sites, device="meta")
+table = tune.merge_results(launch_table.Table(), "sm_90", "Test GPU", state, dtypes)
 candidates = sum(len(autotune._tuners[name].candidates(90)) for name, _, _ in planned)
 print(json.dumps(dict(planned=sorted(map(list, planned)), timed=sorted(map(list, state.results)), skipped=skipped,
                       calls=len(calls), candidates=candidates, entries=[list(e[1:4]) for e in table.entries("sm_90")])))
 """
+
+
+def _wiring(dtypes: list[str], sites: list[str]) -> set:
+    """Run :data:`_WIRING` at ``sites`` in ``dtypes``; check every planned key was timed once and is
+    the table's; return the planned keys."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "SCALEFOLD_KERNELS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    argv = [sys.executable, "-c", _WIRING, ",".join(dtypes), *sites]
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    planned = {tuple(k) for k in out["planned"]}
+    assert {tuple(k) for k in out["timed"]} == planned and out["skipped"] == 0
+    assert {tuple(e) for e in out["entries"]} == planned
+    assert out["calls"] == out["candidates"]  # every candidate of every key timed, no key twice
+    assert proc.stderr.count("tune-kernels: [") == len(planned)
+    return planned
 
 
 def test_every_planned_key_is_timed_once_at_the_sites():
@@ -194,17 +211,20 @@ def test_every_planned_key_is_timed_once_at_the_sites():
     keys the sites' launches time, each once, through the real launchers and tuners; the table written
     holds exactly them."""
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "SCALEFOLD_KERNELS")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    sites = ["msa_row", "template_pointwise", "layer_norm_pair", "adam_swa_first"]
-    proc = subprocess.run([sys.executable, "-c", _WIRING, *sites], cwd=ROOT, env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    planned = {tuple(k) for k in out["planned"]}
-    assert {tuple(k) for k in out["timed"]} == planned and out["skipped"] == 0
-    assert {tuple(e) for e in out["entries"]} == planned
+    planned = _wiring(["bf16", "tf32"], ["msa_row", "template_pointwise", "layer_norm_pair", "adam_swa_first"])
     assert {k[0] for k in planned} == {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq", "layer_norm_fwd",
                                        "layer_norm_bwd", "adam_swa"}  # fmt: skip
     assert {k[1] for k in planned} == {"bf16", "tf32"}
-    assert out["calls"] == out["candidates"]  # every candidate of every key timed, no key twice
-    assert proc.stderr.count("tune-kernels: [") == len(planned)
+
+
+def test_trimul_keys_are_planned_and_timed_in_every_precision():
+    """The fused triangle multiplication's sites in tune-kernels: its four tuners at both MLPerf pair
+    shapes, in bf16 and under TF32 (its dots: a tf32 pass runs its sites) with the tensor-core configs,
+    in exact fp32 with the ``_exact`` twins -- each key timed once."""
+    pytest.importorskip("triton")
+    planned = _wiring(["bf16", "tf32", "fp32"], ["trimul_pair", "trimul_template_pair"])
+    names = ("trimul_in_fwd", "trimul_out_fwd", "trimul_out_bwd", "trimul_gates_bwd")
+    shapes = {"CZ=128,C=128,M=65536", "CZ=64,C=64,M=262144"}
+    expected = {(n, d, s) for n in names for d in ("bf16", "tf32") for s in shapes}
+    expected |= {(f"{n}_exact", "fp32", s) for n in names for s in shapes}
+    assert planned == expected
