@@ -52,6 +52,10 @@ class WeightCasts:
     (its version counter) is cast again. A weight's copy is dropped once its gradient has been cast back.
     """
 
+    #: > 0 while a shared copy is being made (for the step's counter: a cast made once per step, wherever
+    #: the first pass that needs it runs)
+    casting = 0
+
     def __init__(self) -> None:
         self._casts: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
         self.active = False
@@ -81,8 +85,12 @@ class WeightCasts:
         hit = self._casts.get(key)
         if hit is not None and hit[0] is weight and hit[1] == weight._version and hit[2].dtype == dtype:
             return hit[2]
-        with torch.enable_grad():
-            cast = weight.to(dtype)
+        WeightCasts.casting += 1
+        try:
+            with torch.enable_grad():
+                cast = weight.to(dtype)
+        finally:
+            WeightCasts.casting -= 1
         self._casts[key] = (weight, weight._version, cast)
         if cast.grad_fn is not None:
             casts = self._casts

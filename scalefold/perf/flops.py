@@ -64,6 +64,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from scalefold.config.training import TrainConfig
+from scalefold.model.primitives import WeightCasts
 
 #: Fields of a count: matrix FLOPs by dtype, elementwise FLOPs, bytes read, bytes written, kernel launches.
 FIELDS = ("mm_bf16", "mm_fp32", "mm_fp64", "elementwise", "read", "written", "launches")
@@ -252,8 +253,12 @@ class OpCounter(TorchDispatchMode):
     # -- counting ------------------------------------------------------------------------------------
 
     def where(self) -> tuple[str, str]:
-        """(category, module) of an operator issued now."""
+        """(category, module) of an operator issued now. A weight cast shared by the step's passes
+        (:class:`scalefold.model.primitives.WeightCasts`) is made once per step whatever the number of
+        no-grad passes: counted as the grad pass's, also where the first no-grad pass makes it."""
         category = self.category()
+        if category == "recycling" and WeightCasts.casting:
+            category = "forward"
         if category == "backward":
             if self.stack:
                 return "recompute", self.stack[-1]
