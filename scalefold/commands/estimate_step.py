@@ -1,4 +1,4 @@
-"""``scalefold estimate-step``: the step's FLOPs, bytes, roofline floor and peak memory, and the
+"""``scalefold estimate-step``: the step's FLOPs, bytes, launches, roofline floor, predicted time and peak memory, and the
 activation-checkpointing policy that fits a device. The work is in :mod:`scalefold.perf.flops`,
 :mod:`scalefold.perf.recompute` and :mod:`scalefold.perf.devices`; this module parses and prints."""
 
@@ -35,8 +35,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "estimate-step",
         help="count the FLOPs and bytes of one training step, its roofline floor and peak memory (no GPU needed)",
         description="Run one training step on fake tensors (as estimate-memory) counting every operator's "
-        "matrix and elementwise FLOPs and the bytes it reads and writes, for each recycling count, by module; "
-        "print the roofline floor on H100 / H200 / A100 and the predicted peak memory. With "
+        "matrix and elementwise FLOPs, the bytes it reads and writes and the kernels it launches, for each recycling "
+        "count, by module; print the roofline floor on H100 / H200 / A100, the predicted step time on H100 / H200 "
+        "(eager and graphed: scalefold/perf/step_time.py) and the predicted peak memory. With "
         "--device-memory-gib (or on CUDA) the activation-checkpointing policy is checked against the device: "
         "auto picks the fewest recomputing blocks that fit; a policy that cannot fit is refused, naming the "
         "smallest N that does. See scalefold/perf/flops.py for what is counted.",

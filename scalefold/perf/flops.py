@@ -24,6 +24,14 @@ one fake run gives the peak memory and the arithmetic together. Per operator, ea
   counted once) and its outputs written; in-place operators write their target; views (view,
   reshape without copy, transpose, expand, slice, select, detach) and allocations move nothing. This
   is the traffic of running the step one kernel per operator: fusion removes much of it.
+* **launches** (``launches``): the kernels the chosen path launches: one per operator that is not a view or
+  an allocation; a ScaleFold Triton operator its kernels (:data:`TRITON_LAUNCHES`); where the run compiles the
+  elementwise chains (``--compile``: :func:`compiled_chains`), each chain call one kernel reading its distinct
+  inputs and writing its output, and its backward one kernel reading the output's gradient and the inputs and
+  writing the inputs' gradients -- its inner operators add their FLOPs but neither launches nor bytes (the
+  chain's operators and its backward's are told apart by the autograd sequence numbers the call created).
+  Every launch is also kept with its matrix FLOPs and bytes (:attr:`StepCount.profile`), which
+  :mod:`scalefold.perf.step_time` prices one by one.
 * Not counted: collectives (DAP's all-gather / all-to-all: interconnect traffic), host reads.
 
 **Attribution.** An operator goes to the innermost ``nn.Module`` whose forward runs it, also when
