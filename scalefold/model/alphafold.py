@@ -132,7 +132,7 @@ class AlphaFold(nn.Module):
         try:
             return self._forward(batch)
         finally:
-            self._weight_casts.end()
+            self._weight_casts.end(backward_follows=torch.is_grad_enabled())
 
     def _forward(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         num_iters = batch["aatype"].shape[-1]

@@ -49,7 +49,8 @@ class WeightCasts:
     Used only where autocast would cast and cache (autocast on for the device with a reduced dtype and its
     cache enabled, not while a CUDA graph is captured), while the owning model's forward runs
     (:meth:`begin` / :meth:`end`) or in backward (recomputation); a weight changed in place since its cast
-    (its version counter) is cast again. A weight's copy is dropped once its gradient has been cast back.
+    (its version counter) is cast again. A weight's copy is dropped once its gradient has been cast back,
+    and all of them after a forward without grad.
     """
 
     #: > 0 while a shared copy is being made (for the step's counter: a cast made once per step, wherever
@@ -65,8 +66,11 @@ class WeightCasts:
         self._casts = {}
         self.active = True
 
-    def end(self) -> None:
+    def end(self, backward_follows: bool = True) -> None:
+        """The forward returned; without a backward to come (a forward without grad), the copies go."""
         self.active = False
+        if not backward_follows:
+            self._casts = {}
 
     def dtype(self, device_type: str) -> torch.dtype | None:
         """The dtype autocast would cast a weight to here, or None where the copies are not used."""

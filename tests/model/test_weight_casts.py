@@ -71,3 +71,22 @@ def test_weight_casts_not_used_outside_the_models_forward():
         lin.weight.data.mul_(2.0)  # through .data: no version bump
         x = torch.randn(3, lin.in_features)
         assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
+
+
+def test_the_copies_go_with_the_backward_or_a_forward_without_grad():
+    """After a training step's backward no copy of a weight that got its gradient is kept (the rest: weights
+    the loss does not reach), and after a forward without grad none."""
+    torch.manual_seed(0)
+    model = AlphaFold(AlphaFoldConfig.from_preset("tiny"), activation_checkpointing=True).train()
+    batch = make_synthetic_batch(N_RES, N_CLUST, N_EXTRA, N_TEMPL, num_recycling_iters=1, seed=1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(batch)
+        assert model._weight_casts._casts  # made in the forward, kept for the recomputation
+        loss = out["distogram_logits"].float().mean() + out["sm_positions"].float().mean()
+    loss.backward()
+    kept = [weight for weight, _, _ in model._weight_casts._casts.values()]
+    assert all(w.grad is None for w in kept)
+    assert len(kept) < len([p for p in model.parameters() if p.grad is not None])
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        model(batch)
+    assert not model._weight_casts._casts
