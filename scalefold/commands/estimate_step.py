@@ -1,4 +1,4 @@
-"""``scalefold estimate-step``: the step's FLOPs, bytes, roofline floor and peak memory, and the
+"""``scalefold estimate-step``: the step's FLOPs, bytes, launches, roofline floor, predicted time and peak memory, and the
 activation-checkpointing policy that fits a device. The work is in :mod:`scalefold.perf.flops`,
 :mod:`scalefold.perf.recompute` and :mod:`scalefold.perf.devices`; this module parses and prints."""
 
@@ -34,8 +34,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "estimate-step",
         help="count the FLOPs and bytes of one training step, its roofline floor and peak memory (no GPU needed)",
         description="Run one training step on fake tensors (as estimate-memory) counting every operator's "
-        "matrix and elementwise FLOPs and the bytes it reads and writes, for each recycling count, by module; "
-        "print the roofline floor on H100 / H200 / A100 and the predicted peak memory. With "
+        "matrix and elementwise FLOPs, the bytes it reads and writes and the kernels it launches, for each recycling "
+        "count, by module; print the roofline floor on H100 / H200 / A100, the predicted step time on H100 / H200 "
+        "(eager and graphed: scalefold/perf/step_time.py) and the predicted peak memory. With "
         "--device-memory-gib (or on CUDA) the activation-checkpointing policy is checked against the device: "
         "auto picks the fewest recomputing blocks that fit; a policy that cannot fit is refused, naming the "
         "smallest N that does. See scalefold/perf/flops.py for what is counted.",
@@ -44,6 +45,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device-memory-gib", type=float,
                    help="check the policy against a device of this many GiB (default: the CUDA device, if any)")  # fmt: skip
     p.add_argument("--depth", type=int, default=1, help="module levels in the per-module table (default 1)")
+    p.add_argument("--compile", action="store_true",
+                   help="count the run of --compile (the elementwise chains compiled: one kernel each, forward and "
+                   "backward, their bytes at the boundary)")  # fmt: skip
     p.set_defaults(handler=_run)
 
 
@@ -96,7 +100,7 @@ def _run(args: argparse.Namespace) -> int:
     if problem:
         return _bad(problem)
     try:
-        cfg = train_config(args)
+        cfg = train_config(args, **({"compile": True} if getattr(args, "compile", False) else {}))
         cfg, choice = resolve(args, cfg, estimate=lambda c: count_step(c, target=args.target, kernels=args.kernels))
         step = count_step(cfg, target=args.target, kernels=args.kernels)
     except ValueError as exc:  # a policy that cannot fit, a layout DAP cannot take, a bad option value
@@ -116,7 +120,7 @@ def _per_n(step: Any, fn: Any) -> dict[str, float]:
 
 
 def _modules(step: Any, depth: int, precision: str) -> dict[str, Any]:
-    from scalefold.perf.flops import CATEGORIES, FIELDS, floor_table, group
+    from scalefold.perf.flops import CATEGORIES, FIELDS, LAUNCHES, floor_table, group
 
     grouped: dict[str, dict[int, dict[str, list[int]]]] = {}
     for n in step.recycling_counts():
@@ -135,6 +139,8 @@ def _modules(step: Any, depth: int, precision: str) -> dict[str, Any]:
             "flops": _per_n(step, lambda n: sum(totals(n)[:3])),
             "flops_by_category": {c: sum(v[:3]) for c, v in per_n.get(0, {}).items()},  # at n = 0
             "bytes": _per_n(step, lambda n: totals(n)[4] + totals(n)[5]),
+            "launches": _per_n(step, lambda n: totals(n)[LAUNCHES]),
+            "launches_by_category": {c: v[LAUNCHES] for c, v in per_n.get(min(1, max(step.recycling_counts())), {}).items()},
             "floor_s": {card: v["floor_s"]["mean"] for card, v in floor_table(totals, step.recycling_counts(), precision).items()},
         }
     return dict(sorted(out.items(), key=lambda kv: -sum(kv[1]["flops"].values())))
@@ -145,7 +151,12 @@ def report(step: Any, choice: Any = None, depth: int = 1) -> dict[str, Any]:
     (``flops``, recomputation included; ``model_flops`` without), elementwise FLOPs, bytes, and the
     roofline floor per card (``floor_s``, the larger of ``compute_s`` and ``memory_s``); their means over
     the training's uniform recycling counts; the predicted peak, the policy and its recomputing blocks;
-    the same per module; and the policy search."""
+    the same per module; kernel launches (``launches``, per ``n``; per module, and per phase at ``n`` = 1,
+    ``launches_by_category``; the operators launched most at ``n`` = 1, ``launches_by_op``); the predicted
+    step time per card, eager and graphed (``predicted_s``: :func:`scalefold.perf.step_time.predict`); and
+    the policy search."""
+    from scalefold.perf.step_time import predict
+
     precision = step.settings["precision"]
     mem = step.memory
     out = {
@@ -154,7 +165,10 @@ def report(step: Any, choice: Any = None, depth: int = 1) -> dict[str, Any]:
         "model_flops": _per_n(step, step.model_flops), "model_flops_mean": step.mean(step.model_flops),
         "flops_by_dtype": _per_n(step, step.flops_by_dtype),
         "flops_elementwise": _per_n(step, step.elementwise_flops), "bytes": _per_n(step, step.bytes),
-        "bytes_mean": step.mean(step.bytes), "peak_bytes": mem.peak_bytes, "peak_gib": round(mem.peak_gib, 3),
+        "bytes_mean": step.mean(step.bytes), "launches": _per_n(step, step.launches),
+        "launches_mean": step.mean(step.launches),
+        "launches_by_op": step.launches_by_op(min(1, max(step.recycling_counts()))),
+        "predicted_s": predict(step), "peak_bytes": mem.peak_bytes, "peak_gib": round(mem.peak_gib, 3),
         "memory_breakdown": mem.breakdown, "activation_checkpointing": step.settings["activation_checkpointing"],
         "checkpointed_blocks": step.settings["checkpointed_blocks"],
         "modules": _modules(step, depth, precision), "seconds": round(step.seconds, 1),
@@ -204,19 +218,24 @@ def format_report(out: dict[str, Any]) -> str:
 
     lines += [f"{'recycling passes n':<28}" + "".join(f"{n:>10}" for n in ns) + f"{'mean':>10}",
               row(f"matrix {flop}", out["flops"], flop_scale), row("  without recomputation", out["model_flops"], flop_scale),
-              row(f"elementwise {flop}", out["flops_elementwise"], flop_scale), row(f"bytes moved ({byte})", out["bytes"], byte_scale)]  # fmt: skip
+              row(f"elementwise {flop}", out["flops_elementwise"], flop_scale), row(f"bytes moved ({byte})", out["bytes"], byte_scale),
+              row("kernel launches", out["launches"], 1.0, "{:10.0f}")]  # fmt: skip
+    for card, modes in out["predicted_s"].items():
+        for mode, per_n in modes.items():
+            lines.append(row(f"predicted {DEVICES[card].name.split()[0]} {mode} (s)", per_n, 1.0))
     for card, per_n in out["floor_s_by_recycling"].items():
         lines.append(row(f"floor {DEVICES[card].name} ({sec})", per_n, sec_scale))
         lines.append(row("  compute (matrix FLOPs)", out["compute_s_by_recycling"][card], sec_scale))
         lines.append(row("  memory (bytes moved)", out["memory_s_by_recycling"][card], sec_scale))
-    lines += ["", f"{'by module (mean over n)':<42} {flop:>8} {'fwd':>8} {'recomp':>8} {'bwd':>8} {byte:>8} {'H100 ' + sec:>8}"]
+    lines += ["", f"{'by module (mean over n)':<42} {flop:>8} {'fwd':>8} {'recomp':>8} {'bwd':>8} {byte:>8} {'H100 ' + sec:>8} {'launches':>9}"]
     for name, m in list(out["modules"].items())[:30]:
         cat = m["flops_by_category"]
         mean = sum(m["flops"].values()) / len(m["flops"]) / flop_scale
         part = [cat.get(c, 0) / flop_scale for c in ("forward", "recompute", "backward")]
         moved = sum(m["bytes"].values()) / len(m["bytes"]) / byte_scale
+        launches = sum(m["launches"].values()) / len(m["launches"])
         lines.append(f"  {name[:40]:<40} {mean:8.3f} {part[0]:8.3f} {part[1]:8.3f} {part[2]:8.3f} {moved:8.2f} "
-                     f"{m['floor_s'].get('h100-sxm', 0) / sec_scale:8.3f}")  # fmt: skip
+                     f"{m['floor_s'].get('h100-sxm', 0) / sec_scale:8.3f} {launches:9.0f}")  # fmt: skip
     lines.append("  (fwd / recomp / bwd: the grad pass's forward, its recomputation and its backward at n = 0)")
     if "policy" in out:
         lines += ["", _format_policy(out["policy"], flop, flop_scale)]

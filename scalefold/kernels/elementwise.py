@@ -96,23 +96,32 @@ def mode(backend: str | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def recording(observe: Callable[[str, tuple], None]) -> Iterator[None]:
-    """Within the block every chain runs as its reference, but routed and shaped as compiled chains are (the
-    dispatch point merges the operands' leading dimensions), and each call is first reported to
-    ``observe(name, args)``: the calls a compiled run compiles for (:mod:`scalefold.perf.compile_sites`)."""
+def recording(
+    observe: Callable[[str, tuple], None], finished: Callable[[str, tuple, torch.Tensor], None] | None = None,
+    chains: Sequence[str] | None = None,
+) -> Iterator[None]:  # fmt: skip
+    """Within the block every chain (``chains``: those named, default all) runs as its reference, but routed
+    and shaped as compiled chains are (the dispatch point merges the operands' leading dimensions), and each
+    call is first reported to ``observe(name, args)``: the calls a compiled run compiles for
+    (:mod:`scalefold.perf.compile_sites`); ``finished(name, args, out)``, when given, is called when the
+    chain returns (the counter of :mod:`scalefold.perf.flops` counts the operators in between as one
+    compiled kernel)."""
 
     def observed(name: str) -> Callable[..., torch.Tensor]:
         fn = getattr(reference, name)
 
         def call(*args: Any) -> torch.Tensor:
             observe(name, args)
-            return fn(*args)
+            out = fn(*args)
+            if finished is not None:
+                finished(name, args, out)
+            return out
 
         return call
 
     before = dict(_state)
     _compiled[_RECORDING] = {name: observed(name) for name in CHAINS}
-    _state.update(backend=_RECORDING, chains=CHAINS)
+    _state.update(backend=_RECORDING, chains=tuple(CHAINS if chains is None else chains))
     try:
         yield
     finally:

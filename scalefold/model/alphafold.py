@@ -41,6 +41,7 @@ from scalefold.model.extra_msa import ExtraMSAStack
 from scalefold.model.heads import AuxiliaryHeads
 from scalefold.model.memory import CHECKPOINT_STACKS, checkpointed_blocks, stack_request
 from scalefold.model.parallel import ParallelStack
+from scalefold.model.primitives import Linear, WeightCasts
 from scalefold.model.structure_module import StructureModule
 from scalefold.model.template import TemplatePairStack, TemplatePointwiseAttention
 
@@ -91,6 +92,11 @@ class AlphaFold(nn.Module):
         self.structure_module = StructureModule(config.structure_module_config)
         self.auxiliary_heads = AuxiliaryHeads(config.auxiliary_heads_config)
         self.checkpointed_blocks()  # an unresolved "auto" or an N beyond the blocks is refused here
+        # each weight cast to bf16 once per forward under autocast, shared by the passes and the recomputation
+        self._weight_casts = WeightCasts()
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.weight_casts = self._weight_casts
 
         self._model_features = features.required_features("model", templates_enabled=self.templates_enabled)
         self._feature_symbols = {
@@ -122,6 +128,13 @@ class AlphaFold(nn.Module):
         Returns the last iteration's outputs (see module docstring).
         """
         self.validate_batch(batch)
+        self._weight_casts.begin()
+        try:
+            return self._forward(batch)
+        finally:
+            self._weight_casts.end(backward_follows=torch.is_grad_enabled())
+
+    def _forward(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         num_iters = batch["aatype"].shape[-1]
         grad_enabled = torch.is_grad_enabled()
         recycled: Recycled | None = None

@@ -11,6 +11,7 @@ import math
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from scalefold import kernels
 
@@ -28,6 +29,83 @@ def _trunc_normal_(weight: torch.Tensor, scale: float) -> None:
         nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-2.0 * std, b=2.0 * std)
 
 
+_REDUCED = (torch.bfloat16, torch.float16)
+
+
+class WeightCasts:
+    """The reduced-precision copies of the fp32 weights that one model forward makes under autocast, each
+    made once and shared by every use: the no-grad recycling passes, the grad pass and activation
+    checkpointing's recomputation in backward.
+
+    Autocast caches its weight casts only within one autocast region, and the model clears that cache
+    before the grad pass (no-grad casts carry no grad); so a step cast every weight once per no-grad pass,
+    once in the grad pass and once more in each recomputation -- plus, for each of those made with grad,
+    a cast of its gradient back in backward (about half of a step's ~16,000 dtype casts at MLPerf shapes).
+    Here each weight is cast once per forward, with grad (its gradient is cast back once), and the copies
+    are shared. The values are autocast's: the same cast of the same fp32 weight, and the grad pass's
+    graph is the one autocast's cache builds (every use of a weight behind one cast node), so outputs and
+    gradients are bit-identical (``tests/model/test_weight_casts.py``).
+
+    Used only where autocast would cast and cache (autocast on for the device with a reduced dtype and its
+    cache enabled, not while a CUDA graph is captured), while the owning model's forward runs
+    (:meth:`begin` / :meth:`end`) or in backward (recomputation); a weight changed in place since its cast
+    (its version counter) is cast again. A weight's copy is dropped once its gradient has been cast back,
+    and all of them after a forward without grad.
+    """
+
+    #: > 0 while a shared copy is being made (for the step's counter: a cast made once per step, wherever
+    #: the first pass that needs it runs)
+    casting = 0
+
+    def __init__(self) -> None:
+        self._casts: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        self.active = False
+
+    def begin(self) -> None:
+        """A new forward: forget the previous step's copies (the weights may have changed since)."""
+        self._casts = {}
+        self.active = True
+
+    def end(self, backward_follows: bool = True) -> None:
+        """The forward returned; without a backward to come (a forward without grad), the copies go."""
+        self.active = False
+        if not backward_follows:
+            self._casts = {}
+
+    def dtype(self, device_type: str) -> torch.dtype | None:
+        """The dtype autocast would cast a weight to here, or None where the copies are not used."""
+        if torch.compiler.is_compiling() or not (self.active or torch._C._current_autograd_node() is not None):
+            return None  # a compiled region traces autocast's own casts
+        if not torch.is_autocast_enabled(device_type) or not torch.is_autocast_cache_enabled():
+            return None
+        dtype = torch.get_autocast_dtype(device_type)
+        if dtype not in _REDUCED or (device_type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return None
+        return dtype
+
+    def get(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``weight`` cast to ``dtype``, made once (with grad where the weight requires it)."""
+        key = id(weight)
+        hit = self._casts.get(key)
+        if hit is not None and hit[0] is weight and hit[1] == weight._version and hit[2].dtype == dtype:
+            return hit[2]
+        WeightCasts.casting += 1
+        try:
+            with torch.enable_grad():
+                cast = weight.to(dtype)
+        finally:
+            WeightCasts.casting -= 1
+        self._casts[key] = (weight, weight._version, cast)
+        if cast.grad_fn is not None:
+            casts = self._casts
+
+            def drop(*_: object) -> None:  # the gradient is cast back: no recomputation needs the copy now
+                casts.pop(key, None)
+
+            cast.grad_fn.register_hook(drop)
+        return cast
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` with AlphaFold2's initialisation schemes.
 
@@ -39,7 +117,12 @@ class Linear(nn.Linear):
       * ``normal``  -- normal with std 1/sqrt(fan_in);
       * ``final``   -- weight 0, bias 0.
     Biases start at zero unless ``init == "gating"``.
+
+    Under autocast, inside a model that shares its weight casts (``weight_casts``, a :class:`WeightCasts`
+    the model sets), the weight and bias are taken from there instead of being cast per pass.
     """
+
+    weight_casts: WeightCasts | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, init: str = "default") -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -65,6 +148,15 @@ class Linear(nn.Linear):
                 self.weight.zero_()
             if self.bias is not None:
                 self.bias.fill_(1.0 if init == "gating" else 0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        casts = self.weight_casts
+        if casts is not None and self.weight.dtype == torch.float32:
+            dtype = casts.dtype(x.device.type)
+            if dtype is not None:
+                bias = None if self.bias is None else casts.get(self.bias, dtype)
+                return F.linear(x, casts.get(self.weight, dtype), bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class LayerNorm(nn.Module):
@@ -135,4 +227,4 @@ class Attention(nn.Module):
         return self.linear_o(o)
 
 
-__all__ = ["Linear", "LayerNorm", "Attention", "TRUNCATED_NORMAL_STDDEV_FACTOR"]
+__all__ = ["Linear", "LayerNorm", "Attention", "TRUNCATED_NORMAL_STDDEV_FACTOR", "WeightCasts"]

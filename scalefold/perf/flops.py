@@ -24,6 +24,14 @@ one fake run gives the peak memory and the arithmetic together. Per operator, ea
   counted once) and its outputs written; in-place operators write their target; views (view,
   reshape without copy, transpose, expand, slice, select, detach) and allocations move nothing. This
   is the traffic of running the step one kernel per operator: fusion removes much of it.
+* **launches** (``launches``): the kernels the chosen path launches: one per operator that is not a view or
+  an allocation; a ScaleFold Triton operator its kernels (:data:`TRITON_LAUNCHES`); where the run compiles the
+  elementwise chains (``--compile``: :func:`compiled_chains`), each chain call one kernel reading its distinct
+  inputs and writing its output, and its backward one kernel reading the output's gradient and the inputs and
+  writing the inputs' gradients -- its inner operators add their FLOPs but neither launches nor bytes (the
+  chain's operators and its backward's are told apart by the autograd sequence numbers the call created).
+  Every launch is also kept with its matrix FLOPs and bytes (:attr:`StepCount.profile`), which
+  :mod:`scalefold.perf.step_time` prices one by one.
 * Not counted: collectives (DAP's all-gather / all-to-all: interconnect traffic), host reads.
 
 **Attribution.** An operator goes to the innermost ``nn.Module`` whose forward runs it, also when
@@ -64,9 +72,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from scalefold.config.training import TrainConfig
+from scalefold.model.primitives import WeightCasts
 
-#: Fields of a count: matrix FLOPs by dtype, elementwise FLOPs, bytes read, bytes written.
-FIELDS = ("mm_bf16", "mm_fp32", "mm_fp64", "elementwise", "read", "written")
+#: Fields of a count: matrix FLOPs by dtype, elementwise FLOPs, bytes read, bytes written, kernel launches.
+FIELDS = ("mm_bf16", "mm_fp32", "mm_fp64", "elementwise", "read", "written", "launches")
+LAUNCHES = 6
+#: Kernels ScaleFold's Triton operators launch per call (the attention backward: its preprocess, dK/dV and
+#: dQ/dbias kernels plus dQ's scale and cast; the layer-norm backward: dx and the dw/db reduction). An
+#: operator not named here is one launch.
+TRITON_LAUNCHES = {"attention_bwd": 5, "layer_norm_bwd": 2}
 MM = (0, 1, 2)
 _MM_FIELD = {torch.bfloat16: 0, torch.float16: 0, torch.float32: 1, torch.float64: 2}
 CATEGORIES = ("recycling", "forward", "loss", "recompute", "backward", "optimizer")
@@ -186,6 +200,17 @@ class OpCounter(TorchDispatchMode):
         self._last = 0
         self._info: dict[Any, _OpInfo] = {}
         self._handles: list[Any] = []
+        # launches: ``{(category, module): {(mm_bf16, mm_fp32, mm_fp64, bytes, launches): calls}}`` (what the
+        # step-time model prices launch by launch) and ``{(category, operator): launches}``
+        self.profile: dict[tuple[str, str], dict[tuple[int, ...], int]] = defaultdict(lambda: defaultdict(int))
+        self.ops: dict[tuple[str, str], int] = defaultdict(int)
+        # compiled elementwise chains: the calls running now (sequence number at their start) and, per call
+        # made with grad, its run of sequence numbers and its backward kernel's bytes (read, written)
+        self._chain_stack: list[int] = []
+        self._chain_starts: list[int] = []
+        self._chain_ends: list[int] = []
+        self._chain_backward: list[tuple[str, int, int]] = []
+        self._charged: set[int] = set()
 
     # -- module stack and the sequence-number runs ---------------------------------------------------
 
@@ -236,8 +261,12 @@ class OpCounter(TorchDispatchMode):
     # -- counting ------------------------------------------------------------------------------------
 
     def where(self) -> tuple[str, str]:
-        """(category, module) of an operator issued now."""
+        """(category, module) of an operator issued now. A weight cast shared by the step's passes
+        (:class:`scalefold.model.primitives.WeightCasts`) is made once per step whatever the number of
+        no-grad passes: counted as the grad pass's, also where the first no-grad pass makes it."""
         category = self.category()
+        if category == "recycling" and WeightCasts.casting:
+            category = "forward"
         if category == "backward":
             if self.stack:
                 return "recompute", self.stack[-1]
@@ -254,14 +283,74 @@ class OpCounter(TorchDispatchMode):
             info = self._info[func] = _op_info(func)
         if not info.skip:
             category, module = self.where()
-            _count(self.counts[category, module], info, func, args, kwargs, out)
+            fused = bool(self._chain_stack) or (category == "backward" and self._chain_backward_op(category, module))
+            delta = _count(info, func, args, kwargs, out, fused)
+            _add(self.counts[category, module], delta)
+            extra = 0
             if info.recomputed is not None:  # a kernel's own recomputation (flash-style attention backward)
-                self.counts["recompute", module][_MM_FIELD.get(args[1].dtype, 1)] += info.recomputed(*args)
+                extra = info.recomputed(*args)
+                self.counts["recompute", module][_MM_FIELD.get(args[1].dtype, 1)] += extra
+            if delta[LAUNCHES]:
+                mm = [delta[i] for i in MM]
+                mm[_MM_FIELD.get(args[1].dtype, 1) if extra else 0] += extra
+                self._launch(category, module, func.overloadpacket.__name__, (*mm, delta[4] + delta[5], delta[LAUNCHES]))
         return out
 
+    def _launch(self, category: str, module: str, op: str, signature: tuple[int, ...]) -> None:
+        """Record a launch (or a kernel's several): ``signature`` (mm_bf16, mm_fp32, mm_fp64, bytes, launches)."""
+        self.profile[category, module][signature] += 1
+        self.ops[category, op] += signature[-1]
 
-def _count(counts: list[int], info: _OpInfo, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-    """Add one operator's FLOPs and bytes to ``counts``."""
+    # -- compiled elementwise chains: one kernel forward, one backward, the bytes at their boundary ---
+
+    def chain_started(self, name: str, args: tuple) -> None:
+        """A compiled chain begins (:func:`scalefold.kernels.elementwise.recording`): its operators add their
+        FLOPs but no launches and no bytes."""
+        self._chain_stack.append(torch._C._autograd._get_sequence_nr())
+
+    def chain_finished(self, name: str, args: tuple, out: torch.Tensor) -> None:
+        """The chain returned: one launch reading its distinct inputs and writing its output; where it ran
+        with grad, its backward is one launch too, reading the output's gradient and the inputs, writing
+        the gradients of the inputs that need one."""
+        start = self._chain_stack.pop()
+        if self._chain_stack:
+            return
+        inputs = list({id(t): t for t in args if isinstance(t, torch.Tensor)}.values())
+        read, written = sum(_nbytes(t) for t in inputs), _nbytes(out)
+        category, module = self.where()
+        counts = self.counts[category, module]
+        counts[4], counts[5], counts[LAUNCHES] = counts[4] + read, counts[5] + written, counts[LAUNCHES] + 1
+        self._launch(category, module, f"chain:{name}", (0, 0, 0, read + written, 1))
+        end = torch._C._autograd._get_sequence_nr()
+        if end > start and out.requires_grad:
+            grads = sum(_nbytes(t) for t in inputs if t.requires_grad)
+            self._chain_starts.append(start)
+            self._chain_ends.append(end)
+            self._chain_backward.append((name, written + read, grads))
+
+    def _chain_backward_op(self, category: str, module: str) -> bool:
+        """Whether the backward operator issued now belongs to a compiled chain's backward (charging that
+        backward's one launch and its bytes the first time one of its operators runs)."""
+        node = torch._C._current_autograd_node()
+        if node is None or not self._chain_starts or getattr(node, "variable", None) is not None:
+            return False
+        seq = node._sequence_nr()
+        i = bisect_right(self._chain_starts, seq) - 1
+        if i < 0 or seq >= self._chain_ends[i]:
+            return False
+        if i not in self._charged:
+            self._charged.add(i)
+            name, read, written = self._chain_backward[i]
+            counts = self.counts[category, module]
+            counts[4], counts[5], counts[LAUNCHES] = counts[4] + read, counts[5] + written, counts[LAUNCHES] + 1
+            self._launch(category, module, f"chain:{name}_backward", (0, 0, 0, read + written, 1))
+        return True
+
+
+def _count(info: _OpInfo, func: Any, args: tuple, kwargs: dict, out: Any, fused: bool = False) -> list[int]:
+    """One operator's FLOPs, bytes and launches (:data:`FIELDS`); ``fused``: an operator inside a compiled
+    chain, its FLOPs alone (the chain's kernel moves the bytes and is the launch)."""
+    counts = [0] * len(FIELDS)
     outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
     if info.matrix is not None:
         first = next(t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.dim() >= 2)
@@ -270,8 +359,9 @@ def _count(counts: list[int], info: _OpInfo, func: Any, args: tuple, kwargs: dic
         counts[3] += sum(t.numel() for t in outputs)
     elif info.reduction:
         counts[3] += max((t.numel() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), default=0)
-    if info.view:
-        return
+    if info.view or fused:
+        return counts
+    counts[LAUNCHES] = TRITON_LAUNCHES.get(func.overloadpacket.__name__, 1) if func.namespace == "scalefold" else 1
     named = dict(zip((a.name for a in func._schema.arguments), args))
     named.update(kwargs)
     seen: set[int] = set()
@@ -286,6 +376,7 @@ def _count(counts: list[int], info: _OpInfo, func: Any, args: tuple, kwargs: dic
                 counts[5] += _nbytes(t)
     if not info.written_args:
         counts[5] += sum(_nbytes(t) for t in outputs)
+    return counts
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,6 +403,15 @@ class StepCount:
     memory: Any  # the MemoryEstimate of the same fake step
     settings: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
+    #: ``{category: {module: {(mm_bf16, mm_fp32, mm_fp64, bytes, launches): calls}}}``: the launches one by one
+    profile: dict[str, dict[str, dict[tuple[int, ...], int]]] = field(default_factory=dict)
+    #: ``{category: {operator: launches}}`` (a compiled chain: ``chain:<name>``, its backward ``chain:<name>_backward``)
+    ops: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def _scaled(self, category: str, n: int, value: int) -> int:
+        """``value`` counted in the fake step's ``category``, in a step of ``n`` no-grad passes (the
+        recycling passes' counts times ``n / recycling_run``; the other categories as counted)."""
+        return value * n // self.recycling_run if category == "recycling" and n else (0 if category == "recycling" else value)
 
     @property
     def peak_bytes(self) -> int:
@@ -363,9 +463,36 @@ class StepCount:
         return self.totals(n)[3]
 
     def bytes(self, n: int) -> int:
-        """Bytes the step's operators read and write (eager, kernel by kernel)."""
+        """Bytes the step's kernels read and write (kernel by kernel; a compiled chain at its boundary)."""
         t = self.totals(n)
         return t[4] + t[5]
+
+    def launches(self, n: int) -> int:
+        """Kernels a step of ``n`` no-grad passes launches (a Triton operator: its kernels; a compiled
+        chain: one forward, one backward; views and allocations: none)."""
+        return self.totals(n)[LAUNCHES]
+
+    def launches_by_op(self, n: int, top: int = 40) -> dict[str, int]:
+        """The ``top`` operators by launches in a step of ``n`` no-grad passes."""
+        self._check(n)
+        out: dict[str, int] = defaultdict(int)
+        for category, ops in self.ops.items():
+            for op, k in ops.items():
+                out[op] += self._scaled(category, n, k)
+        return dict(sorted(out.items(), key=lambda kv: -kv[1])[:top])
+
+    def launch_profile(self, n: int, modules: Callable[[str], bool] | None = None) -> dict[tuple[int, ...], int]:
+        """``{(mm_bf16, mm_fp32, mm_fp64, bytes, launches): calls}`` of a step of ``n`` no-grad passes (of the
+        modules ``modules(name)`` accepts; default all): what :mod:`scalefold.perf.step_time` prices."""
+        self._check(n)
+        out: dict[tuple[int, ...], int] = defaultdict(int)
+        for category, by_module in self.profile.items():
+            for module, signatures in by_module.items():
+                if modules is not None and not modules(module):
+                    continue
+                for signature, calls in signatures.items():
+                    out[signature] += self._scaled(category, n, calls)
+        return dict(out)
 
     def mean(self, fn: Callable[[int], float]) -> float:
         """Mean of ``fn(n)`` over the recycling counts the training samples (uniform on 0 .. R-1)."""
@@ -432,7 +559,7 @@ _CATEGORY_OF_TRACKER = {"activations": "forward", "optimizer_temp": "optimizer",
 SHAPE_OPTIONS = (
     "model_preset", "crop_size", "max_msa_clusters", "max_extra_msa", "num_recycling_iters",
     "structure_module_iterations", "activation_checkpointing", "precision", "dap", "bp", "parallel_evoformer",
-    "cuda_graphs", "clip_grad_max_norm", "swa_decay",
+    "cuda_graphs", "clip_grad_max_norm", "swa_decay", "compile", "compile_regions",
 )  # fmt: skip
 
 
@@ -471,17 +598,45 @@ def count_step(
         with counter:
             yield
 
-    memory = estimate_memory(cfg, target=target, kernels=kernels, recycling=recycling, observe=observe)
+    fused = compiled_chains(cfg, target)
+    chains = contextlib.nullcontext()
+    if fused:
+        from scalefold.kernels import elementwise
+
+        chains = elementwise.recording(lambda name, args: box["counter"].chain_started(name, args),
+                                       lambda name, args, out: box["counter"].chain_finished(name, args, out), fused)  # fmt: skip
+    with chains:
+        memory = estimate_memory(cfg, target=target, kernels=kernels, recycling=recycling, observe=observe)
+    counter = box["counter"]
     parts: dict[str, dict[str, list[int]]] = defaultdict(dict)
-    for (category, module), counts in box["counter"].counts.items():
+    for (category, module), counts in counter.counts.items():
         parts[category][module] = counts
+    profile: dict[str, dict[str, dict[tuple[int, ...], int]]] = defaultdict(dict)
+    for (category, module), signatures in counter.profile.items():
+        profile[category][module] = dict(signatures)
+    ops: dict[str, dict[str, int]] = defaultdict(dict)
+    for (category, op), k in counter.ops.items():
+        ops[category][op] = k
     result = StepCount(
         parts=dict(parts), recycling_run=memory.settings["recycling_passes"], num_ensembles=box["num_ensembles"],
-        memory=memory, settings=dict(memory.settings), seconds=time.perf_counter() - t0,
+        memory=memory, settings={**memory.settings, "compiled_chains": list(fused)}, seconds=time.perf_counter() - t0,
+        profile=dict(profile), ops=dict(ops),
     )  # fmt: skip
     if cache:
         _CACHE[key] = result
     return result
+
+
+def compiled_chains(cfg: TrainConfig, target: str) -> tuple[str, ...]:
+    """The elementwise chains a run of ``cfg`` on ``target`` runs compiled (``--compile`` with the
+    ``elementwise`` region: the device's default chains, :func:`scalefold.compilation.regions.elementwise_chains`),
+    which the counter counts as one kernel each; none without ``--compile``."""
+    if not getattr(cfg, "compile", False):
+        return ()
+    from scalefold.compilation.regions import elementwise_chains
+
+    regions = [r.strip() for r in cfg.compile_regions.split(",") if r.strip()]
+    return tuple(c for r in regions if r.split(":")[0] == "elementwise" for c in elementwise_chains(r, target))
 
 
 def step_flops(cfg: TrainConfig, n: int, target: str | None = None, kernels: str | None = None) -> int:
@@ -584,6 +739,6 @@ def run_flops_table(cfg: TrainConfig, target: str | None = None, kernels: str | 
 
 
 __all__ = [
-    "CATEGORIES", "FIELDS", "OpCounter", "SHAPE_OPTIONS", "StepCount", "cache_key", "count_step", "group",
+    "CATEGORIES", "FIELDS", "LAUNCHES", "TRITON_LAUNCHES", "OpCounter", "compiled_chains", "SHAPE_OPTIONS", "StepCount", "cache_key", "count_step", "group",
     "run_flops_table", "step_flops", "step_throughput",
 ]  # fmt: skip

@@ -183,6 +183,8 @@ def test_any_recycling_count_follows_from_one_pass(tiny_step):
         assert one.flops(n) == two.flops(n) and one.elementwise_flops(n) == two.elementwise_flops(n)
         # bytes: the operators on the whole batch (the loss reads all n + 1 slices) differ a little
         assert abs(one.bytes(n) / two.bytes(n) - 1) < 5e-3
+        # launches: the same operators per pass; the weights' shared bf16 copies are made once per step
+        assert abs(one.launches(n) / two.launches(n) - 1) < 5e-3
     assert one.flops(0) < one.flops(1) < one.flops(2)
     assert one.flops_mean == pytest.approx(sum(one.flops(n) for n in range(3)) / 3)
 
