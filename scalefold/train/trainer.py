@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -47,10 +46,8 @@ from scalefold.compilation.graphed_step import PARALLEL_EVOFORMER_UNCAPTURABLE, 
 from scalefold.compilation.graphed_step import resolve_mode as resolve_graph_mode
 from scalefold.compilation.regions import compile_blocks, warm_up
 from scalefold.config.training import TrainConfig
-from scalefold.data.batch import step_batch
 from scalefold.data.pipeline import FeatureConfig
 from scalefold.data.store import Store
-from scalefold.distributed.agreement import allreduce_step_stats
 from scalefold.distributed.runtime import Runtime, init_distributed, shutdown
 from scalefold.evaluation.cache import validation_cache
 from scalefold.evaluation.client import AsyncEvaluation, EvaluationRanksFailed
@@ -83,7 +80,7 @@ from scalefold.train.run_checkpoints import (
     resume_from_checkpoint,
     save_checkpoint,
 )
-from scalefold.train.step import TrainingStep, forward_seed, make_optimizer, nonfinite_terms_to_nan, recycling_count
+from scalefold.train.step import TrainingStep, forward_seed, make_optimizer, recycling_count
 from scalefold.train.stopping import (
     NonFiniteGuard,
     StopRequest,
@@ -350,7 +347,9 @@ class Trainer:
         # the step the memory model and the step benchmark take too (scalefold.train.step)
         self.step = TrainingStep(model=self.net, loss_fn=self.loss_fn, opt=self.opt, clipper=self.clipper, batch={},
                                  num_ensembles=self.features.num_ensembles, autocast=self.autocast, device=self.device,
-                                 forward=self.forward, ddp=self.ddp_world > 1)  # fmt: skip
+                                 forward=self.forward, ddp=self.ddp_world > 1, group=self.parallel.train_group,
+                                 world_size=self.ddp_world, dtype=self.dtype,
+                                 broadcast=lambda b: self.parallel.broadcast_batch(b, self.device))  # fmt: skip
 
     # -- start: run_start, then the timed dataset work ----------------------------------------------
 
@@ -461,45 +460,37 @@ class Trainer:
         print(f"Cα trace of validation chain {chain} (lDDT-Cα {scores}): {path}", flush=True)
 
     def train_step(self, step: int, batch: dict[str, torch.Tensor] | None, new_skips: list[dict[str, Any]]) -> bool:
-        """Forward, backward, clip, Adam + SWA (or skip); writes the step's record. Returns whether any
-        rank asked to stop."""
+        """The step (:class:`~scalefold.train.step.TrainingStep`: forward, backward, clip, agreement, Adam +
+        SWA or the skip, all on the device), then its results read once; writes the step's record.
+        Returns whether any rank asked to stop."""
         cfg, timings, result = self.cfg, self.timings, self.result
         t0 = time.perf_counter()
-        self.net.train()
         n = recycling_count(cfg.seed, step, self.features.num_ensembles)
-        sliced = step_batch(batch, n, self.device, self.dtype) if batch is not None else None
-        batch = self.parallel.broadcast_batch(sliced, self.device)  # the loader rank's slice, to its group
-        torch.manual_seed(forward_seed(cfg.seed, self.parallel.dp_rank, step))
-        loss, terms = self.step.forward_loss(batch)  # net(batch), the no-grad recycling passes graphed on CUDA
+        lr = self.lr_schedule(step)  # written into the optimizer's device tensor (no host read)
+        marks: list[tuple[str, float]] = [("forward", t0)]  # host time per phase (on a GPU: the launches)
+        out = self.step.train(batch, n, forward_seed(cfg.seed, self.parallel.dp_rank, step),
+                              stop=self.stop_request.requested, count=len(self.data.skipped),
+                              phase=lambda name: marks.append((name, time.perf_counter())))  # fmt: skip
+        got = out.read(self.ddp_world)  # the step's one host read (waits for the device): loss, verdict, norm, terms
         t1 = time.perf_counter()
-        timings["forward"] += t1 - t0
-
-        self.step.backward(loss)  # DDP: bucket all-reduce + norm accumulation
-        t2 = time.perf_counter()
-        timings["backward"] += t2 - t1
-        clip = self.step.clip()
-        # a loss term the loss module dropped as non-finite makes the step's loss non-finite too
-        mean_loss, stop, samples_skipped = allreduce_step_stats(
-            nonfinite_terms_to_nan(loss, terms), self.stop_request.requested, self.parallel.train_group,
-            self.ddp_world, count=len(self.data.skipped),
-        )  # fmt: skip
-        lr = self.lr_schedule(step)
-        skipped = not clip.is_finite() or not np.isfinite(mean_loss)  # same verdict on every rank
-        if skipped:
+        marks.append(("end", t1))
+        for (name, a), (_, b) in zip(marks, marks[1:]):  # the loss counts with the forward, as before
+            timings["forward" if name == "loss" else name] += b - a
+        self.step.settle(got)
+        if got.skipped:  # same verdict on every rank
             result.skipped_steps += 1
             self.guard.skipped(step, result.skipped_steps, self.progress.write if self.main else None)
         else:
             self.guard.ok()
-            self.step.update(clip)
         t3 = time.perf_counter()
-        timings["optimizer"] += t3 - t2
-
+        timings["optimizer"] += t3 - t1
+        mean_loss = got.mean_loss
         record = {
             "step": step, "loss": mean_loss, "recycling_iters": n, "lr": lr, **self._throughput(n, t3 - t0),
-            "grad_norm": float(clip.grad_norm), "skipped": skipped, "skipped_total": result.skipped_steps,
-            **{(k if k.startswith("loss") else f"loss_{k}"): float(v) for k, v in terms.items()},
+            "grad_norm": got.grad_norm, "skipped": got.skipped, "skipped_total": result.skipped_steps,
+            **{(k if k.startswith("loss") else f"loss_{k}"): v for k, v in got.terms.items()},
             "time_data_wait": timings["data_wait"], "time_step": t3 - t0,
-            "samples_skipped": samples_skipped,  # by the loaders of all training ranks, each replaced
+            "samples_skipped": got.count,  # by the loaders of all training ranks, each replaced
         }  # fmt: skip
         if new_skips:
             record["skipped_samples"] = [{"chain_id": s["chain_id"], "reason": s["reason"],
@@ -509,7 +500,7 @@ class Trainer:
         self.progress.update(1)
         self.progress.set_postfix(loss=f"{mean_loss:.3f}", recycling=n)
         self.guard.check(step, self.metrics.flush)
-        return stop
+        return got.stop
 
     def _throughput(self, n: int, seconds: float) -> dict[str, float]:
         """``tflops`` (executed FLOPs per second, recomputation included, / 10^12) of a step with ``n``
