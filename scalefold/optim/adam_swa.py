@@ -328,6 +328,32 @@ class FlatAdamSWA:
         not the first SWA update (a copy, decided on the host) and no verdict pending."""
         return self._n_averaged_host > 0 and not self._pending
 
+    def forget_pending(self) -> None:
+        """Drop an unsettled verdict without touching the host mirrors: for steps whose effect is undone
+        (a CUDA graph's warm-up and capture, restored from :meth:`snapshot` afterwards)."""
+        self._pending = False
+
+    @torch.no_grad()
+    def snapshot(self) -> dict:
+        """A copy of everything a step changes (weights, moments, SWA, compute copy, counters, lr, host
+        mirrors), for :meth:`restore`: warm-up steps that must leave no trace."""
+        buffers = [[None if t is None else t.clone() for t in (g.master, g.exp_avg, g.exp_avg_sq, g.swa, g.compute)]
+                   for g in self.groups]  # fmt: skip
+        scalars = [t.clone() for t in (self.step_count, self.swa_n_averaged, self.lr)]
+        return {"buffers": buffers, "scalars": scalars, "host": (self._n_averaged_host, self._steps_host)}
+
+    @torch.no_grad()
+    def restore(self, snap: dict) -> None:
+        """Back to a :meth:`snapshot` (in place: every buffer keeps its address)."""
+        for g, saved in zip(self.groups, snap["buffers"]):
+            for live, old in zip((g.master, g.exp_avg, g.exp_avg_sq, g.swa, g.compute), saved):
+                if live is not None:
+                    live.copy_(old)
+        for live, old in zip((self.step_count, self.swa_n_averaged, self.lr), snap["scalars"]):
+            live.copy_(old)
+        self._n_averaged_host, self._steps_host = snap["host"]
+        self._pending = False
+
     # -- buffers and views ----------------------------------------------------------------------
 
     def grad_buffers(self) -> list[torch.Tensor]:

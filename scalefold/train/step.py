@@ -109,6 +109,11 @@ class StepResult:
     grad_norm: torch.Tensor
     terms: dict[str, torch.Tensor]
 
+    def clone(self) -> StepResult:
+        """A copy (a graph's static outputs are overwritten by its next replay)."""
+        return StepResult(n=self.n, loss=self.loss.clone(), stats=self.stats.clone(), apply=self.apply.clone(),
+                          grad_norm=self.grad_norm.clone(), terms={k: v.detach().clone() for k, v in self.terms.items()})  # fmt: skip
+
     def read(self, world_size: int) -> StepOutcome:
         """Everything the loop records, in **one** device-to-host read."""
         names = list(self.terms)
@@ -147,6 +152,8 @@ class TrainingStep:
     #: whole-step CUDA graphs (``--cuda-graphs step``): ``graphs(batch, n)`` replays the captured
     #: :meth:`compute` of recycling count ``n``, or returns ``None`` (not captured: eager)
     graphs: Callable[[dict[str, torch.Tensor], int], StepResult | None] | None = None
+    #: autocast's weight-cast cache (off while a CUDA graph captures the step)
+    autocast_cache: bool = True
 
     def __post_init__(self) -> None:
         # [stop, count]: written before each step, read by the agreement (a graph reads it by address)
@@ -209,7 +216,8 @@ class TrainingStep:
         ``loss``, ``backward`` and ``optimizer``; ``forward`` replaces :attr:`forward` / the model."""
         mark = phase or (lambda name: None)
         mark("forward")
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast,
+                            cache_enabled=self.autocast_cache):  # fmt: skip
             outputs = (forward or self.forward or self.model)(batch)
         mark("loss")
         loss, terms = self.loss_fn(float_outputs(outputs) if self.autocast else outputs, batch)

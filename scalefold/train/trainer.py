@@ -42,7 +42,14 @@ import torch.distributed as dist
 
 from scalefold.checkpoint.files import CheckpointManager
 from scalefold.compilation.cache import compile_with_rebuild, configure_compile_cache
-from scalefold.compilation.graphed_step import PARALLEL_EVOFORMER_UNCAPTURABLE, setup_graphed_step, synthetic_step_batch
+from scalefold.compilation.graphed_step import (
+    PARALLEL_EVOFORMER_UNCAPTURABLE,
+    resolve_step_mode,
+    setup_graphed_step,
+    setup_step_graphs,
+    synthetic_step_batch,
+    uncapturable_reason,
+)
 from scalefold.compilation.graphed_step import resolve_mode as resolve_graph_mode
 from scalefold.compilation.regions import compile_blocks, warm_up
 from scalefold.config.training import TrainConfig
@@ -162,8 +169,11 @@ def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
     try:
         # --cuda-graphs on where graphs cannot run is refused on every rank before anything is logged or built
         # (evaluation ranks included, which would otherwise wait for a run_start that never comes)
+        unsupported = PARALLEL_EVOFORMER_UNCAPTURABLE if cfg.parallel_evoformer else None
         resolve_graph_mode(cfg.cuda_graphs, runtime.device.type, model_parallel=parallel.layout.model_parallel,
-                           unsupported=PARALLEL_EVOFORMER_UNCAPTURABLE if cfg.parallel_evoformer else None)  # fmt: skip
+                           unsupported=unsupported)  # fmt: skip
+        resolve_step_mode(cfg.cuda_graphs, runtime.device.type, parallel.layout.model_parallel,
+                          parallel.num_train_ranks if runtime.distributed else 1, unsupported=unsupported)  # fmt: skip
         with StopRequest() as stop_request:
             if parallel.is_eval_rank:  # asynchronous evaluation ranks: serve evaluations until training ends
                 result = _evaluation_rank(cfg, runtime, stop_request, model_cfg, features)
@@ -340,9 +350,13 @@ class Trainer:
                 find_unused_parameters=cfg.bp > 1,  # BP: the other branch's parameters get no gradient here
             )  # fmt: skip
             self.clipper.register(self.net)
-        # CUDA graphs of the no-grad recycling passes; forward(batch) is net(batch) where graphs are off
-        self.forward = setup_graphed_step(cfg.cuda_graphs, model, self.net, self.features, self.device, self.dtype,
-                                          self.autocast, model_parallel=self.parallel.layout.model_parallel,
+        # CUDA graphs: the whole step (--cuda-graphs step; auto where it can), else the no-grad recycling passes;
+        # forward(batch) is net(batch) where the recycling graphs are off
+        model_parallel = self.parallel.layout.model_parallel
+        whole, _ = resolve_step_mode(cfg.cuda_graphs, self.device.type, model_parallel, self.ddp_world,
+                                     torch.cuda.is_available(), unsupported=uncapturable_reason(model))  # fmt: skip
+        self.forward = setup_graphed_step("off" if whole else cfg.cuda_graphs, model, self.net, self.features,
+                                          self.device, self.dtype, self.autocast, model_parallel=model_parallel,
                                           rank=self.runtime.rank, verbose=self.main)  # fmt: skip
         # the step the memory model and the step benchmark take too (scalefold.train.step)
         self.step = TrainingStep(model=self.net, loss_fn=self.loss_fn, opt=self.opt, clipper=self.clipper, batch={},
@@ -350,6 +364,25 @@ class Trainer:
                                  forward=self.forward, ddp=self.ddp_world > 1, group=self.parallel.train_group,
                                  world_size=self.ddp_world, dtype=self.dtype,
                                  broadcast=lambda b: self.parallel.broadcast_batch(b, self.device))  # fmt: skip
+        self.step_graphs = None
+        if whole:
+            self._whole_step_graphs(model, model_parallel)
+
+    def _whole_step_graphs(self, model: torch.nn.Module, model_parallel: int) -> None:
+        """Capture the whole step per recycling count; where that fails, ``auto`` falls back to the recycling
+        passes' graphs (``step``: eager, the reason said in one line)."""
+        cfg = self.cfg
+        graphs = setup_step_graphs(cfg.cuda_graphs, self.step, model, self.features, self.device, self.dtype,
+                                   world_size=self.ddp_world, model_parallel=model_parallel, rank=self.runtime.rank,
+                                   verbose=self.main)  # fmt: skip
+        self.step_graphs = graphs
+        if graphs.active:
+            self.step.graphs = graphs
+        elif cfg.cuda_graphs == "auto":
+            self.forward = setup_graphed_step("auto", model, self.net, self.features, self.device, self.dtype,
+                                              self.autocast, model_parallel=model_parallel, rank=self.runtime.rank,
+                                              verbose=self.main)  # fmt: skip
+            self.step.forward = self.forward
 
     # -- start: run_start, then the timed dataset work ----------------------------------------------
 
@@ -567,6 +600,8 @@ class Trainer:
         result.device_name = self.hooks.device_name
         if self.device.type == "cuda":  # graphed / eager step counts (on CPU the forward is always eager)
             result.notes.append(self.forward.summary())
+            if getattr(self, "step_graphs", None) is not None:
+                result.notes.append(self.step_graphs.summary())
         if getattr(self, "compiled", None) is not None:  # graph breaks / recompilations of the compiled regions
             result.notes.append(self.compiled.summary())
         if self.main and (aborted or eval_failure is not None):  # an aborted run gets its curves and breakdown too
