@@ -121,7 +121,11 @@ def resolve_mode(mode: str, device_type: str, model_parallel: int = 1, backend_a
     if mode == "off":
         return False, "--cuda-graphs off"
     if mode in STRICT_MODES and mode != "on":  # recycling / step: refused where graphs cannot be used, as on
-        enabled, why = resolve_mode("on", device_type, model_parallel, backend_available, graph_device_type, unsupported)
+        try:
+            enabled, why = resolve_mode("on", device_type, model_parallel, backend_available, graph_device_type,
+                                        unsupported)  # fmt: skip
+        except CudaGraphsUnavailable as exc:
+            raise CudaGraphsUnavailable(str(exc).replace("--cuda-graphs on", f"--cuda-graphs {mode}")) from None
         return enabled, why.replace("--cuda-graphs on", f"--cuda-graphs {mode}")
     if device_type != graph_device_type or not backend_available:
         if mode == "on":
