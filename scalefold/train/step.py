@@ -267,10 +267,23 @@ class TrainingStep:
         and the optimizer's settling (on fake tensors, nothing to read: settled as applied). Returns the
         detached loss. ``read=False`` leaves the result unread: call :meth:`finish` after."""
         self.model.train()
-        self.last = self.compute(self.sliced(n), phase=phase, forward=forward)
+        batch = self.sliced(n)
+        replayed = self.graphs(batch, n) if self.graphs is not None and forward is None else None
+        self.last = replayed if replayed is not None else self.compute(batch, phase=phase, forward=forward)
         if read:
             self.finish()
         return self.last.loss
+
+    def use_whole_step_graphs(self, log: Callable[[str], None] | None = None, backend: Any = None) -> Any:
+        """Capture this step whole per recycling count on :attr:`batch` (``--cuda-graphs step``; the tools'
+        way to the Trainer's graphs) and replay them from now on where the capture held; returns the
+        :class:`~scalefold.compilation.graphed_step.WholeStepGraphs` (``.active``, ``.reason``)."""
+        from scalefold.compilation.graphed_step import WholeStepGraphs
+
+        graphs = WholeStepGraphs(self, backend=backend, log=log, reason="--cuda-graphs step")
+        graphs.warm_up(self.batch)
+        self.graphs = graphs if graphs.active else None
+        return graphs
 
     def finish(self) -> StepOutcome | None:
         """The host's side of the last :meth:`run`: read its result once and settle the optimizer."""
