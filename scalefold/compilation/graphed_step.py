@@ -1,4 +1,20 @@
-"""The training step's forward with CUDA-graphed recycling passes (``--cuda-graphs``).
+"""CUDA graphs of the training step (``--cuda-graphs``): the recycling passes, or the whole step.
+
+Two levels. ``--cuda-graphs recycling`` (``on``, its old name): :class:`GraphedStep`, the no-grad
+recycling passes of each recycling count as one graph (below). ``--cuda-graphs step``:
+:class:`WholeStepGraphs`, the whole training step of each recycling count as **one graph** -- no-grad
+passes, grad pass, loss, backward, clipping, the cross-rank agreement and the Adam + SWA update applied
+or skipped on the device (:meth:`scalefold.train.step.TrainingStep.compute`, which reads nothing back to
+the host) -- from static batch buffers the loader's slices are copied into, all graphs in one memory
+pool, captured at warm-up before ``run_start``, each replay compared with an eager step from the same
+state and seed, every warm-up step undone (optimizer snapshot, model buffers, RNG). Not captured: runs
+with several data-parallel ranks (DDP's reducer and the clipping hook's future callback run on the host:
+:data:`WHOLE_STEP_DDP`; ``step`` is refused there, ``auto`` falls back), DAP/BP and the Parallel Evoformer
+(as for the recycling graphs), steps before SWA's first update (a host-decided copy; eager). ``auto``
+takes the widest that works: the whole step where it may be captured and its capture holds, else the
+recycling passes, else eager. Whole-step capture has not yet run on a GPU: activation checkpointing's
+RNG-state save inside a capture and the Triton / compiled kernels under capture are what the warm-up
+check will tell (a failure turns the graphs off with one line, and ``auto`` falls back).
 
 The training loop calls a :class:`GraphedStep` instead of ``net(batch)``. A step with recycling
 count ``n`` (the batch keeps ``t[..., :n + 1]``) runs ``n`` passes of the model without autograd and
@@ -45,10 +61,11 @@ Fallbacks (the same numbers as the plain path, through ``net(batch)``):
   for the run, the reason logged once (every later step eager);
 * ``n = 0`` (no no-grad pass) and calls under ``torch.no_grad``: eager.
 
-Modes (:func:`resolve_mode`): ``auto`` -- on for CUDA devices without DAP/BP or the Parallel
-Evoformer, off elsewhere; ``on`` -- the same, but a run where graphs cannot be used (not CUDA, DAP/BP >
-1, ``--parallel-evoformer``: :func:`uncapturable_reason`) is refused (:class:`CudaGraphsUnavailable`,
-exit status 3 from the CLI); ``off`` -- never.
+Modes (:func:`resolve_mode`, :func:`resolve_step_mode`): ``auto`` -- on for CUDA devices without DAP/BP
+or the Parallel Evoformer, off elsewhere; ``on`` / ``recycling`` / ``step`` -- the same, but a run where
+graphs cannot be used (not CUDA, DAP/BP > 1, ``--parallel-evoformer``: :func:`uncapturable_reason`;
+``step``: several data-parallel ranks too) is refused (:class:`CudaGraphsUnavailable`, exit status 3 from
+the CLI); ``off`` -- never.
 
 Limits (by design; validate on a GPU before relying on the speed-up):
 
@@ -57,10 +74,8 @@ Limits (by design; validate on a GPU before relying on the speed-up):
   mode ``thread_local``, so the NCCL watchdog thread polling its events cannot invalidate it; the
   loader and evaluation threads start after warm-up). The
   differentiated pass and backward (DDP bucket all-reduce + its clipping comm hook) stay eager, so
-  neither ``_set_static_graph`` nor ``find_unused_parameters=False`` is needed. Full-step capture
-  (``make_graphed_callables`` over the grad pass + backward) is *not* done: DDP's reducer hooks,
-  activation checkpointing (its RNG-state save/restore in backward), the autocast weight cache and
-  the loss module's non-finite handling all need care a CPU-only development machine cannot verify.
+  neither ``_set_static_graph`` nor ``find_unused_parameters=False`` is needed. Whole-step capture
+  (:class:`WholeStepGraphs`) is offered for one data-parallel rank only (DDP's reducer hooks run on the host).
 * **DAP / BP**: not captured (``auto`` turns graphs off, ``on`` refuses): their all-to-all /
   all-gather / broadcast collectives run inside the recycling passes; capturing NCCL collectives
   needs every rank of a group to capture the same graphs in the same order, and gloo cannot be

@@ -1,5 +1,7 @@
 """The training loop of ``scalefold train``: :func:`train` and the :class:`Trainer` (build -> warm-up ->
-step loop -> finish). Its parts are components in their own modules; the step arithmetic is in :mod:`.steps`.
+step loop -> finish). Its parts are components in their own modules; the step itself is one object,
+:class:`~scalefold.train.step.TrainingStep`, called once per step (points 2-6 below, no host read inside;
+whole-step CUDA graphs with ``--cuda-graphs step``), whose results the loop reads once after it.
 
 One step (supplement 1.11, MLPerf HPC OpenFold), on every data-parallel rank:
 
@@ -13,8 +15,9 @@ One step (supplement 1.11, MLPerf HPC OpenFold), on every data-parallel rank:
    with several ranks DDP averages the gradients and its communication hook accumulates the squared
    norm of each reduced bucket (:class:`~.grad_clipping.GradClipper`), single-process runs take the
    norm of the flat gradient buffers;
-5. one clip scale per step; a non-finite loss or gradient skips the step (counted; too many in a row
-   abort the run with ``run_stop status=aborted``: :class:`~.stopping.NonFiniteGuard`);
+5. one clip scale per step; a non-finite loss or gradient skips the step -- decided on the device, the
+   same verdict on every rank (counted; too many in a row abort the run with ``run_stop status=aborted``:
+   :class:`~.stopping.NonFiniteGuard`);
 6. Adam + SWA over flat buffers (``FlatAdamSWA``) with the warm-up learning rate.
 
 Components the loop calls: evaluation at the end of each train-eval cycle (:mod:`.evaluation`:
