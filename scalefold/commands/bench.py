@@ -94,9 +94,17 @@ def _cmd_bench_step(args: argparse.Namespace) -> int:
     import torch
 
     from scalefold.compilation.cache import configure_compile_cache
-    from scalefold.perf.step_bench import add_throughput, format_result, run_step_benchmark
+    from scalefold.perf.step_bench import (
+        add_throughput,
+        format_result,
+        graphed_step_times,
+        run_step_benchmark,
+        step_host_syncs,
+    )
 
     cfg, regions = _bench_step_config(args)
+    if args.cuda_graphs not in ("off", "auto") and not torch.cuda.is_available():
+        raise UserError(f"--cuda-graphs {args.cuda_graphs} needs a CUDA device")
     if args.threads:
         torch.set_num_threads(args.threads)
     log = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
@@ -106,7 +114,10 @@ def _cmd_bench_step(args: argparse.Namespace) -> int:
                                 compile_cache=cache, compile_only=args.compile_only,
                                 call_sites=args.call_sites)  # fmt: skip
     if not args.call_sites:
+        if args.cuda_graphs != "off" and (args.cuda_graphs != "auto" or torch.cuda.is_available()):
+            result["graphs"] = graphed_step_times(cfg, args.cuda_graphs, args.repeats, args.warmup)
         add_throughput(result, cfg)
+        result.update(step_host_syncs(cfg))
     print(json.dumps(result) if args.json else format_result(result), flush=True)
     return 0
 
@@ -175,6 +186,10 @@ def add_bench_step_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5, help="timed cycles (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed cycles first (default 2)")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default torch's; 1 is steadier on a loaded box)")
+    p.add_argument("--cuda-graphs", choices=("off", "recycling", "step", "auto"), default="off",
+                   help="also time the step on the GPU with CUDA graphs: of the no-grad recycling passes, of the whole "
+                   "step (one graph per recycling count), or the widest that captures (auto), each beside eager on the "
+                   "GPU; not on a CPU (default off)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=_cmd_bench_step)
     return p

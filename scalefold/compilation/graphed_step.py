@@ -1,4 +1,20 @@
-"""The training step's forward with CUDA-graphed recycling passes (``--cuda-graphs``).
+"""CUDA graphs of the training step (``--cuda-graphs``): the recycling passes, or the whole step.
+
+Two levels. ``--cuda-graphs recycling`` (``on``, its old name): :class:`GraphedStep`, the no-grad
+recycling passes of each recycling count as one graph (below). ``--cuda-graphs step``:
+:class:`WholeStepGraphs`, the whole training step of each recycling count as **one graph** -- no-grad
+passes, grad pass, loss, backward, clipping, the cross-rank agreement and the Adam + SWA update applied
+or skipped on the device (:meth:`scalefold.train.step.TrainingStep.compute`, which reads nothing back to
+the host) -- from static batch buffers the loader's slices are copied into, all graphs in one memory
+pool, captured at warm-up before ``run_start``, each replay compared with an eager step from the same
+state and seed, every warm-up step undone (optimizer snapshot, model buffers, RNG). Not captured: runs
+with several data-parallel ranks (DDP's reducer and the clipping hook's future callback run on the host:
+:data:`WHOLE_STEP_DDP`; ``step`` is refused there, ``auto`` falls back), DAP/BP and the Parallel Evoformer
+(as for the recycling graphs), steps before SWA's first update (a host-decided copy; eager). ``auto``
+takes the widest that works: the whole step where it may be captured and its capture holds, else the
+recycling passes, else eager. Whole-step capture has not yet run on a GPU: activation checkpointing's
+RNG-state save inside a capture and the Triton / compiled kernels under capture are what the warm-up
+check will tell (a failure turns the graphs off with one line, and ``auto`` falls back).
 
 The training loop calls a :class:`GraphedStep` instead of ``net(batch)``. A step with recycling
 count ``n`` (the batch keeps ``t[..., :n + 1]``) runs ``n`` passes of the model without autograd and
@@ -45,10 +61,11 @@ Fallbacks (the same numbers as the plain path, through ``net(batch)``):
   for the run, the reason logged once (every later step eager);
 * ``n = 0`` (no no-grad pass) and calls under ``torch.no_grad``: eager.
 
-Modes (:func:`resolve_mode`): ``auto`` -- on for CUDA devices without DAP/BP or the Parallel
-Evoformer, off elsewhere; ``on`` -- the same, but a run where graphs cannot be used (not CUDA, DAP/BP >
-1, ``--parallel-evoformer``: :func:`uncapturable_reason`) is refused (:class:`CudaGraphsUnavailable`,
-exit status 3 from the CLI); ``off`` -- never.
+Modes (:func:`resolve_mode`, :func:`resolve_step_mode`): ``auto`` -- on for CUDA devices without DAP/BP
+or the Parallel Evoformer, off elsewhere; ``on`` / ``recycling`` / ``step`` -- the same, but a run where
+graphs cannot be used (not CUDA, DAP/BP > 1, ``--parallel-evoformer``: :func:`uncapturable_reason`;
+``step``: several data-parallel ranks too) is refused (:class:`CudaGraphsUnavailable`, exit status 3 from
+the CLI); ``off`` -- never.
 
 Limits (by design; validate on a GPU before relying on the speed-up):
 
@@ -57,10 +74,8 @@ Limits (by design; validate on a GPU before relying on the speed-up):
   mode ``thread_local``, so the NCCL watchdog thread polling its events cannot invalidate it; the
   loader and evaluation threads start after warm-up). The
   differentiated pass and backward (DDP bucket all-reduce + its clipping comm hook) stay eager, so
-  neither ``_set_static_graph`` nor ``find_unused_parameters=False`` is needed. Full-step capture
-  (``make_graphed_callables`` over the grad pass + backward) is *not* done: DDP's reducer hooks,
-  activation checkpointing (its RNG-state save/restore in backward), the autocast weight cache and
-  the loss module's non-finite handling all need care a CPU-only development machine cannot verify.
+  neither ``_set_static_graph`` nor ``find_unused_parameters=False`` is needed. Whole-step capture
+  (:class:`WholeStepGraphs`) is offered for one data-parallel rank only (DDP's reducer hooks run on the host).
 * **DAP / BP**: not captured (``auto`` turns graphs off, ``on`` refuses): their all-to-all /
   all-gather / broadcast collectives run inside the recycling passes; capturing NCCL collectives
   needs every rank of a group to capture the same graphs in the same order, and gloo cannot be
@@ -101,8 +116,12 @@ VALIDATION_TOLERANCE = 5e-2
 _VALIDATION_SEED = 20240613
 
 
+STRICT_MODES = ("on", "recycling", "step")  # refused where graphs cannot be used
+
+
 class CudaGraphsUnavailable(ConfigError):
-    """``--cuda-graphs on`` where graphs cannot be used (not CUDA, DAP/BP > 1): refused before training."""
+    """``--cuda-graphs on|recycling|step`` where graphs cannot be used (not CUDA, DAP/BP > 1): refused before
+    training."""
 
 
 def resolve_mode(mode: str, device_type: str, model_parallel: int = 1, backend_available: bool = True,
@@ -116,6 +135,13 @@ def resolve_mode(mode: str, device_type: str, model_parallel: int = 1, backend_a
         raise ValueError(f"--cuda-graphs must be one of {MODES}, got {mode!r}")
     if mode == "off":
         return False, "--cuda-graphs off"
+    if mode in STRICT_MODES and mode != "on":  # recycling / step: refused where graphs cannot be used, as on
+        try:
+            enabled, why = resolve_mode("on", device_type, model_parallel, backend_available, graph_device_type,
+                                        unsupported)  # fmt: skip
+        except CudaGraphsUnavailable as exc:
+            raise CudaGraphsUnavailable(str(exc).replace("--cuda-graphs on", f"--cuda-graphs {mode}")) from None
+        return enabled, why.replace("--cuda-graphs on", f"--cuda-graphs {mode}")
     if device_type != graph_device_type or not backend_available:
         if mode == "on":
             raise CudaGraphsUnavailable(f"--cuda-graphs on needs a CUDA device (this run computes on {device_type}); "
@@ -472,13 +498,257 @@ def setup_graphed_step(
     return step
 
 
+# ----------------------------------------------------------------------------------------------------
+# Whole-step graphs (--cuda-graphs step)
+# ----------------------------------------------------------------------------------------------------
+
+#: why whole-step capture is not offered with several data-parallel ranks
+WHOLE_STEP_DDP = ("DDP's bucket all-reduce runs through its reducer's host-side hooks and the clipping hook's "
+                  "future callback, which a CUDA graph cannot hold")  # fmt: skip
+
+
+def resolve_step_mode(mode: str, device_type: str, model_parallel: int = 1, world_size: int = 1,
+                      backend_available: bool = True, graph_device_type: str = "cuda",
+                      unsupported: str | None = None) -> tuple[bool, str]:  # fmt: skip
+    """``(whole-step graphs wanted, why)`` for ``--cuda-graphs mode``: ``step`` and ``auto`` want them where
+    the recycling graphs can run and the run has one data-parallel rank (:data:`WHOLE_STEP_DDP`); ``step``
+    is refused (:class:`CudaGraphsUnavailable`) elsewhere, ``auto`` then falls back quietly."""
+    if mode not in ("step", "auto"):
+        return False, f"--cuda-graphs {mode}"
+    enabled, why = resolve_mode(mode, device_type, model_parallel, backend_available, graph_device_type, unsupported)
+    if not enabled:
+        return False, why
+    if world_size > 1:
+        if mode == "step":
+            raise CudaGraphsUnavailable(f"--cuda-graphs step is not supported with {world_size} data-parallel ranks "
+                                        f"({WHOLE_STEP_DDP}); use --cuda-graphs recycling or auto")  # fmt: skip
+        return False, WHOLE_STEP_DDP
+    return True, f"--cuda-graphs {mode}: the whole step, CUDA, one rank"
+
+
+@dataclass
+class WholeStepStats:
+    graphed: int = 0  # steps replayed from a whole-step graph
+    eager_swa_copy: int = 0  # steps before SWA's first update (a copy, decided on the host: not captured)
+    eager_miss: int = 0  # steps whose shapes were not captured
+    eager_off: int = 0  # steps while whole-step graphs are off
+
+
+@dataclass
+class _StepGraph:
+    static: dict[str, torch.Tensor]  # the batch buffers the graph reads
+    replay: Callable[[], Any]
+
+
+class WholeStepGraphs:
+    """``graphs(batch, n)``: the training step's :meth:`~scalefold.train.step.TrainingStep.compute` of
+    recycling count ``n`` replayed from one CUDA graph -- no-grad passes, grad pass, loss, backward,
+    clipping, agreement and the (device-side skippable) Adam + SWA update -- or ``None`` (run it eagerly).
+
+    ``step`` is the :class:`~scalefold.train.step.TrainingStep` (its ``compute``, ``opt``, ``model``,
+    ``set_flags``); its parameters, optimizer buffers, learning-rate tensor and agreement flags keep their
+    addresses for the run, so a replay reads this step's values. Per recycling count one graph, from
+    static batch buffers (the loader's slices are copied in); all graphs share the backend's one memory
+    pool. :meth:`warm_up` (before ``run_start``) captures them on a synthetic batch of the training
+    shapes, replays each once and compares it with an eager step from the same state and seed (loss,
+    norm, verdict, the weights' update, the generators' states); a capture that fails or disagrees turns
+    whole-step graphs off with one line. Every warm-up step is undone (optimizer snapshot, model buffers,
+    RNG): the run starts from the same state as without graphs.
+
+    Not captured (eager, counted in :meth:`summary`): steps before SWA's first update (its "copy the
+    weights" branch is decided on the host), shapes other than the warm-up's (one line per recycling
+    count), every step once graphs are off.
+    """
+
+    def __init__(self, step: Any, backend: GraphBackend | None = None, enabled: bool = True, reason: str = "",
+                 log: Callable[[str], None] | None = None, warn: Callable[[str], None] | None = None, rank: int = 0,
+                 tolerance: float = VALIDATION_TOLERANCE) -> None:  # fmt: skip
+        self.step = step
+        if enabled and backend is None:
+            backend = CudaGraphBackend()
+        self.backend = backend
+        self.enabled = enabled and backend is not None and backend.is_available()
+        self.reason, self.log, self.rank, self.tolerance = reason, log, rank, tolerance
+        self.warn = warn if warn is not None else (lambda line: sys.stderr.write(f"rank {rank}: {line}\n"))
+        self.stats = WholeStepStats()
+        self._graphs: dict[Hashable, _StepGraph] = {}
+        self._missed: set[int] = set()
+
+    @property
+    def active(self) -> bool:
+        return self.enabled
+
+    def captured(self) -> list[int]:
+        return sorted(key[0] for key in self._graphs)
+
+    # -- the step ------------------------------------------------------------------------------------
+
+    def __call__(self, batch: Mapping[str, torch.Tensor], n: int) -> Any:
+        if not self.enabled:
+            self.stats.eager_off += 1
+            return None
+        if not self.step.opt.capturable:
+            self.stats.eager_swa_copy += 1
+            return None
+        graph = self._graphs.get(self._key(batch, n))
+        if graph is None:
+            self.stats.eager_miss += 1
+            if n not in self._missed:
+                self._missed.add(n)
+                self.warn(f"cuda graphs: no whole-step graph for recycling count {n} with these shapes (captured "
+                          f"{self.captured()}); such steps run eagerly (not logged again; counted in the summary)")  # fmt: skip
+            return None
+        with torch.no_grad():
+            for name, t in batch.items():
+                graph.static[name].copy_(t)
+        self.stats.graphed += 1
+        return graph.replay().clone()  # the static outputs are overwritten by the next replay
+
+    def summary(self) -> str:
+        s = self.stats
+        return (f"cuda graphs (whole step): {s.graphed} step(s) graphed, {s.eager_swa_copy} eager before SWA's first "
+                f"update, {s.eager_miss} eager (uncaptured shapes), {s.eager_off} eager (off: {self.reason})")  # fmt: skip
+
+    # -- warm-up (before run_start) ---------------------------------------------------------------------
+
+    def warm_up(self, batch: Mapping[str, torch.Tensor], counts: list[int] | None = None) -> list[int]:
+        """Capture the whole step of every recycling count (default ``0 .. R-1`` of ``batch``, ``[..., R]``)
+        and check each replay against eager; the step's state is restored afterwards."""
+        if not self.enabled:
+            return []
+        aatype = batch["aatype"]
+        counts = list(range(int(aatype.shape[-1]))) if counts is None else counts
+        rng_devices = [aatype.device] if aatype.device.type == "cuda" else []
+        t0 = time.perf_counter()
+        state = self._save()
+        try:
+            with torch.random.fork_rng(devices=rng_devices):
+                for n in counts:
+                    static = {k: v[..., : n + 1].clone() for k, v in batch.items()}
+                    try:
+                        self._restore(state)
+                        replay = self.backend.capture(self._compute, (static,))
+                        problem = self._check(static, replay, state)
+                    except Exception as exc:  # noqa: BLE001 -- any capture failure: whole-step graphs off
+                        problem = f"capture failed: {exception_summary(exc)}{_where(exc)}"
+                    if problem is not None:
+                        self._turn_off(f"recycling count {n}: {problem}")
+                        break
+                    self._graphs[self._key(static, n)] = _StepGraph(static, replay)
+        finally:
+            self._restore(state, final=True)
+        if self.enabled and self.log is not None:
+            self.log(f"cuda graphs: captured the whole step (recycling passes, grad pass, loss, backward, clipping, "
+                     f"update) of recycling counts {self.captured()} in {time.perf_counter() - t0:.1f} s ({self.reason})")  # fmt: skip
+        return self.captured()
+
+    def _compute(self, batch: Mapping[str, torch.Tensor]) -> Any:
+        """The captured function: the step's compute, its verdict left unread (the warm-up is undone)."""
+        self.step.opt.forget_pending()
+        return self.step.compute(batch)
+
+    def _save(self) -> dict[str, Any]:
+        self.step.opt.zero_grad()
+        return {"opt": self.step.opt.snapshot(), "buffers": [b.detach().clone() for b in self.step.model.buffers()],
+                "autocast_cache": getattr(self.step, "autocast_cache", True)}  # fmt: skip
+
+    def _restore(self, state: dict[str, Any], final: bool = False) -> None:
+        """Back to ``state``; while warming up (not ``final``) set for capture: SWA's averaging branch (every
+        step after the first; earlier steps run eagerly) and no autocast weight-cast cache inside a graph."""
+        opt = self.step.opt
+        opt.restore(state["opt"])
+        with torch.no_grad():
+            for live, saved in zip(self.step.model.buffers(), state["buffers"]):
+                live.copy_(saved)
+        opt.zero_grad()
+        if final:
+            self.step.autocast_cache = state["autocast_cache"]
+        else:
+            opt._n_averaged_host = max(opt._n_averaged_host, 1)
+            self.step.autocast_cache = False
+
+    def _check(self, static: Mapping[str, torch.Tensor], replay: Callable[[], Any], state: dict[str, Any]) -> str | None:
+        """``None`` when a replay from ``state`` matches an eager step from the same state and seed."""
+        runs = []
+        for run in (replay, lambda: self._compute(static)):
+            self._restore(state)
+            torch.manual_seed(_VALIDATION_SEED)
+            self.step.set_flags(False, 0)
+            out = run().clone()
+            update = [g.master.detach().clone() for g in self.step.opt.groups]
+            runs.append((out, update, _rng_states(static["aatype"].device)))
+        (g, g_update, g_rng), (e, e_update, e_rng) = runs
+        if bool(g.apply) != bool(e.apply):
+            return f"the replay's verdict (apply {bool(g.apply)}) differs from eager's ({bool(e.apply)})"
+        before = [saved[0] for saved in state["opt"]["buffers"]]
+        pairs = [("loss", g.loss, e.loss), ("grad norm", g.grad_norm, e.grad_norm)]
+        pairs += [("weight update", gu - b, eu - b) for gu, eu, b in zip(g_update, e_update, before)]
+        for name, x, y in pairs:
+            x, y = x.double(), y.double()
+            if not bool(torch.isfinite(y).all()):
+                continue
+            rel = float((x - y).norm() / y.norm().clamp_min(1e-30))
+            if not rel <= self.tolerance:
+                return f"replay differs from eager ({name}: relative error {rel:.2e} > {self.tolerance:.0e})"
+        for (which, a), (_, b) in zip(g_rng, e_rng):
+            if not _same_state(a, b):
+                return f"the replay leaves the {which} random number generator in another state than eager"
+        return None
+
+    def _key(self, batch: Mapping[str, torch.Tensor], n: int) -> Hashable:
+        return (n, tuple((k, tuple(t.shape), t.dtype) for k, t in sorted(batch.items())))
+
+    def _turn_off(self, why: str) -> None:
+        self.reason = f"turned off: {why}"
+        self.enabled = False
+        self._graphs.clear()
+        if self.backend is not None and self.backend.device_type == "cuda" and torch.cuda.is_available():
+            try:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            except Exception:  # noqa: BLE001 -- a broken capture may have left an error behind
+                pass
+        self.warn(f"cuda graphs: whole step {why}; whole-step graphs are off for this run")
+
+
+def setup_step_graphs(
+    mode: str,
+    step: Any,
+    model: torch.nn.Module,
+    features: Any,
+    device: torch.device,
+    dtype: torch.dtype,
+    world_size: int = 1,
+    model_parallel: int = 1,
+    rank: int = 0,
+    verbose: bool = True,
+    backend: GraphBackend | None = None,
+) -> WholeStepGraphs:
+    """Whole-step graphs for ``--cuda-graphs mode`` over ``step`` (a
+    :class:`~scalefold.train.step.TrainingStep`), captured and checked on a synthetic batch of the training
+    shapes (before ``run_start``). Off where :func:`resolve_step_mode` says so (``step`` is refused there)."""
+    available = backend.is_available() if backend is not None else torch.cuda.is_available()
+    graph_device = backend.device_type if backend is not None else "cuda"
+    enabled, reason = resolve_step_mode(mode, device.type, model_parallel, world_size, available, graph_device,
+                                        unsupported=uncapturable_reason(model))  # fmt: skip
+    log = (lambda line: print(line, flush=True)) if verbose else None
+    graphs = WholeStepGraphs(step, backend=backend, enabled=enabled, reason=reason, log=log, rank=rank)
+    if graphs.active:
+        graphs.warm_up(synthetic_step_batch(features, model, device, dtype))
+    return graphs
+
+
 __all__ = [
     "MODES",
     "CudaGraphsUnavailable",
     "GraphedStep",
     "GraphedStepStats",
     "resolve_mode",
+    "WholeStepGraphs",
+    "WholeStepStats",
+    "resolve_step_mode",
     "setup_graphed_step",
+    "setup_step_graphs",
     "synthetic_step_batch",
     "uncapturable_reason",
 ]

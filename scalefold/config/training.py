@@ -36,7 +36,9 @@ from scalefold.errors import UserError
 #: Set by every ``launch/config_*.sh``: its presence says "the environment is a Slurm submission's".
 SLURM_CONFIG_MARKER = "DGXSYSTEM"
 PRECISIONS = ("fp32", "tf32", "bf16", "fp64")
-CUDA_GRAPHS_MODES = ("auto", "on", "off")
+#: --cuda-graphs: auto (the widest that works), off, recycling (the no-grad recycling passes; ``on`` is its old
+#: name), step (the whole step: passes, grad pass, loss, backward, clipping, update)
+CUDA_GRAPHS_MODES = ("auto", "off", "recycling", "step", "on")
 PRESET_NAMES = ("demo", "demo-scratch", "mlperf", "tiny")  # the PRESETS below
 
 
@@ -152,9 +154,10 @@ class TrainConfig:
                                 "(scalefold estimate-memory) and warn, naming the DAP size that fits, when it exceeds the device")
     compile_strict: bool = option(False, cli=True, help="with --compile: a graph break or a recompilation in a "
                                   "compiled region ends the run (default: eager fallback, counted in the summary)")
-    cuda_graphs: str = option("auto", cli=True, choices=CUDA_GRAPHS_MODES, help="CUDA graphs of the no-grad "
-                              "recycling passes, captured before run_start (auto: on for CUDA without DAP/BP, eager "
-                              "elsewhere; on: refuse where unusable; default auto)")
+    cuda_graphs: str = option("auto", cli=True, choices=CUDA_GRAPHS_MODES, help="CUDA graphs captured before "
+                              "run_start: recycling (the no-grad recycling passes; 'on' is the same), step (the whole "
+                              "step, one graph per recycling count) -- both refused where unusable --, auto (the widest "
+                              "that works: step, else recycling, eager elsewhere; default), off")
     # MLPerf log: submission_org, and the platform logged as "{nodes}x{platform}" ("": the device type)
     submission_org: str = option("ScaleFold", slurm="SUBMISSION_ORG", help="MLPerf submitter")
     submission_platform: str = option("", slurm="SUBMISSION_PLATFORM", help="MLPerf platform (default: device type)")

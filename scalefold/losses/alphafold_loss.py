@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -257,11 +256,10 @@ class AlphaFoldLoss(nn.Module):
             if value.shape != (batch_size,):
                 raise ValueError(f"loss term {name} has shape {tuple(value.shape)}, expected ({batch_size},)")
             w = value * self.weight(name)
-            if not torch.isfinite(w).all():
-                # As the reference: drop a non-finite term from this step rather than poison it.
-                warnings.warn(f"non-finite weighted loss term {name!r}: {w.detach()}; replaced by 0", stacklevel=2)
-                w = torch.zeros_like(w, requires_grad=True)
-            weighted[name] = w
+            # As the reference: drop a non-finite term from this step rather than poison it -- decided on the
+            # device (no host read inside the training step; the step's report carries the raw term, so the
+            # loop sees it and skips the step). Finite terms pass through unchanged, gradients included.
+            weighted[name] = torch.where(torch.isfinite(w).all(), w, torch.zeros_like(w))
 
         weighted_total_loss = sum(weighted.values())
         scaled_weighted_total_loss = self.length_scale(batch) * weighted_total_loss

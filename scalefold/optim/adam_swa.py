@@ -26,6 +26,15 @@ clip scale itself may differ in the last bits: one flat norm vs torch's norm of 
 to the host, so the step can be captured in a CUDA graph (the SWA "first update copies" branch is
 decided from a host-side counter, as in ``torch.optim.swa_utils.AveragedModel``).
 
+**The skip on the device.** ``step(clip_scale, apply=flag)`` takes the step's verdict as a 0-dim bool
+device tensor (the training step's non-finite skip, agreed between ranks) instead of a host ``if``: each
+chunk of the master weights, moments, SWA and compute copy is staged, updated there by the same kernel,
+and written back with ``torch.where(apply, updated, old)``; the step count and ``n_averaged`` advance by
+``apply``. An applied step is bit-identical to ``step(clip_scale)`` (the same elementwise kernel over the
+same chunks); a skipped one leaves every buffer as it was. The host mirrors of the counters (the SWA
+branch above, :attr:`num_steps`) are updated by :meth:`settle` once the caller has read the verdict
+after the step; the next ``step`` refuses to run before that.
+
 Checkpoints: :meth:`FlatAdamSWA.state_dict` has the per-parameter layout of
 ``torch.optim.Adam.state_dict()`` (so the MLPerf reference checkpoint's ``optimizer_state_dict`` loads
 onto the flat buffers), and :meth:`FlatAdamSWA.swa_state_dict` the layout of the reference's
@@ -55,6 +64,10 @@ DEFAULT_CHUNK_NUMEL = 1 << 19
 # Each parameter's offset in a flat buffer is a multiple of this many elements (128 bytes in fp32),
 # so vectorised kernels can use aligned loads. Padding elements stay zero.
 DEFAULT_ALIGN_NUMEL = 32
+# Elements per staged chunk of a masked step (``step(apply=...)``) on a device, or on the CPU when the
+# reference runs unchunked (``chunk_numel=None``): bounds the staging memory to 5 such buffers per group
+# (320 MiB in fp32) while keeping the launches few (~6 chunks x 11 for the 93 M-parameter model).
+STAGE_NUMEL = 1 << 24
 
 ParamsArg = Union[Iterable[nn.Parameter], Iterable[tuple[str, nn.Parameter]]]
 
@@ -147,6 +160,8 @@ class FlatAdamSWA:
         self.groups = self._build_groups(align_numel)
         self._grads_checked = False
         self._scratch_buffers: dict[int, list[torch.Tensor]] = {}
+        self._stage_buffers: dict[int, list[torch.Tensor | None]] = {}
+        self._pending = False  # a step(apply=...) whose verdict the host has not settled yet
 
     # -- construction -------------------------------------------------------------------------
 
@@ -228,11 +243,19 @@ class FlatAdamSWA:
         self.lr.fill_(lr)
 
     @torch.no_grad()
-    def step(self, clip_scale: torch.Tensor | None = None) -> None:
-        """One Adam + SWA step on every parameter; ``clip_scale`` (0-dim tensor) scales the grads."""
+    def step(self, clip_scale: torch.Tensor | None = None, apply: torch.Tensor | None = None) -> None:
+        """One Adam + SWA step on every parameter; ``clip_scale`` (0-dim tensor) scales the grads.
+
+        ``apply``: a 0-dim bool device tensor -- the update happens only where it is true, decided on
+        the device (no host read); call :meth:`settle` with its value before the next step."""
         if not self._grads_checked:
             self.check_grads_attached()
             self._grads_checked = True
+        if self._pending:
+            raise RuntimeError("FlatAdamSWA.step: the previous step(apply=...) was not settled (call settle())")
+        if apply is not None:
+            self._masked_step(clip_scale, apply)
+            return
         self.step_count.add_(1)
         for group in self.groups:
             kernels.adam_swa_(
@@ -244,6 +267,95 @@ class FlatAdamSWA:
         self.swa_n_averaged.add_(1)
         self._n_averaged_host += 1
         self._steps_host += 1
+
+    def _masked_step(self, clip_scale: torch.Tensor | None, apply: torch.Tensor) -> None:
+        if apply.dim() != 0 or apply.dtype != torch.bool:
+            raise ValueError("apply must be a 0-dim bool tensor")
+        apply = apply.to(self.step_count.device)
+        self.step_count.add_(apply.to(self.step_count.dtype))
+        for group in self.groups:
+            self._masked_group_update(group, clip_scale, apply)
+        self.swa_n_averaged.add_(apply.to(self.swa_n_averaged.dtype))
+        self._pending = True
+
+    def _masked_group_update(self, group: FlatGroup, clip_scale: torch.Tensor | None, apply: torch.Tensor) -> None:
+        """The group's update chunk by chunk on staged copies, kept where ``apply`` (the reference's own
+        chunks: the same elementwise work as the unmasked step)."""
+        numel = group.master.numel()
+        # the CPU reference's own chunks (bit-identity of its vectorised loops); on a device larger ones (launches)
+        on_cpu = group.master.device.type == "cpu"
+        chunk = min(self.chunk_numel if on_cpu and self.chunk_numel else max(self.chunk_numel or 0, STAGE_NUMEL), numel)
+        names = ("master", "exp_avg", "exp_avg_sq", "swa", "compute")
+        stage = self._stage(group, chunk)
+        for start in range(0, numel, chunk):
+            sl = slice(start, min(start + chunk, numel))
+            n = sl.stop - sl.start
+            live = [None if getattr(group, k) is None else getattr(group, k)[sl] for k in names]
+            staged = [None if b is None else b[:n] for b in stage]
+            for dst, src in zip(staged, live):
+                if dst is not None:
+                    dst.copy_(src)
+            kernels.adam_swa_(
+                staged[0], group.grad[sl], staged[1], staged[2], staged[3], staged[4],
+                lr=self.lr, step=self.step_count, clip_scale=clip_scale, beta1=self.beta1, beta2=self.beta2,
+                eps=self.eps, swa_decay=self.swa_decay, swa_n_averaged=self._n_averaged_host,
+                chunk_numel=self.chunk_numel, scratch=self._scratch(group), backend=self.backend,
+            )  # fmt: skip
+            for new, old in zip(staged, live):
+                if new is not None:
+                    torch.where(apply, new, old, out=old)
+
+    def _stage(self, group: FlatGroup, chunk: int) -> list[torch.Tensor | None]:
+        key = id(group)
+        if key not in self._stage_buffers or self._stage_buffers[key][0].numel() < chunk:
+            def buf(t: torch.Tensor | None) -> torch.Tensor | None:
+                return None if t is None else torch.empty(chunk, dtype=t.dtype, device=t.device)
+
+            self._stage_buffers[key] = [buf(group.master), buf(group.exp_avg), buf(group.exp_avg_sq), buf(group.swa),
+                                        buf(group.compute)]  # fmt: skip
+        return self._stage_buffers[key]
+
+    def settle(self, applied: bool) -> None:
+        """The host's side of a ``step(apply=...)``, once the verdict was read after the step: the host
+        mirrors of the step count and of SWA's ``n_averaged`` advance where the update was applied."""
+        if not self._pending:
+            raise RuntimeError("FlatAdamSWA.settle: no step(apply=...) to settle")
+        self._pending = False
+        if applied:
+            self._n_averaged_host += 1
+            self._steps_host += 1
+
+    @property
+    def capturable(self) -> bool:
+        """Whether :meth:`step` is the same work every step from now on (a CUDA graph may capture it):
+        not the first SWA update (a copy, decided on the host) and no verdict pending."""
+        return self._n_averaged_host > 0 and not self._pending
+
+    def forget_pending(self) -> None:
+        """Drop an unsettled verdict without touching the host mirrors: for steps whose effect is undone
+        (a CUDA graph's warm-up and capture, restored from :meth:`snapshot` afterwards)."""
+        self._pending = False
+
+    @torch.no_grad()
+    def snapshot(self) -> dict:
+        """A copy of everything a step changes (weights, moments, SWA, compute copy, counters, lr, host
+        mirrors), for :meth:`restore`: warm-up steps that must leave no trace."""
+        buffers = [[None if t is None else t.clone() for t in (g.master, g.exp_avg, g.exp_avg_sq, g.swa, g.compute)]
+                   for g in self.groups]  # fmt: skip
+        scalars = [t.clone() for t in (self.step_count, self.swa_n_averaged, self.lr)]
+        return {"buffers": buffers, "scalars": scalars, "host": (self._n_averaged_host, self._steps_host)}
+
+    @torch.no_grad()
+    def restore(self, snap: dict) -> None:
+        """Back to a :meth:`snapshot` (in place: every buffer keeps its address)."""
+        for g, saved in zip(self.groups, snap["buffers"]):
+            for live, old in zip((g.master, g.exp_avg, g.exp_avg_sq, g.swa, g.compute), saved):
+                if live is not None:
+                    live.copy_(old)
+        for live, old in zip((self.step_count, self.swa_n_averaged, self.lr), snap["scalars"]):
+            live.copy_(old)
+        self._n_averaged_host, self._steps_host = snap["host"]
+        self._pending = False
 
     # -- buffers and views ----------------------------------------------------------------------
 

@@ -303,10 +303,71 @@ def format_result(r: dict[str, Any]) -> str:
         rates = ", ".join(f"{k} {r[f'{k}_tflops']:.4g} TFLOP/s" + (f" (MFU {100 * r[f'{k}_mfu']:.2f} %)" if r.get(f"{k}_mfu") else "")
                           for k in ("eager", "compiled") if r.get(f"{k}_tflops"))  # fmt: skip
         lines.append(f"  FLOPs     {r['flops_mean'] / 1e12:.4g} TFLOP per step (mean over the recycling counts): {rates}")
+    if "host_syncs_per_step" in r:
+        lines.append(f"  host syncs inside the step: {r['host_syncs_per_step']:g} per step (reads made on the CPU only, "
+                     f"not counted: {r['cpu_only_reads_per_step']:g}){' ' + str(r['host_syncs_where']) if r.get('host_syncs_where') else ''}")  # fmt: skip
+    if r.get("graphs"):
+        g = r["graphs"]
+        lines.append(f"  graphs    {g['error']}" if "error" in g else
+                     f"  graphs    {g['captured']} ({g['device']}): {g['graphed_s']:.3f} s/step vs eager {g['eager_s']:.3f} "
+                     f"s/step on the GPU, speed-up {g['speedup']:.2f}x")  # fmt: skip
     for region, a in r.get("per_region", {}).items():
         step = f"{a['step_s']:.3f} s/step, speed-up {a['speedup']:.2f}x" if a.get("step_s") is not None else "not timed"
         lines.append(f"  {region:<20} alone: compile {a['compile_s']:.1f} s, {step}")
     return "\n".join(lines)
+
+
+def step_host_syncs(cfg: TrainConfig) -> dict[str, Any]:
+    """``host_syncs_per_step``: the host reads inside the training step (``TrainingStep.compute``, its one
+    read after the step excluded), counted by :class:`~scalefold.perf.host_syncs.HostSyncCounter` over one
+    step per recycling count on the CPU; ``cpu_only_reads_per_step``: reads only a CPU makes (not counted);
+    ``host_syncs_where`` where any was counted."""
+    from scalefold.perf.host_syncs import HostSyncCounter
+    from scalefold.train.step import TrainingStep
+
+    step = TrainingStep.build(cfg)
+    counts = list(range(step.num_ensembles))
+    step.run(counts[-1])  # lazy initialisation, SWA's first update
+    total, cpu_only, where = 0, 0, {}
+    for n in counts:
+        with HostSyncCounter() as counter:
+            step.run(n, read=False)
+        step.finish()  # the one read after the step, outside the count
+        total, cpu_only = total + counter.count, cpu_only + len(counter.report.cpu_only)
+        for place, k in counter.report.by_place().items():
+            where[place] = where.get(place, 0) + k
+    out: dict[str, Any] = {"host_syncs_per_step": total / len(counts), "cpu_only_reads_per_step": cpu_only / len(counts)}
+    if where:
+        out["host_syncs_where"] = where
+    return out
+
+
+def graphed_step_times(cfg: TrainConfig, mode: str, repeats: int, warmup: int) -> dict[str, Any]:
+    """On the GPU: eager vs CUDA-graphed steps (``mode``: recycling, step or auto -- the whole step where it
+    captures, else the recycling passes), paired as :func:`paired_times`; ``speedup`` eager / graphed."""
+    from scalefold.compilation.graphed_step import GraphedStep
+    from scalefold.train.step import TrainingStep
+
+    eager = _Config(TrainingStep.build(cfg, "cuda"), None)
+    step = TrainingStep.build(cfg, "cuda")
+    out: dict[str, Any] = {"mode": mode, "device": torch.cuda.get_device_name()}
+    whole = step.use_whole_step_graphs() if mode in ("step", "auto") else None
+    if whole is not None and whole.active:
+        out.update(captured="step", counts=whole.captured())
+    elif mode == "step":
+        return {**out, "error": f"whole-step graphs off: {whole.reason}"}
+    else:
+        graphed = GraphedStep(step.model, enabled=True, log=None)
+        graphed.warm_up(step.batch, autocast=step.autocast)
+        if not graphed.active:
+            return {**out, "error": f"CUDA graphs off: {graphed.reason}"}
+        step.forward = graphed
+        out.update(captured="recycling", whole_step_reason=None if whole is None else whole.reason)
+    config = _Config(step, None)
+    paired = paired_times([eager, config], repeats, warmup)
+    out.update(eager_s=round(eager.summary()["step_s"], 4), graphed_s=round(config.summary()["step_s"], 4),
+               speedup=paired["ratio_median"][0], eager=eager.summary(), graphed=config.summary())  # fmt: skip
+    return out
 
 
 def add_throughput(result: dict[str, Any], cfg: TrainConfig) -> None:
@@ -337,4 +398,4 @@ def add_throughput(result: dict[str, Any], cfg: TrainConfig) -> None:
                 result[f"{key}_mfu"] = round(model / seconds / peak, 5)
 
 
-__all__ = ["add_throughput", "format_result", "run_step_benchmark"]
+__all__ = ["add_throughput", "format_result", "graphed_step_times", "run_step_benchmark", "step_host_syncs"]

@@ -1,5 +1,7 @@
 """The training loop of ``scalefold train``: :func:`train` and the :class:`Trainer` (build -> warm-up ->
-step loop -> finish). Its parts are components in their own modules; the step arithmetic is in :mod:`.step`.
+step loop -> finish). Its parts are components in their own modules; the step itself is one object,
+:class:`~scalefold.train.step.TrainingStep`, called once per step (points 2-6 below, no host read inside;
+whole-step CUDA graphs with ``--cuda-graphs step``), whose results the loop reads once after it.
 
 One step (supplement 1.11, MLPerf HPC OpenFold), on every data-parallel rank:
 
@@ -13,8 +15,9 @@ One step (supplement 1.11, MLPerf HPC OpenFold), on every data-parallel rank:
    with several ranks DDP averages the gradients and its communication hook accumulates the squared
    norm of each reduced bucket (:class:`~scalefold.optim.clipping.GradClipper`), single-process runs take the
    norm of the flat gradient buffers;
-5. one clip scale per step; a non-finite loss or gradient skips the step (counted; too many in a row
-   abort the run with ``run_stop status=aborted``: :class:`~.stopping.NonFiniteGuard`);
+5. one clip scale per step; a non-finite loss or gradient skips the step -- decided on the device, the
+   same verdict on every rank (counted; too many in a row abort the run with ``run_stop status=aborted``:
+   :class:`~.stopping.NonFiniteGuard`);
 6. Adam + SWA over flat buffers (``FlatAdamSWA``) with the warm-up learning rate.
 
 Components the loop calls: evaluation at the end of each train-eval cycle (:mod:`scalefold.evaluation`:
@@ -37,20 +40,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from scalefold.checkpoint.files import CheckpointManager
 from scalefold.compilation.cache import compile_with_rebuild, configure_compile_cache
-from scalefold.compilation.graphed_step import PARALLEL_EVOFORMER_UNCAPTURABLE, setup_graphed_step, synthetic_step_batch
+from scalefold.compilation.graphed_step import (
+    PARALLEL_EVOFORMER_UNCAPTURABLE,
+    resolve_step_mode,
+    setup_graphed_step,
+    setup_step_graphs,
+    synthetic_step_batch,
+    uncapturable_reason,
+)
 from scalefold.compilation.graphed_step import resolve_mode as resolve_graph_mode
 from scalefold.compilation.regions import compile_blocks, warm_up
 from scalefold.config.training import TrainConfig
-from scalefold.data.batch import step_batch
 from scalefold.data.pipeline import FeatureConfig
 from scalefold.data.store import Store
-from scalefold.distributed.agreement import allreduce_step_stats
 from scalefold.distributed.runtime import Runtime, init_distributed, shutdown
 from scalefold.evaluation.cache import validation_cache
 from scalefold.evaluation.client import AsyncEvaluation, EvaluationRanksFailed
@@ -84,7 +91,7 @@ from scalefold.train.run_checkpoints import (
     save_checkpoint,
 )
 from scalefold.train.run_directory import check_out, check_starting_point, check_store, clear_previous_run, ensure_store
-from scalefold.train.step import TrainingStep, forward_seed, make_optimizer, nonfinite_terms_to_nan, recycling_count
+from scalefold.train.step import TrainingStep, forward_seed, make_optimizer, recycling_count
 from scalefold.train.stopping import (
     NonFiniteGuard,
     StopRequest,
@@ -156,8 +163,11 @@ def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
     try:
         # --cuda-graphs on where graphs cannot run is refused on every rank before anything is logged or built
         # (evaluation ranks included, which would otherwise wait for a run_start that never comes)
+        unsupported = PARALLEL_EVOFORMER_UNCAPTURABLE if cfg.parallel_evoformer else None
         resolve_graph_mode(cfg.cuda_graphs, runtime.device.type, model_parallel=parallel.layout.model_parallel,
-                           unsupported=PARALLEL_EVOFORMER_UNCAPTURABLE if cfg.parallel_evoformer else None)  # fmt: skip
+                           unsupported=unsupported)  # fmt: skip
+        resolve_step_mode(cfg.cuda_graphs, runtime.device.type, parallel.layout.model_parallel,
+                          parallel.num_train_ranks if runtime.distributed else 1, unsupported=unsupported)  # fmt: skip
         with StopRequest() as stop_request:
             if parallel.is_eval_rank:  # asynchronous evaluation ranks: serve evaluations until training ends
                 result = _evaluation_rank(cfg, runtime, stop_request, model_cfg, features)
@@ -334,14 +344,39 @@ class Trainer:
                 find_unused_parameters=cfg.bp > 1,  # BP: the other branch's parameters get no gradient here
             )  # fmt: skip
             self.clipper.register(self.net)
-        # CUDA graphs of the no-grad recycling passes; forward(batch) is net(batch) where graphs are off
-        self.forward = setup_graphed_step(cfg.cuda_graphs, model, self.net, self.features, self.device, self.dtype,
-                                          self.autocast, model_parallel=self.parallel.layout.model_parallel,
+        # CUDA graphs: the whole step (--cuda-graphs step; auto where it can), else the no-grad recycling passes;
+        # forward(batch) is net(batch) where the recycling graphs are off
+        model_parallel = self.parallel.layout.model_parallel
+        whole, _ = resolve_step_mode(cfg.cuda_graphs, self.device.type, model_parallel, self.ddp_world,
+                                     torch.cuda.is_available(), unsupported=uncapturable_reason(model))  # fmt: skip
+        self.forward = setup_graphed_step("off" if whole else cfg.cuda_graphs, model, self.net, self.features,
+                                          self.device, self.dtype, self.autocast, model_parallel=model_parallel,
                                           rank=self.runtime.rank, verbose=self.main)  # fmt: skip
         # the step the memory model and the step benchmark take too (scalefold.train.step)
         self.step = TrainingStep(model=self.net, loss_fn=self.loss_fn, opt=self.opt, clipper=self.clipper, batch={},
                                  num_ensembles=self.features.num_ensembles, autocast=self.autocast, device=self.device,
-                                 forward=self.forward, ddp=self.ddp_world > 1)  # fmt: skip
+                                 forward=self.forward, ddp=self.ddp_world > 1, group=self.parallel.train_group,
+                                 world_size=self.ddp_world, dtype=self.dtype,
+                                 broadcast=lambda b: self.parallel.broadcast_batch(b, self.device))  # fmt: skip
+        self.step_graphs = None
+        if whole:
+            self._whole_step_graphs(model, model_parallel)
+
+    def _whole_step_graphs(self, model: torch.nn.Module, model_parallel: int) -> None:
+        """Capture the whole step per recycling count; where that fails, ``auto`` falls back to the recycling
+        passes' graphs (``step``: eager, the reason said in one line)."""
+        cfg = self.cfg
+        graphs = setup_step_graphs(cfg.cuda_graphs, self.step, model, self.features, self.device, self.dtype,
+                                   world_size=self.ddp_world, model_parallel=model_parallel, rank=self.runtime.rank,
+                                   verbose=self.main)  # fmt: skip
+        self.step_graphs = graphs
+        if graphs.active:
+            self.step.graphs = graphs
+        elif cfg.cuda_graphs == "auto":
+            self.forward = setup_graphed_step("auto", model, self.net, self.features, self.device, self.dtype,
+                                              self.autocast, model_parallel=model_parallel, rank=self.runtime.rank,
+                                              verbose=self.main)  # fmt: skip
+            self.step.forward = self.forward
 
     # -- start: run_start, then the timed dataset work ----------------------------------------------
 
@@ -452,45 +487,37 @@ class Trainer:
         print(f"Cα trace of validation chain {chain} (lDDT-Cα {scores}): {path}", flush=True)
 
     def train_step(self, step: int, batch: dict[str, torch.Tensor] | None, new_skips: list[dict[str, Any]]) -> bool:
-        """Forward, backward, clip, Adam + SWA (or skip); writes the step's record. Returns whether any
-        rank asked to stop."""
+        """The step (:class:`~scalefold.train.step.TrainingStep`: forward, backward, clip, agreement, Adam +
+        SWA or the skip, all on the device), then its results read once; writes the step's record.
+        Returns whether any rank asked to stop."""
         cfg, timings, result = self.cfg, self.timings, self.result
         t0 = time.perf_counter()
-        self.net.train()
         n = recycling_count(cfg.seed, step, self.features.num_ensembles)
-        sliced = step_batch(batch, n, self.device, self.dtype) if batch is not None else None
-        batch = self.parallel.broadcast_batch(sliced, self.device)  # the loader rank's slice, to its group
-        torch.manual_seed(forward_seed(cfg.seed, self.parallel.dp_rank, step))
-        loss, terms = self.step.forward_loss(batch)  # net(batch), the no-grad recycling passes graphed on CUDA
+        lr = self.lr_schedule(step)  # written into the optimizer's device tensor (no host read)
+        marks: list[tuple[str, float]] = [("forward", t0)]  # host time per phase (on a GPU: the launches)
+        out = self.step.train(batch, n, forward_seed(cfg.seed, self.parallel.dp_rank, step),
+                              stop=self.stop_request.requested, count=len(self.data.skipped),
+                              phase=lambda name: marks.append((name, time.perf_counter())))  # fmt: skip
+        got = out.read(self.ddp_world)  # the step's one host read (waits for the device): loss, verdict, norm, terms
         t1 = time.perf_counter()
-        timings["forward"] += t1 - t0
-
-        self.step.backward(loss)  # DDP: bucket all-reduce + norm accumulation
-        t2 = time.perf_counter()
-        timings["backward"] += t2 - t1
-        clip = self.step.clip()
-        # a loss term the loss module dropped as non-finite makes the step's loss non-finite too
-        mean_loss, stop, samples_skipped = allreduce_step_stats(
-            nonfinite_terms_to_nan(loss, terms), self.stop_request.requested, self.parallel.train_group,
-            self.ddp_world, count=len(self.data.skipped),
-        )  # fmt: skip
-        lr = self.lr_schedule(step)
-        skipped = not clip.is_finite() or not np.isfinite(mean_loss)  # same verdict on every rank
-        if skipped:
+        marks.append(("end", t1))
+        for (name, a), (_, b) in zip(marks, marks[1:]):  # the loss counts with the forward, as before
+            timings["forward" if name == "loss" else name] += b - a
+        self.step.settle(got)
+        if got.skipped:  # same verdict on every rank
             result.skipped_steps += 1
             self.guard.skipped(step, result.skipped_steps, self.progress.write if self.main else None)
         else:
             self.guard.ok()
-            self.step.update(clip)
         t3 = time.perf_counter()
-        timings["optimizer"] += t3 - t2
-
+        timings["optimizer"] += t3 - t1
+        mean_loss = got.mean_loss
         record = {
             "step": step, "loss": mean_loss, "recycling_iters": n, "lr": lr, **self._throughput(n, t3 - t0),
-            "grad_norm": float(clip.grad_norm), "skipped": skipped, "skipped_total": result.skipped_steps,
-            **{(k if k.startswith("loss") else f"loss_{k}"): float(v) for k, v in terms.items()},
+            "grad_norm": got.grad_norm, "skipped": got.skipped, "skipped_total": result.skipped_steps,
+            **{(k if k.startswith("loss") else f"loss_{k}"): v for k, v in got.terms.items()},
             "time_data_wait": timings["data_wait"], "time_step": t3 - t0,
-            "samples_skipped": samples_skipped,  # by the loaders of all training ranks, each replaced
+            "samples_skipped": got.count,  # by the loaders of all training ranks, each replaced
         }  # fmt: skip
         if new_skips:
             record["skipped_samples"] = [{"chain_id": s["chain_id"], "reason": s["reason"],
@@ -500,7 +527,7 @@ class Trainer:
         self.progress.update(1)
         self.progress.set_postfix(loss=f"{mean_loss:.3f}", recycling=n)
         self.guard.check(step, self.metrics.flush)
-        return stop
+        return got.stop
 
     def _throughput(self, n: int, seconds: float) -> dict[str, float]:
         """``tflops`` (executed FLOPs per second, recomputation included, / 10^12) of a step with ``n``
@@ -567,6 +594,8 @@ class Trainer:
         result.device_name = self.hooks.device_name
         if self.device.type == "cuda":  # graphed / eager step counts (on CPU the forward is always eager)
             result.notes.append(self.forward.summary())
+            if getattr(self, "step_graphs", None) is not None:
+                result.notes.append(self.step_graphs.summary())
         if getattr(self, "compiled", None) is not None:  # graph breaks / recompilations of the compiled regions
             result.notes.append(self.compiled.summary())
         if self.main and (aborted or eval_failure is not None):  # an aborted run gets its curves and breakdown too
