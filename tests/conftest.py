@@ -69,6 +69,16 @@ def data_dir(shared_dir: Path) -> Path:
     return path
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: one intra-op thread (two spin-waiting threads on a shared 2-core box are ~10x slower); a
+    module asks for it with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """``SCALEFOLD_EARLY_TRACEBACKS=1``: print a failing test's traceback as soon as it fails, not in the
     end-of-session summary -- a run cut short by a wall-clock limit (a lent GPU machine's command

@@ -67,13 +67,7 @@ class FakeBackend:
         raise AssertionError("the graphed step captures no-grad passes only")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread (two spin-waiting threads on a shared 2-core box are ~10x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

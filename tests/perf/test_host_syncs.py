@@ -11,13 +11,7 @@ from scalefold.config.training import TrainConfig
 from scalefold.perf.host_syncs import HostSyncCounter, count_host_syncs
 from scalefold.train.step import TrainingStep
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

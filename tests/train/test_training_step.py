@@ -12,13 +12,7 @@ from scalefold.config.training import TrainConfig
 from scalefold.distributed.agreement import agree_on_device, allreduce_step_stats, read_agreement
 from scalefold.train.step import TrainingStep
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _masters(step):
