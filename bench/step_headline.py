@@ -177,8 +177,9 @@ def build_config(name: str, args: argparse.Namespace):
     forward = None
     if cfg.graphs == "step":  # captured per recycling count; step.run replays them (forward stays None)
         whole = step.use_whole_step_graphs()
-        if not whole.active:
-            raise RuntimeError(f"whole-step CUDA graphs off: {whole.reason}")
+        if not whole.active:  # a capture that failed says "turned off: why"; else no CUDA-graph backend here
+            why = whole.reason if whole.reason.startswith("turned off") else f"no CUDA-graph backend on {args.device}"
+            raise RuntimeError(f"whole-step CUDA graphs off: {why}")
     elif cfg.graphs:
         graphed = GraphedStep(step.model, enabled=True, log=None)
         graphed.warm_up(step.batch, autocast=step.autocast)

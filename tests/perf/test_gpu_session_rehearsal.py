@@ -200,3 +200,15 @@ def test_mfu_of_rows_measured_before_the_flop_count(tmp_path, capsys):
     h.late_mfu(rows, est, "h200", tmp_path)
     assert rows[0]["mfu"] == pytest.approx(2.0) and "MFU 2.0 (the FLOP count came in" in capsys.readouterr().out
     assert json.loads((tmp_path / "rows.jsonl").read_text().splitlines()[-1])["mfu"] == pytest.approx(2.0)
+
+
+def test_graphs_step_without_a_cuda_graph_backend_is_an_error_row(monkeypatch):
+    """graphs-step builds the step with ``--cuda-graphs step`` and captures it whole; where it cannot (here: a CPU,
+    no CUDA-graph backend) the configuration ends in a row with why, never a traceback or an eager figure."""
+    import argparse
+
+    h = _bench("step_headline")
+    monkeypatch.setenv("SCALEFOLD_KERNELS", "torch")  # build_config sets it per configuration: restored after
+    args = argparse.Namespace(preset="tiny", precision="fp32", device="cpu", activation_checkpointing=None)
+    with pytest.raises(RuntimeError, match="whole-step CUDA graphs off: no CUDA-graph backend on cpu"):
+        h.build_config("graphs-step", args)
