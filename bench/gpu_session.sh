@@ -41,9 +41,11 @@
 #                             test's traceback is printed when it fails, SCALEFOLD_EARLY_TRACEBACKS=1,
 #                             so a run cut short by its limit still says why)
 #   headline             480  bench/step_headline.py: THE figure -- the full training step at MLPerf shapes
-#                             (crop 256, 124/1024 MSA, 4 templates, recycling 0..3 in turn), bf16, five ways, in
-#                             the order of their value: eager (baseline), all (the product's figure), triton,
-#                             graphs, compile; each in a process of its own, started only when the time left
+#                             (crop 256, 124/1024 MSA, 4 templates, recycling 0..3 in turn), bf16, six ways, in
+#                             the order of their value: eager (baseline), all (the product's figure: Triton +
+#                             compile + whole-step CUDA graphs), graphs-step (whole-step CUDA graphs, torch
+#                             kernels; the bar: <= 1.2 s/step on an H100), triton, graphs (recycling passes),
+#                             compile; each in a process of its own, started only when the time left
 #                             covers its expected seconds on the card in hand (bench/headline_plan.py: from the
 #                             step's FLOPs / bytes and the measured H200 row; after eager, from eager's measured
 #                             step), killed at its cap (1.5x expected + 15 s); what is skipped is said with why.
@@ -58,8 +60,11 @@
 #                             errors in $WORK/headline/estimates/ (in the tarball), kept in $ESTIMATES for the
 #                             next call (or computed on a CPU machine and carried); the table never waits past the
 #                             driver's deadline (the part's limit - 15 s): a late estimate is reported late.
-#                             DRY_RUN=1 prints the plan on $CARD: H100 eager ~90 s, all ~145, triton ~95, graphs
-#                             ~80, compile ~130 (skipped at 465 s); H200 a few seconds less each.
+#                             Beside each row: the step-time model's predicted_s for the card in hand (eager, or
+#                             graphed for graphs-step / all) and the miss in %.
+#                             DRY_RUN=1 prints the plan on $CARD: H100 eager ~90 s, all ~139, graphs-step ~64
+#                             (the graphed step an estimate: eager less its host-issue part), triton ~95; graphs
+#                             ~80 and compile ~130 skipped at 465 s; H200 a few seconds less each, compile skipped.
 #                             `PARTS=headline` alone (env + install + headline + packing) fits one 600 s call.
 #   train_bf16            90  scalefold train --preset demo --precision bf16 --max-steps 20
 #                             --eval-every 10 --cuda-graphs off   (eager bf16 baseline)

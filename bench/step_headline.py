@@ -1,21 +1,24 @@
-"""The headline GPU figure: the full training step at MLPerf shapes, five ways, in one run.
+"""The headline GPU figure: the full training step at MLPerf shapes, six ways, in one run.
 
 The training step of ``scalefold train --preset mlperf --precision bf16`` (crop 256, 124 MSA clusters,
 1,024 extra MSA rows, 4 templates, activation checkpointing; recycling counts 0..3 in turn, the
 uniform draw of training) timed as
 
-    eager     PyTorch reference kernels, no compile, no CUDA graphs   (SCALEFOLD_KERNELS=torch)
-    all       Triton kernels + compile + CUDA graphs                  (the product's figure)
-    triton    the fused Triton kernels instead of the references       (SCALEFOLD_KERNELS=triton)
-    graphs    CUDA graphs of the no-grad recycling passes (GraphedStep)
-    compile   + torch.compile of the model's elementwise chains (compile_blocks' default region)
+    eager        PyTorch reference kernels, no compile, no CUDA graphs   (SCALEFOLD_KERNELS=torch)
+    all          Triton kernels + compile + whole-step CUDA graphs       (the product's figure)
+    graphs-step  whole-step CUDA graphs, PyTorch kernels  (--cuda-graphs step; this round's bar: <= 1.2 s/step, H100)
+    triton       the fused Triton kernels instead of the references       (SCALEFOLD_KERNELS=triton)
+    graphs       CUDA graphs of the no-grad recycling passes (GraphedStep; --cuda-graphs recycling)
+    compile      + torch.compile of the model's elementwise chains (compile_blocks' default region)
 
 in that order, the order of their value (``bench/headline_plan.py``: the plan, expected seconds per card),
 each in a process of its own (a fresh model, same seed) killed at its cap, each started only when the time
 left before ``--deadline`` covers its expected seconds on the card in hand (after eager: from eager's
 measured step); what is skipped is said, with why. Per configuration, printed and written
 (``--out``/rows.jsonl) the moment they exist, before its profile: s/step per recycling count and their
-mean, MFU (model FLOPs from ``scalefold estimate-step`` over the device's dense peak), and
+mean, MFU (model FLOPs from ``scalefold estimate-step`` over the device's dense peak), the step-time model's
+prediction beside it (``estimate-step``'s ``predicted_s`` for the card in hand: eager for the rows without
+whole-step graphs, graphed for graphs-step / all; the miss in %), and
 ``torch.cuda.max_memory_allocated`` (against ``scalefold estimate-memory`` in the table). Then the extras a
 cap may cut without losing the row: a ``torch.profiler`` profile of one step (``<config>_profile.json`` /
 ``.png``; :mod:`scalefold.perf.profile_summary`) and, for the first configuration, the allocator trace of one
@@ -67,13 +70,32 @@ def flops_by_recycling(estimate: dict | None) -> dict[int, float] | None:
     return {int(n): float(f) for n, f in estimate["model_flops"].items()}
 
 
-def predicted_step_s(estimate: dict | None, card: str | None) -> float | None:
-    """The step-time model's ``predicted_s`` from ``estimate-step``'s JSON where it has one (a number, or one
-    per card); None quietly otherwise."""
+def predicted_mode(name: str) -> str:
+    """Which of ``predicted_s``'s modes a configuration is measured against: ``graphed`` where every launch of the
+    step is replayed (whole-step graphs: graphs-step, all), ``eager`` otherwise (the recycling-only ``graphs``
+    too: its grad pass, most of the step, is issued eagerly)."""
+    return "graphed" if CONFIGS[name].graphs == "step" else "eager"
+
+
+def predicted_step_s(estimate: dict | None, card: str | None, mode: str = "eager") -> float | None:
+    """The step-time model's mean step seconds from ``estimate-step``'s JSON: ``predicted_s`` is
+    ``{card: {"eager": {"0": s, ..., "mean": s}, "graphed": {...}}}`` with ``card`` a
+    :data:`scalefold.perf.devices.DEVICES` key (a bare number or ``{card: number}`` taken as is); None quietly
+    where it has none (no estimate, a card it does not predict for)."""
     value = (estimate or {}).get("predicted_s")
     if isinstance(value, dict):
         value = value.get(card or "")
+    if isinstance(value, dict):
+        value = value.get(mode)
+    if isinstance(value, dict):
+        value = value.get("mean")
     return float(value) if isinstance(value, (int, float)) else None
+
+
+def set_predicted(row: dict, estimate: dict | None, card: str | None) -> None:
+    """The row's ``predicted_s`` / ``predicted_mode`` (the mode its configuration is measured against)."""
+    mode = predicted_mode(row["config"]) if row.get("config") in CONFIGS else "eager"
+    row["predicted_s"], row["predicted_mode"] = predicted_step_s(estimate, card, mode), mode
 
 
 def mfu(step_s_by_recycling: dict[int, float], flops: dict[int, float] | None, peak_flops: float | None) -> float | None:
@@ -147,13 +169,18 @@ def build_config(name: str, args: argparse.Namespace):
     os.environ["SCALEFOLD_KERNELS"] = cfg.kernels
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    overrides = {"precision": args.precision, "cuda_graphs": "on" if cfg.graphs else "off"}
+    overrides = {"precision": args.precision, "cuda_graphs": cfg.graphs or "off"}
     if args.activation_checkpointing:
         overrides["activation_checkpointing"] = args.activation_checkpointing
     step = TrainingStep.build(TrainConfig.from_preset(args.preset, overrides=overrides, env={}), args.device)
     report = compile_blocks(step.model, backend="inductor", loss_fn=step.loss_fn) if cfg.compiled else None
     forward = None
-    if cfg.graphs:
+    if cfg.graphs == "step":  # captured per recycling count; step.run replays them (forward stays None)
+        whole = step.use_whole_step_graphs()
+        if not whole.active:  # a capture that failed says "turned off: why"; else no CUDA-graph backend here
+            why = whole.reason if whole.reason.startswith("turned off") else f"no CUDA-graph backend on {args.device}"
+            raise RuntimeError(f"whole-step CUDA graphs off: {why}")
+    elif cfg.graphs:
         graphed = GraphedStep(step.model, enabled=True, log=None)
         graphed.warm_up(step.batch, autocast=step.autocast)
         if not graphed.active:
@@ -174,7 +201,9 @@ def measure(name: str, args: argparse.Namespace) -> tuple[dict, object, object]:
     step, forward, report = build_config(name, args)
     counts = list(range(step.num_ensembles))
 
-    def warm_up_cycle() -> None:  # compilation, cuDNN/cuBLAS heuristics (no autotuning: SCALEFOLD_AUTOTUNE=0)
+    # compilation, cuDNN/cuBLAS heuristics (no autotuning: SCALEFOLD_AUTOTUNE=0); whole-step graphs: the first
+    # step after the capture is eager (SWA's first copy), absorbed here
+    def warm_up_cycle() -> None:
         for n in counts:
             step.run(n, forward=forward)
 
@@ -195,13 +224,15 @@ def measure(name: str, args: argparse.Namespace) -> tuple[dict, object, object]:
     device = torch.cuda.get_device_name() if cuda else "cpu"
     cfg = CONFIGS[name]
     row = {
-        "config": name, "kernels": cfg.kernels, "compile": cfg.compiled, "cuda_graphs": cfg.graphs,
+        "config": name, "kernels": cfg.kernels, "compile": cfg.compiled, "cuda_graphs": cfg.graphs or False,
         "step_s": round(statistics.mean(per_n.values()), 4),  # mean over the uniform recycling draw
         "step_s_by_recycling": {n: round(t, 4) for n, t in per_n.items()}, "setup_s": round(setup_s, 1),
         "peak_flops": peak_flops(device, args.precision) if cuda else None,  # MFU: added by the parent
         "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         "reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None, "device": device,
     }  # fmt: skip
+    if cfg.graphs == "step":
+        row["graphs_captured"] = step.graphs.captured() if step.graphs is not None else []
     if report is not None:
         stats = report.stats()
         row.update(graph_breaks=stats["graph_breaks"], recompiles=stats["recompiles"])
@@ -301,7 +332,7 @@ def child_command(name: str, args: argparse.Namespace, snapshot: bool, cap: floa
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
-                    help="which configurations (always run in priority order: eager, all, triton, graphs, compile)")
+                    help="which configurations (always run in priority order: " + ", ".join(hp.PRIORITY) + ")")
     ap.add_argument("--preset", default="mlperf")
     ap.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the rehearsal (what needs CUDA is skipped)")
@@ -444,12 +475,12 @@ def publish(row: dict, est: Estimates | None, card: str | None, out: Path | None
     if "step_s_by_recycling" in row:
         per_n = {int(n): t for n, t in row["step_s_by_recycling"].items()}
         row["mfu"] = mfu(per_n, flops_by_recycling(results.get("flops")), row.get("peak_flops"))
-        row["predicted_s"] = predicted_step_s(results.get("flops"), card)
+        set_predicted(row, results.get("flops"), card)
     if "step_s_by_recycling" in row and first:
         peak = f"{row['peak_bytes'] / 2**30:.2f} GiB" if row.get("peak_bytes") else "- (no CUDA)"
         print(f"--- {row['config']}: {row['step_s']:.3f} s/step (recycling 0..{len(per_n) - 1}: "
               f"{'/'.join(f'{t:.2f}' for t in per_n.values())}), MFU {row['mfu'] if row['mfu'] is not None else '-'}, "
-              f"peak {peak}", flush=True)  # fmt: skip
+              f"peak {peak}" + (f", {predicted_note(row)}" if row.get("predicted_s") else ""), flush=True)  # fmt: skip
     print(json.dumps(row), flush=True)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -465,7 +496,7 @@ def finish(args: argparse.Namespace, rows: list[dict], results: dict, late: dict
         if "step_s_by_recycling" in row:
             per_n = {int(n): t for n, t in row["step_s_by_recycling"].items()}
             row["mfu"] = mfu(per_n, flops, row.get("peak_flops"))
-            row["predicted_s"] = predicted_step_s(results.get("flops"), card)
+            set_predicted(row, results.get("flops"), card)
     predicted = {k: v for k, v in results.items() if k != "flops"}
     if args.memory_snapshot and args.device == "cuda":
         compare_memory(args, rows, predicted)
@@ -514,15 +545,21 @@ def compare_memory(args: argparse.Namespace, rows: list[dict], predicted: dict) 
           f"{format_comparison(cmp)}", flush=True)  # fmt: skip
 
 
+def predicted_note(row: dict) -> str:
+    """The step-time model beside a measured row: ``step model <mode> P s, miss +M%`` (measured over predicted - 1)."""
+    pred, mode = row["predicted_s"], row.get("predicted_mode") or "eager"
+    return f"step model {mode} {pred:.2f} s, miss {100 * (row['step_s'] / pred - 1):+.0f}%"
+
+
 def format_table(rows: list[dict], predicted: dict) -> str:
     """The headline table: s/step per recycling count and mean, speed-up, MFU, peak vs predicted, profile; a
     skipped configuration with why, a failed one with its error."""
     eager = next((r["step_s"] for r in rows if r.get("config") == "eager" and "step_s" in r), None)
-    lines = [f"{'config':<8} {'s/step by recycling 0..R-1':<28} {'mean':>7} {'vs eager':>8} {'MFU':>6} {'peak GiB':>8} "
+    lines = [f"{'config':<11} {'s/step by recycling 0..R-1':<28} {'mean':>7} {'vs eager':>8} {'MFU':>6} {'peak GiB':>8} "
              f"{'model':>6} {'error':>7} {'busy':>5} {'launch/step':>11}  notes"]  # fmt: skip
     for r in rows:
         if "error" in r or "skipped" in r:
-            lines.append(f"{r['config']:<8} {r.get('error') or r['skipped']}")
+            lines.append(f"{r['config']:<11} {r.get('error') or r['skipped']}")
             continue
         est = predicted.get(r["kernels"])
         pred = (est.get("peak_bytes") if r["cuda_graphs"] else est.get("step_peak_bytes")) if est else None
@@ -532,13 +569,13 @@ def format_table(rows: list[dict], predicted: dict) -> str:
         err = f"{100 * (pred / peak - 1):+.1f}%" if pred and peak else "-"
         notes = [f"setup {r['setup_s']} s"] + ([f"breaks {r.get('graph_breaks')}, recompiles {r.get('recompiles')}"]
                                                if r["compile"] else [])  # fmt: skip
-        notes += [f"step model {r['predicted_s']:.2f} s"] if r.get("predicted_s") else []
+        notes += [predicted_note(r)] if r.get("predicted_s") else []
         notes += [r["cut"]] if r.get("cut") else []
         ratio = f"{eager / r['step_s']:.2f}x" if eager else "-"
         util = f"{r['mfu']:.3f}" if r.get("mfu") else "-"
         model = f"{pred / 2**30:.2f}" if pred else "-"
         peak_s = f"{peak / 2**30:.2f}" if peak else "-"
-        lines.append(f"{r['config']:<8} {by_n:<28} {r['step_s']:>7.3f} {ratio:>8} {util:>6} {peak_s:>8} "
+        lines.append(f"{r['config']:<11} {by_n:<28} {r['step_s']:>7.3f} {ratio:>8} {util:>6} {peak_s:>8} "
                      f"{model:>6} {err:>7} {prof.get('busy_fraction') or '-':>5} {prof.get('launches_per_step') or '-':>11}  "
                      f"{', '.join(notes)}")  # fmt: skip
     return "\n".join(lines)

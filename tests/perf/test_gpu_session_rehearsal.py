@@ -31,7 +31,9 @@ def _bench(name: str):
 
 def test_expected_seconds_per_card_priorities_and_skips():
     hp = _bench("headline_plan")
-    assert list(hp.PRIORITY) == ["eager", "all", "triton", "graphs", "compile"]
+    assert list(hp.PRIORITY) == ["eager", "all", "graphs-step", "triton", "graphs", "compile"]
+    assert {n: c.graphs for n, c in hp.CONFIGS.items() if c.graphs} == {"all": "step", "graphs-step": "step",
+                                                                        "graphs": "recycling"}  # fmt: skip
     h200, h100 = hp.eager_step_s("h200"), hp.eager_step_s("h100-sxm")
     assert h200 == pytest.approx(hp.REFERENCE["step_s"])  # the measured row itself
     # the same host-bound part, the traffic at 3.35 instead of 4.8 TB/s
@@ -41,7 +43,8 @@ def test_expected_seconds_per_card_priorities_and_skips():
     assert hp.eager_step_s(None) == h100  # an unknown card: planned as an H100
     for name in hp.CONFIGS:
         assert hp.expected_s(name, "h100-sxm") > hp.expected_s(name, "h200")
-        assert hp.expected_s(name, "h100-sxm", measured_step_s=1.0) < hp.expected_s(name, "h100-sxm")  # measured wins
+        measured = hp.eager_step_s("h100-sxm") + 1.0  # measured wins (a graphed step: from it, less the host part)
+        assert hp.expected_s(name, "h100-sxm", measured_step_s=measured) > hp.expected_s(name, "h100-sxm")
         assert hp.cap_s(hp.expected_s(name, "h100-sxm")) > hp.expected_s(name, "h100-sxm")
     assert hp.expected_s("eager", "h200", trace=True) == hp.expected_s("eager", "h200") + hp.TRACE_S[0]
     assert hp.start_or_skip("all", 1000, 145) is None
@@ -49,9 +52,31 @@ def test_expected_seconds_per_card_priorities_and_skips():
     assert why.startswith("skipped: expected ~145 s") and "left" in why
     assert hp.CONFIGS["eager"].needs_cuda() is None and hp.CONFIGS["compile"].needs_cuda() is None
     assert "CUDA graphs" in hp.CONFIGS["all"].needs_cuda() and "Triton" in hp.CONFIGS["triton"].needs_cuda()
+    assert "CUDA graphs" in hp.CONFIGS["graphs-step"].needs_cuda()
     lines, total = hp.plan_lines("h100-sxm", list(hp.CONFIGS), 1, 465, trace=True)
     assert [line.split()[0] for line in lines] == list(hp.PRIORITY) and total <= 465
     assert hp.main(["--card", "nonsense"]) == 3
+
+
+@pytest.mark.parametrize("card", ["h100-sxm", "h200"])
+def test_whole_step_graphs_plan_per_card(card):
+    """graphs-step / all: the graphed step loses the reference's host-issue part (never below the device part);
+    the plan of one 600 s call (trace on eager, 465 s deadline) still holds eager, all and graphs-step."""
+    hp = _bench("headline_plan")
+    spec = hp.DEVICES[card]
+    device = hp.STEP_BYTES / spec.bandwidth + hp.STEP_FLOPS / spec.bf16
+    assert hp.graphed_step_s(card) == pytest.approx(hp.eager_step_s(card) - hp.host_s()) == pytest.approx(device)
+    assert hp.graphed_step_s(card, measured_eager_s=hp.eager_step_s(card) + 1) == pytest.approx(device + 1)
+    assert hp.graphed_step_s(card, measured_eager_s=0.1) == pytest.approx(device)  # never below the device part
+    assert hp.graphed_step_s("h100-sxm") <= 1.25  # the plan's estimate sits at this round's bar (1.2 s, H100)
+    eager_like = hp.expected_s("graphs-step", card) - hp.CONFIGS["graphs-step"].extra_setup_s
+    assert eager_like < hp.expected_s("eager", card)  # the graphed steps are planned shorter
+    assert hp.cap_s(hp.expected_s("graphs-step", card)) > (  # its cap covers a graphed step no faster than eager
+        hp.expected_s("eager", card) + hp.CONFIGS["graphs-step"].extra_setup_s)
+    lines, total = hp.plan_lines(card, list(hp.CONFIGS), 1, 465, trace=True)
+    started = [line.split()[0] for line in lines if "skipped" not in line]
+    assert started[:3] == ["eager", "all", "graphs-step"] and "cuda_graphs=step" in lines[2] and total <= 465
+    assert ("graphs" in started) == (card == "h200") and "compile" not in started  # H100: graphs, compile skipped
 
 
 def test_window_plan_fits_fifteen_minutes(capsys):
@@ -110,11 +135,11 @@ def test_cpu_rehearsal_with_a_cap_mid_profile_a_raising_configuration_and_a_late
     log = run.stdout + run.stderr
     assert run.returncode == 1, log[-4000:]  # compile failed: the part fails, the call still ends normally
     assert "--- eager: " in log and "s/step" in log  # the row, printed the moment it existed
-    table = log.split("config   s/step by recycling")[1]
-    rows = {line.split()[0]: line for line in table.splitlines()[1:6]}
-    assert list(rows) == ["eager", "all", "triton", "graphs", "compile"]
+    table = log.split("config      s/step by recycling")[1]
+    rows = {line.split()[0]: line for line in table.splitlines()[1:7]}
+    assert list(rows) == ["eager", "all", "graphs-step", "triton", "graphs", "compile"]
     assert "extras cut" in rows["eager"] and float(rows["eager"].split()[2]) > 0
-    for name in ("all", "triton", "graphs"):
+    for name in ("all", "graphs-step", "triton", "graphs"):
         assert "needs CUDA" in rows[name]
     assert "rehearsed fault (compile)" in rows["compile"]
     assert "estimate flops: late" in log and "MFU left out" in log
@@ -125,7 +150,7 @@ def test_cpu_rehearsal_with_a_cap_mid_profile_a_raising_configuration_and_a_late
     assert 3 <= len(files) <= 8 and all(p.stat().st_size <= 16 * 2**20 for p in files)
     assert all(len(p.relative_to(out).parts) <= 3 for p in out.rglob("*"))
     result = json.loads((out / "headline.json").read_text())
-    assert [r["config"] for r in result["rows"]] == ["eager", "all", "triton", "graphs", "compile"]
+    assert [r["config"] for r in result["rows"]] == ["eager", "all", "graphs-step", "triton", "graphs", "compile"]
     assert set(result["late_estimates"]) == {"flops", "torch", "triton"}
     with tarfile.open(out / "results.tar.gz") as tar:
         names = tar.getnames()
@@ -135,6 +160,24 @@ def test_cpu_rehearsal_with_a_cap_mid_profile_a_raising_configuration_and_a_late
 def test_table_says_what_was_skipped_cut_and_predicted():
     h = _bench("step_headline")
     assert h.predicted_step_s({"predicted_s": {"h100-sxm": 3.9, "h200": 3.5}}, "h200") == 3.5
+    canned = {"predicted_s": {"h100-sxm": {"eager": {"0": 3.0, "mean": 3.9}, "graphed": {"0": 0.9, "mean": 1.1}},
+                              "h200": {"eager": {"0": 2.8, "mean": 3.5}, "graphed": {"0": 0.7, "mean": 0.8}}}}  # fmt: skip
+    card = _bench("headline_plan").card_key("NVIDIA H100 80GB HBM3")  # the card in hand, as devices.py names it
+    assert h.predicted_step_s(canned, card) == 3.9 and h.predicted_step_s(canned, card, "graphed") == 1.1
+    assert h.predicted_step_s(canned, "a100-40gb") is None  # a card it does not predict for: quietly none
+    assert [h.predicted_mode(n) for n in h.CONFIGS] == ["eager", "graphed", "graphed", "eager", "eager", "eager"]
+    measured = {"eager": 4.0, "all": 1.0, "graphs-step": 1.21, "triton": 3.0, "graphs": 3.8, "compile": 3.5}
+    got = []
+    for name, step_s in measured.items():
+        row = {"config": name, "kernels": h.CONFIGS[name].kernels, "compile": h.CONFIGS[name].compiled,
+               "cuda_graphs": h.CONFIGS[name].graphs or False, "step_s": step_s,
+               "step_s_by_recycling": {"0": step_s}, "setup_s": 1}  # fmt: skip
+        h.set_predicted(row, canned, card)
+        got.append(row)
+    notes = h.format_table(got, {}).splitlines()[1:]
+    assert "step model eager 3.90 s, miss +3%" in notes[0]  # 4.0 / 3.9 - 1
+    assert "step model graphed 1.10 s, miss -9%" in notes[1] and "step model graphed 1.10 s, miss +10%" in notes[2]
+    assert "step model eager 3.90 s, miss -23%" in notes[3] and "eager 3.90 s, miss -3%" in notes[4]
     assert h.predicted_step_s({"predicted_s": 2.5}, None) == 2.5
     assert h.predicted_step_s({"model_flops": {}}, "h200") is None and h.predicted_step_s(None, "h200") is None
     rows = [{"config": "eager", "kernels": "torch", "compile": False, "cuda_graphs": False, "step_s": 3.5,
@@ -143,7 +186,7 @@ def test_table_says_what_was_skipped_cut_and_predicted():
             {"config": "all", "skipped": "skipped: expected ~145 s, 80 s left before the deadline"},
             {"config": "triton", "error": "RuntimeError: boom"}]  # fmt: skip
     lines = h.format_table(rows, {}).splitlines()
-    assert "3.00/4.00" in lines[1] and "0.015" in lines[1] and "step model 3.40 s" in lines[1] and "extras cut" in lines[1]
+    assert "3.00/4.00" in lines[1] and "0.015" in lines[1] and "step model eager 3.40 s, miss +3%" in lines[1] and "extras cut" in lines[1]
     assert lines[2].split()[0] == "all" and "145 s" in lines[2] and "boom" in lines[3]
 
 
@@ -157,3 +200,15 @@ def test_mfu_of_rows_measured_before_the_flop_count(tmp_path, capsys):
     h.late_mfu(rows, est, "h200", tmp_path)
     assert rows[0]["mfu"] == pytest.approx(2.0) and "MFU 2.0 (the FLOP count came in" in capsys.readouterr().out
     assert json.loads((tmp_path / "rows.jsonl").read_text().splitlines()[-1])["mfu"] == pytest.approx(2.0)
+
+
+def test_graphs_step_without_a_cuda_graph_backend_is_an_error_row(monkeypatch):
+    """graphs-step builds the step with ``--cuda-graphs step`` and captures it whole; where it cannot (here: a CPU,
+    no CUDA-graph backend) the configuration ends in a row with why, never a traceback or an eager figure."""
+    import argparse
+
+    h = _bench("step_headline")
+    monkeypatch.setenv("SCALEFOLD_KERNELS", "torch")  # build_config sets it per configuration: restored after
+    args = argparse.Namespace(preset="tiny", precision="fp32", device="cpu", activation_checkpointing=None)
+    with pytest.raises(RuntimeError, match="whole-step CUDA graphs off: no CUDA-graph backend on cpu"):
+        h.build_config("graphs-step", args)
