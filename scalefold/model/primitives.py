@@ -149,14 +149,19 @@ class Linear(nn.Linear):
             if self.bias is not None:
                 self.bias.fill_(1.0 if init == "gating" else 0.0)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def params(self, device_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(weight, bias)`` as this layer's forward on ``device_type`` uses them: the shared reduced-precision
+        copies where the owning model shares its casts and autocast would cast, else the parameters (for a
+        caller that applies the weights itself, e.g. the fused triangle multiplication's dispatch point)."""
         casts = self.weight_casts
-        if casts is not None and self.weight.dtype == torch.float32:
-            dtype = casts.dtype(x.device.type)
+        if device_type is not None and casts is not None and self.weight.dtype == torch.float32:
+            dtype = casts.dtype(device_type)
             if dtype is not None:
-                bias = None if self.bias is None else casts.get(self.bias, dtype)
-                return F.linear(x, casts.get(self.weight, dtype), bias)
-        return F.linear(x, self.weight, self.bias)
+                return casts.get(self.weight, dtype), None if self.bias is None else casts.get(self.bias, dtype)
+        return self.weight, self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, *self.params(x.device.type))
 
 
 class LayerNorm(nn.Module):

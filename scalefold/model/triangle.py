@@ -53,7 +53,7 @@ class TriangleMultiplicativeUpdate(nn.Module):
         fused Triton kernels)."""
         if plane is None:
             return kernels.triangle_multiplication(
-                z, mask, self.weights(), self.outgoing, self.layer_norm_in.eps, self.layer_norm_out.eps
+                z, mask, self.weights(z.device.type), self.outgoing, self.layer_norm_in.eps, self.layer_norm_out.eps
             )
         mask = _pair_mask(mask, z).unsqueeze(-1)
         # mask: [*, N_res, N_res, 1]
@@ -77,11 +77,15 @@ class TriangleMultiplicativeUpdate(nn.Module):
         # x: [*, N_res, N_res, c_z]
         return kernels.sigmoid_gate(x, self.linear_g(z))
 
-    def weights(self) -> kernels.reference.TrimulWeights:
-        """The parameters in the order of :class:`scalefold.kernels.reference.TrimulWeights`."""
+    def weights(self, device_type: str | None = None) -> kernels.reference.TrimulWeights:
+        """The parameters in the order of :class:`scalefold.kernels.reference.TrimulWeights`; with
+        ``device_type``, the linear layers' weights as their forward there would use them (the model's shared
+        weight casts under autocast: :meth:`scalefold.model.primitives.Linear.params`)."""
         mods = (self.layer_norm_in, self.linear_a_p, self.linear_a_g, self.linear_b_p, self.linear_b_g,
                 self.linear_g, self.layer_norm_out, self.linear_z)  # fmt: skip
-        return kernels.reference.TrimulWeights(*(t for m in mods for t in (m.weight, m.bias)))
+        return kernels.reference.TrimulWeights(
+            *(t for m in mods for t in (m.params(device_type) if isinstance(m, Linear) else (m.weight, m.bias)))
+        )
 
     @staticmethod
     def _project(z: torch.Tensor, mask: torch.Tensor, gate: nn.Module, proj: nn.Module) -> torch.Tensor:
