@@ -76,10 +76,8 @@ def default_chains(device_type: str) -> tuple[str, ...]:
 
 
 def disable() -> None:
-    """Back to the plain references (the compiled functions are kept for a later :func:`enable`); the chain
-    selection of the last :func:`enable` goes too, so a later :func:`mode` starts from every chain."""
+    """Back to the plain references (the compiled functions are kept for a later :func:`enable`)."""
     _state["backend"] = None
-    _state["chains"] = CHAINS
 
 
 def enabled() -> bool:
