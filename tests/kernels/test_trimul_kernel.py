@@ -10,9 +10,15 @@ import torch
 pytest.importorskip("triton")
 
 from scalefold import kernels  # noqa: E402
-from scalefold.kernels import reference, triton_ops  # noqa: E402
+from scalefold.kernels import FP64_DOT_TRITON, reference, triton_ops, triton_version  # noqa: E402
 from scalefold.model.triangle import TriangleMultiplicationIncoming, TriangleMultiplicationOutgoing  # noqa: E402
 
+# Triton before 3.5 rejects tl.dot on fp64 operands (compiler and interpreter alike): the fp64 checks of the
+# fused kernels need a newer one (the dispatch point then runs fp64 through the PyTorch path, as attention's)
+requires_fp64_dot = pytest.mark.skipif(
+    triton_version() < FP64_DOT_TRITON,
+    reason="fp64 tl.dot needs Triton >= 3.5 (found {}.{})".format(*triton_version()),
+)
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 checked on GPU only")
 TOL = {torch.float64: 1e-10, torch.float32: 2e-4, torch.bfloat16: 5e-2}
 NAMES = ("out", "dz") + reference.TrimulWeights._fields
@@ -50,6 +56,7 @@ def _check(outgoing, batch, n, c_z, c, dtype, device, masked=True):
     return fused, ref
 
 
+@requires_fp64_dot
 @pytest.mark.parametrize("outgoing", [True, False], ids=["outgoing", "incoming"])
 def test_fp64_forward_and_every_gradient(outgoing, device):
     """fp64, a masked pair, two batch entries: the output, dz and every parameter's gradient agree with the
@@ -64,6 +71,7 @@ def test_fp32_odd_sizes_no_mask(outgoing, device):
     _check(outgoing, (1,), 7, 24, 20, torch.float32, device, masked=False)
 
 
+@requires_fp64_dot
 def test_template_shaped_mask_broadcast(device):
     """A mask ``[*, 1, N, N]`` broadcast over the templates (the template pair stack's call), fp64."""
     module = _module(True, 16, 16, torch.float64, device)
@@ -74,6 +82,7 @@ def test_template_shaped_mask_broadcast(device):
     assert torch.allclose(out, reference.triangle_multiplication(z, mask, w, True), atol=1e-10)
 
 
+@requires_fp64_dot
 def test_outgoing_and_incoming_differ(device):
     """The two directions are not the same computation (a test that would pass with the layouts swapped
     would catch nothing): on a non-symmetric pair their outputs differ."""
@@ -85,6 +94,7 @@ def test_outgoing_and_incoming_differ(device):
     assert (out_o - out_i).abs().max() > 1e-3
 
 
+@requires_fp64_dot
 def test_dispatch_point_and_module(device, monkeypatch):
     """The model's module goes through ``kernels.triangle_multiplication``: backend "torch" is its operators
     (bit-identical to the reference), "triton" the fused kernels, to rounding (fp64)."""
@@ -199,6 +209,7 @@ def test_launch_table_holds_the_mlperf_keys(monkeypatch):
             assert launch_table.misfit(entry, lists[name][0]) is None
 
 
+@requires_fp64_dot
 def test_flop_count_matches_the_pytorch_path(device):
     """``torch.utils.flop_counter`` (and so ``scalefold estimate-step``) counts the fused ops' matrix FLOPs as
     the products the PyTorch path runs: forward and forward + backward equal."""
@@ -217,6 +228,7 @@ def test_flop_count_matches_the_pytorch_path(device):
     assert counts[0] == counts[1] and counts[0][0] > 0 and counts[0][1] == 2 * counts[0][0]
 
 
+@requires_fp64_dot
 def test_ops_pass_opcheck(device):
     """``scalefold::trimul_fwd`` / ``trimul_bwd`` pass torch.library.opcheck (schema, fake impl, autograd
     registration), fp64 so the interpreter's dots are exact."""
@@ -245,6 +257,7 @@ def test_run_site_runs_the_four_kernels(device):
         trimul_triton.run_site(2, 4, 16, 16, torch.float32)
 
 
+@requires_fp64_dot
 def test_template_pair_block_through_the_fused_path(device, monkeypatch):
     """A whole template pair block (both directions, the pair mask broadcast over 2 templates, c_t 8 and
     C 8: dims below a dot's 16, padded in the tiles) with its triangle multiplications on the Triton path
