@@ -327,7 +327,17 @@ def _adam_swa_compiled(param, grad, exp_avg, exp_avg_sq, swa, compute, *, lr, st
     )  # fmt: skip
 
 
+def linear_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """``relu(F.linear(x, weight, bias))``: on the fast path one product with cuBLASLt's ReLU epilogue
+    (:mod:`scalefold.kernels.fused_linear`), else the two eager kernels."""
+    from scalefold.kernels import fused_linear
+
+    if resolve_backend(backend, x, weight, bias) == "triton":
+        return fused_linear.linear_relu(x, weight, bias)
+    return fused_linear.linear_relu_reference(x, weight, bias)
+
+
 __all__ = [
-    "adam_swa_", "attention", "dropout_add", "elementwise", "gated_projection", "layer_norm", "reference",
-    "resolve_backend", "sigmoid_gate", "triangle_multiplication",
+    "adam_swa_", "attention", "dropout_add", "elementwise", "gated_projection", "layer_norm", "linear_relu",
+    "reference", "resolve_backend", "sigmoid_gate", "triangle_multiplication",
 ]  # fmt: skip

@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from scalefold import kernels
+from scalefold.kernels import device_path
 
 ROW_SHARED_DIM = -3  # rows of [*, N_rows, N_cols, C]
 COLUMN_SHARED_DIM = -2  # columns of [*, N_rows, N_cols, C]
@@ -37,7 +38,10 @@ def shared_dropout_mask(
     """Draw an (inverted-)dropout mask for a tensor of ``shape``, of size 1 along ``share_dim``.
 
     Entries are 0 (probability ``p``) or ``1 / (1 - p)``. The random stream matches the MLPerf
-    reference (``F.dropout`` applied to a tensor of ones of the mask's shape).
+    reference (``F.dropout`` applied to a tensor of ones of the mask's shape). On CUDA ``F.dropout`` is
+    the one fused ``native_dropout`` kernel; it is called by name there (the same kernel, so the same
+    numbers) so that the step counter's CPU stand-in for a GPU step counts that kernel
+    (:mod:`scalefold.kernels.device_path`), not the CPU's fill, Bernoulli draw, division and product.
     """
     if isinstance(share_dim, int):
         share_dim = (share_dim,)
@@ -45,6 +49,8 @@ def shared_dropout_mask(
     for d in share_dim:
         mask_shape[d] = 1
     ones = torch.ones(mask_shape, device=device, dtype=dtype)
+    if 0.0 < p < 1.0 and ones.numel() and device_path.cuda_path(ones):
+        return torch.native_dropout(ones, p, True)[0]
     return F.dropout(ones, p=p, training=True)
 
 

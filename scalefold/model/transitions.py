@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from scalefold import kernels
 from scalefold.model.primitives import LayerNorm, Linear
 
 
@@ -26,7 +27,7 @@ class Transition(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` ``[*, c]`` -> update ``[*, c]``; ``mask`` is ignored (reference semantics)."""
         x = self.layer_norm(x)
-        x = torch.relu(self.linear_1(x))
+        x = kernels.linear_relu(x, *self.linear_1.params(x.device.type))  # the ReLU in the product's epilogue
         # x: [*, n * c]
         return self.linear_2(x)
 

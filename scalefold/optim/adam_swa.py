@@ -56,6 +56,7 @@ import torch
 import torch.nn as nn
 
 from scalefold import kernels
+from scalefold.kernels import device_path
 
 # Elements per chunk of the PyTorch reference update: small enough that the reference's
 # temporaries stay in the CPU's caches (several times faster than whole-buffer passes on CPU), large
@@ -283,7 +284,7 @@ class FlatAdamSWA:
         chunks: the same elementwise work as the unmasked step)."""
         numel = group.master.numel()
         # the CPU reference's own chunks (bit-identity of its vectorised loops); on a device larger ones (launches)
-        on_cpu = group.master.device.type == "cpu"
+        on_cpu = device_path.cpu_path(group.master)
         chunk = min(self.chunk_numel if on_cpu and self.chunk_numel else max(self.chunk_numel or 0, STAGE_NUMEL), numel)
         names = ("master", "exp_avg", "exp_avg_sq", "swa", "compute")
         stage = self._stage(group, chunk)

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from scalefold.kernels import device_path
+
 # No ``from __future__ import annotations`` here: DDP's register_comm_hook inspects the hook's
 # annotations and expects the real ``dist.GradBucket`` / ``torch.futures.Future`` objects.
 
@@ -36,7 +38,7 @@ def squared_norm(t: torch.Tensor, dtype: torch.dtype, cpu_chunk_numel: int = CPU
     ``dtype`` instead (~3e-7 relative at 93 M). On GPU the tree reduction is accurate in one call.
     """
     flat = t.reshape(-1)
-    if flat.device.type != "cpu":
+    if not device_path.cpu_path(flat):
         norm = torch.linalg.vector_norm(flat, ord=2, dtype=dtype)
         return norm * norm
     acc = torch.zeros((), dtype=dtype)
@@ -89,7 +91,7 @@ class GradClipper:
 
     def _accumulator(self, like: torch.Tensor) -> torch.Tensor:
         # fp64 on CPU (cheap, and fp32 CPU reductions drift, see squared_norm) and for fp64 grads
-        dtype = torch.float64 if like.dtype == torch.float64 or like.device.type == "cpu" else torch.float32
+        dtype = torch.float64 if like.dtype == torch.float64 or device_path.cpu_path(like) else torch.float32
         if self._sq_norm is None or self._sq_norm.dtype != dtype:
             device = self.device if self.device is not None else like.device
             self._sq_norm = torch.zeros((), dtype=dtype, device=device)

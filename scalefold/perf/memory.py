@@ -56,6 +56,7 @@ from torch.utils._pytree import tree_flatten
 
 from scalefold.config.environment import scoped_env
 from scalefold.config.training import TrainConfig
+from scalefold.kernels import device_path
 from scalefold.perf.memory_sites import SiteLog, format_sites
 
 GiB = 2**30
@@ -494,7 +495,8 @@ def estimate_memory(
     tracker = StorageTracker(block=CUDA_BLOCK_BYTES if target == "cuda" else 1,
                              cuda_autocast=target == "cuda" and cfg.precision == "bf16", origins=origins,
                              sites=sites)  # fmt: skip
-    with fake_process_group(cfg.dap), scoped_env("SCALEFOLD_KERNELS", kernels), warnings.catch_warnings(), mode:
+    paths = device_path.as_cuda() if target == "cuda" else contextlib.nullcontext()  # dropout, optimizer: the GPU's
+    with fake_process_group(cfg.dap), scoped_env("SCALEFOLD_KERNELS", kernels), paths, warnings.catch_warnings(), mode:
         warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")  # the optimizer's view check
         _wrap_parallel(cfg, model, model_cfg)
         step = TrainingStep.build(cfg, "cpu", model=model, batch=batch)
