@@ -97,6 +97,8 @@ class AlphaFold(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.weight_casts = self._weight_casts
+        for unit in self._cast_units():  # a block's weights cast in one go
+            self._weight_casts.group(p for m in unit if isinstance(m, Linear) for p in (m.weight, m.bias) if p is not None)
 
         self._model_features = features.required_features("model", templates_enabled=self.templates_enabled)
         self._feature_symbols = {
@@ -105,6 +107,17 @@ class AlphaFold(nn.Module):
         }
 
     # ------------------------------------------------------------------------------------------
+
+    def _cast_units(self) -> list[list[nn.Module]]:
+        """The modules whose weights are cast together: each block of a stack, and the rest of each top-level
+        module (the embedders, the heads, a stack's own layers)."""
+        units: list[list[nn.Module]] = []
+        for child in self.children():
+            blocks = getattr(child, "blocks", None)
+            inner = [list(block.modules()) for block in blocks] if isinstance(blocks, nn.ModuleList) else []
+            seen = {id(m) for unit in inner for m in unit}
+            units += inner + [[m for m in child.modules() if id(m) not in seen]]
+        return units
 
     def parallel_stacks(self) -> list[ParallelStack]:
         """The stacks DAP shards (and BP splits, for the Parallel Evoformer), in module order: the

@@ -8,6 +8,7 @@ module uses them, none calls ``F.layer_norm`` or a softmax-attention of its own.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
@@ -32,6 +33,26 @@ def _trunc_normal_(weight: torch.Tensor, scale: float) -> None:
 _REDUCED = (torch.bfloat16, torch.float16)
 
 
+class _GroupCast(torch.autograd.Function):
+    """Weights cast together: one concatenation and one cast forward, the same two kernels backward (the
+    gradients, summed per weight by autograd as for a weight's own cast, concatenated and cast back). The
+    values are each weight's own ``.to(dtype)`` and its gradient's ``.to(float32)``: elementwise casts of the
+    same numbers."""
+
+    @staticmethod
+    def forward(ctx, dtype: torch.dtype, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.shapes = [p.shape for p in params]
+        ctx.source_dtype = params[0].dtype
+        flat = torch.cat([p.reshape(-1) for p in params]).to(dtype)
+        return tuple(v.view(shape) for v, shape in zip(flat.split([p.numel() for p in params]), ctx.shapes))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        flat = torch.cat([g.reshape(-1) for g in grads]).to(ctx.source_dtype)
+        sizes = [math.prod(shape) for shape in ctx.shapes]
+        return (None, *(v.view(shape) for v, shape in zip(flat.split(sizes), ctx.shapes)))
+
+
 class WeightCasts:
     """The reduced-precision copies of the fp32 weights that one model forward makes under autocast, each
     made once and shared by every use: the no-grad recycling passes, the grad pass and activation
@@ -51,6 +72,11 @@ class WeightCasts:
     (:meth:`begin` / :meth:`end`) or in backward (recomputation); a weight changed in place since its cast
     (its version counter) is cast again. A weight's copy is dropped once its gradient has been cast back,
     and all of them after a forward without grad.
+
+    **Groups** (:meth:`group`: the model's blocks): the weights of a group are cast together the first time one
+    of them is asked for (:class:`_GroupCast`: two kernels forward and two backward for the group, where each
+    weight's own cast is one kernel each way), the same values; autograd then hands the group's gradients back
+    when the whole block's backward is done (still block by block, for DDP's overlapping all-reduce).
     """
 
     #: > 0 while a shared copy is being made (for the step's counter: a cast made once per step, wherever
@@ -59,7 +85,14 @@ class WeightCasts:
 
     def __init__(self) -> None:
         self._casts: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        self._groups: dict[int, tuple[torch.Tensor, ...]] = {}
         self.active = False
+
+    def group(self, params: Iterable[torch.Tensor]) -> None:
+        """Cast the float32 tensors of ``params`` together whenever one of them is asked for (a block's weights)."""
+        members = tuple(p for p in params if p.dtype == torch.float32)
+        for p in members:
+            self._groups[id(p)] = members
 
     def begin(self) -> None:
         """A new forward: forget the previous step's copies (the weights may have changed since)."""
@@ -89,21 +122,27 @@ class WeightCasts:
         hit = self._casts.get(key)
         if hit is not None and hit[0] is weight and hit[1] == weight._version and hit[2].dtype == dtype:
             return hit[2]
+        members = self._groups.get(key, (weight,))
+        if not any(p is weight for p in members):  # a stale id (the tensor was replaced): cast it alone
+            members = (weight,)
         WeightCasts.casting += 1
         try:
             with torch.enable_grad():
-                cast = weight.to(dtype)
+                casts = _GroupCast.apply(dtype, *members) if len(members) > 1 else (weight.to(dtype),)
         finally:
             WeightCasts.casting -= 1
-        self._casts[key] = (weight, weight._version, cast)
-        if cast.grad_fn is not None:
-            casts = self._casts
+        keys = [id(p) for p in members]
+        for p, cast in zip(members, casts):
+            self._casts[id(p)] = (p, p._version, cast)
+        if casts[0].grad_fn is not None:
+            table = self._casts
 
-            def drop(*_: object) -> None:  # the gradient is cast back: no recomputation needs the copy now
-                casts.pop(key, None)
+            def drop(*_: object) -> None:  # the gradients are cast back: no recomputation needs the copies now
+                for k in keys:
+                    table.pop(k, None)
 
-            cast.grad_fn.register_hook(drop)
-        return cast
+            casts[0].grad_fn.register_hook(drop)
+        return self._casts[key][2]
 
 
 class Linear(nn.Linear):
