@@ -98,7 +98,7 @@ class AlphaFold(nn.Module):
             if isinstance(module, Linear):
                 module.weight_casts = self._weight_casts
         for unit in self._cast_units():  # a block's weights cast in one go
-            self._weight_casts.group(p for m in unit if isinstance(m, Linear) for p in (m.weight, m.bias) if p is not None)
+            self._weight_casts.group(unit)
 
         self._model_features = features.required_features("model", templates_enabled=self.templates_enabled)
         self._feature_symbols = {

@@ -85,18 +85,26 @@ class WeightCasts:
 
     def __init__(self) -> None:
         self._casts: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        self._units: list[list[nn.Module]] = []
         self._groups: dict[int, tuple[torch.Tensor, ...]] = {}
         self.active = False
 
-    def group(self, params: Iterable[torch.Tensor]) -> None:
-        """Cast the float32 tensors of ``params`` together whenever one of them is asked for (a block's weights)."""
-        members = tuple(p for p in params if p.dtype == torch.float32)
-        for p in members:
-            self._groups[id(p)] = members
+    def group(self, modules: Iterable[nn.Module]) -> None:
+        """Cast the float32 weights and biases of the ``Linear`` layers among ``modules`` together whenever one of
+        them is asked for (a block's). Found anew at each :meth:`begin`: the parameters may be replaced."""
+        self._units.append([m for m in modules if isinstance(m, Linear)])
+
+    def _regroup(self) -> None:
+        self._groups = {}
+        for unit in self._units:
+            members = tuple(p for m in unit for p in (m.weight, m.bias) if p is not None and p.dtype == torch.float32)
+            for p in members:
+                self._groups[id(p)] = members
 
     def begin(self) -> None:
         """A new forward: forget the previous step's copies (the weights may have changed since)."""
         self._casts = {}
+        self._regroup()
         self.active = True
 
     def end(self, backward_follows: bool = True) -> None:

@@ -98,7 +98,7 @@ def test_a_blocks_weights_are_cast_together(monkeypatch):
     from scalefold.model.primitives import WeightCasts
 
     out, grad, casts = _step(shared=True)
-    monkeypatch.setattr(WeightCasts, "group", lambda self, params: None)
+    monkeypatch.setattr(WeightCasts, "group", lambda self, modules: None)
     out_alone, grad_alone, casts_alone = _step(shared=True)
     assert out.keys() == out_alone.keys() and grad.keys() == grad_alone.keys()
     for k in out:
