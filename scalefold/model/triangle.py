@@ -52,11 +52,9 @@ class TriangleMultiplicativeUpdate(nn.Module):
         point (:func:`scalefold.kernels.triangle_multiplication`: the PyTorch operators below, or the
         fused Triton kernels)."""
         if plane is None:
-            # the PyTorch path applies the linear layers' weights as their forward would (the model's shared
-            # weight casts); the fused kernels cast their concatenated weights once per call themselves, which
-            # launches fewer casts than sharing the twelve copies
-            fused = kernels.resolve_backend("auto", z, mask) == "triton"
-            weights = self.weights(None if fused else z.device.type)
+            # the linear layers' weights as their forward would apply them: the model's shared weight casts
+            # under autocast (cast with the rest of the block's, so the fused kernels' own casts are no-ops)
+            weights = self.weights(z.device.type)
             return kernels.triangle_multiplication(
                 z, mask, weights, self.outgoing, self.layer_norm_in.eps, self.layer_norm_out.eps
             )
