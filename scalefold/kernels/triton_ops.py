@@ -34,6 +34,16 @@ from scalefold.kernels.reference import TrimulWeights, adam_step_scalars  # noqa
 _EMPTY = (0,)  # placeholder output for an absent gradient (custom ops cannot return None)
 
 
+def _auxiliary_outputs(ctx, *aux: torch.Tensor) -> None:
+    """Mark an operator's auxiliary outputs (statistics and planes saved for its backward) non-differentiable
+    and stop autograd materialising the gradients nobody produced: by default each undefined output gradient
+    reaches the backward formula as a full ``zeros`` tensor (a launch and its bytes per auxiliary output, every
+    call), which these formulas never read. The backward formulas take ``None`` for them, and for the main
+    output's gradient where it has none (returning no gradient then)."""
+    ctx.mark_non_differentiable(*aux)
+    ctx.set_materialize_grads(False)
+
+
 # ----------------------------------------------------------------------------------------------
 # Attention
 # ----------------------------------------------------------------------------------------------
@@ -100,10 +110,12 @@ def _attention_setup_context(ctx, inputs, output):
     o, row_max, row_logsum = output
     ctx.save_for_backward(q, k, v, bias, mask_offset, gate, o, row_max, row_logsum)
     ctx.scale, ctx.R, ctx.C = scale, R, C
-    ctx.mark_non_differentiable(row_max, row_logsum)
+    _auxiliary_outputs(ctx, row_max, row_logsum)
 
 
 def _attention_backward(ctx, do, _d_row_max, _d_row_logsum):
+    if do is None:
+        return (None,) * 9
     q, k, v, bias, mask_offset, gate, o, row_max, row_logsum = ctx.saved_tensors
     need_dbias = bias is not None and ctx.needs_input_grad[3]
     dq, dk, dv, dbias, dgate = attention_bwd(
@@ -212,10 +224,12 @@ def _layer_norm_setup_context(ctx, inputs, output):
     x, weight, _bias, _eps = inputs
     _y, mean, rstd = output
     ctx.save_for_backward(x, weight, mean, rstd)
-    ctx.mark_non_differentiable(mean, rstd)
+    _auxiliary_outputs(ctx, mean, rstd)
 
 
 def _layer_norm_backward(ctx, dy, _d_mean, _d_rstd):
+    if dy is None:
+        return None, None, None, None
     x, weight, mean, rstd = ctx.saved_tensors
     dx, dweight, dbias = layer_norm_bwd(dy, x, weight, mean, rstd)
     return dx, dweight, dbias, None
@@ -403,10 +417,12 @@ def _trimul_setup_context(ctx, inputs, output):
     ctx.save_for_backward(out, z, mask, w_in, b_in, ln_in_w, w_out, ln_out_w, ln_out_b, a, b, x, g, zn,
                           mean, rstd, mean_x, rstd_x)  # fmt: skip
     ctx.n, ctx.outgoing = n, outgoing
-    ctx.mark_non_differentiable(a, b, x, g, zn, mean, rstd, mean_x, rstd_x)
+    _auxiliary_outputs(ctx, a, b, x, g, zn, mean, rstd, mean_x, rstd_x)
 
 
 def _trimul_backward(ctx, dout, *_unused):
+    if dout is None:
+        return (None,) * 14
     out, *saved = ctx.saved_tensors
     grads = trimul_bwd(dout, out, *saved, ctx.n, ctx.outgoing)
     dz, dw_in, db_in, dln_in_w, dln_in_b, dw_out, db_out, dln_out_w, dln_out_b = grads
