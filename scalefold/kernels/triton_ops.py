@@ -69,7 +69,7 @@ def attention_fwd(
 def _(q, k, v, bias, mask_offset, gate, scale, R, C):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     stats = q.new_empty(q.shape[:-1], dtype=acc)
-    return q.new_empty(q.shape), stats, torch.empty_like(stats)
+    return attention_triton.output_layout(q), stats, torch.empty_like(stats)
 
 
 @torch.library.custom_op("scalefold::attention_bwd", mutates_args=())
@@ -101,8 +101,8 @@ def attention_bwd(
 @attention_bwd.register_fake
 def _(do, q, k, v, bias, mask_offset, gate, o, row_max, row_logsum, scale, R, C, need_dbias):
     dbias = bias.new_empty(bias.shape) if (need_dbias and bias is not None) else q.new_empty(_EMPTY)
-    dgate = gate.new_empty(gate.shape) if gate is not None else q.new_empty(_EMPTY)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias, dgate
+    dgate = torch.empty_like(gate) if gate is not None else q.new_empty(_EMPTY)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias, dgate
 
 
 def _attention_setup_context(ctx, inputs, output):

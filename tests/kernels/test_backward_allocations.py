@@ -98,3 +98,31 @@ def test_auxiliary_outputs_are_not_differentiable(device):
     w, b = torch.ones(16, device=device), torch.zeros(16, device=device)
     y, mean, rstd = torch.ops.scalefold.layer_norm_fwd(x, w, b, 1e-5)
     assert y.requires_grad and not mean.requires_grad and not rstd.requires_grad
+
+
+def test_attention_module_moves_heads_without_copies(device, monkeypatch):
+    """The model's attention (``[*, N, H * D]`` projections viewed as ``[*, H, N, D]`` heads) on the Triton
+    kernels copies nothing: the output is stored head-interleaved, so ``o.transpose(-2, -3).reshape(...)`` is a
+    view, and the backward writes dq, dk, dv, dgate in the heads' layouts, so their gradients reshape back
+    to ``[*, N, H * D]`` as views (no ``clone`` either way); the bias-free call's gradients match the
+    PyTorch path's."""
+    from scalefold.model.primitives import Attention
+
+    module = Attention(16, 16, 16, 8, 2).to(device)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    x = torch.randn(2, 3, 7, 16, device=device, requires_grad=True)
+    mask = (torch.rand(2, 3, 1, 1, 7, device=device) > 0.2).float()
+    dout = torch.randn(2, 3, 7, 16, device=device)
+    leaves = [x, *module.parameters()]
+    monkeypatch.setenv("SCALEFOLD_KERNELS", "triton")
+    with _OpLog() as forward:
+        y = module(x, x, mask=mask)
+    assert forward.ops["attention_fwd"] == 1
+    ops, grads = _backward_ops(y, leaves, dout)
+    assert ops["attention_bwd"] == 1
+    assert not {"clone", "contiguous"} & (set(ops) | set(forward.ops)), (forward.ops, ops)
+    monkeypatch.setenv("SCALEFOLD_KERNELS", "torch")
+    _, ref_grads = _backward_ops(module(x, x, mask=mask), leaves, dout)
+    _assert_close(grads, ref_grads, 1e-4)
