@@ -142,10 +142,11 @@ def _mask_offset(
         raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to {batch + tail}")
     mask = mask.reshape((1,) * (ndim - mask.dim()) + tuple(mask.shape))
     mask_tail = tuple(mask.shape[len(batch) :])
-    mask = mask.expand(tuple(batch) + mask_tail).reshape((math.prod(batch),) + mask_tail)
-    # contiguous: a unit key stride is specialised by Triton (vector loads, fewer registers); the
-    # ending-node triangle attention would otherwise pass its transposed mask
-    return ((mask.to(dtype) - 1.0) * inf).contiguous()
+    # contiguous: a unit key stride is specialised by Triton (vector loads, fewer registers); the ending-node
+    # triangle attention passes its transposed mask, which the cast lays out contiguous (no extra copy). The
+    # offset is made on the mask's own shape, then broadcast over the batch (a copy only where that needs one).
+    offset = (mask.to(dtype, memory_format=torch.contiguous_format) - 1.0) * inf
+    return offset.expand(tuple(batch) + mask_tail).reshape((math.prod(batch),) + mask_tail).contiguous()
 
 
 def attention(
