@@ -323,14 +323,6 @@ def _attn_bwd_dkdv(
     smh,
     smm,
     smn,
-    sdkz,
-    sdkh,
-    sdkn,
-    sdkd,
-    sdvz,
-    sdvh,
-    sdvn,
-    sdvd,
     H,
     NQ,
     NK,
@@ -407,11 +399,11 @@ def _attn_bwd_dkdv(
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
         ds = p * (dp - delta[:, None])
         dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
-    # dk, dv in the layouts of k, v (strided: the model's heads are a transposed view)
-    dk_ptrs = DK + z * sdkz + h * sdkh + cols[:, None] * sdkn + dims[None, :] * sdkd
-    tl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
-    dv_ptrs = DV + z * sdvz + h * sdvh + cols[:, None] * sdvn + dims[None, :] * sdvd
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=kv_mask)
+    # contiguous [Z, H, NK, D] (strided stores here spill registers at the A100 fp32 default config)
+    base = zh * NK * D
+    out = cols[:, None] * D + dims[None, :]
+    tl.store(DK + base + out, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + base + out, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
@@ -787,9 +779,9 @@ def attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Backward on the canonical layout; returns ``(dq, dk, dv, dbias, dgate)`` (None where absent).
 
-    ``dbias`` has the shape of ``bias`` (its broadcast head/query/key dims summed in PyTorch); ``dq``, ``dk``,
-    ``dv``, ``dgate`` have the layouts of ``q``, ``k``, ``v``, ``gate`` (``torch.empty_like``): the gradients of
-    the model's transposed head views then reshape back to ``[*, N, H * D]`` without a copy.
+    ``dbias`` has the shape of ``bias`` (its broadcast head/query/key dims summed in PyTorch); ``dq`` and
+    ``dgate`` have the layouts of ``q`` and ``gate`` (``torch.empty_like``): the gradients of the model's
+    transposed head views then reshape back to ``[*, N, H * D]`` without a copy (``dk``, ``dv`` contiguous).
     Three steps: :func:`_backward_preprocess` (delta, dO_attn, dgate), :func:`_backward_dkdv`,
     :func:`_backward_dq_dbias`.
     """
@@ -829,11 +821,12 @@ def _backward_dkdv(saved: tuple, strides: tuple, common: dict, scale: float, R: 
     q, k, v, bias = saved[:4]
     Z, H, NQ, D = q.shape
     NK = k.shape[2]
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dk = torch.empty((Z, H, NK, D), dtype=k.dtype, device=q.device)
+    dv = torch.empty((Z, H, NK, D), dtype=v.dtype, device=q.device)
 
     def launch_dkdv(cfg: dict) -> None:
         _attn_bwd_dkdv[launch_grid(Z * H, triton.cdiv(NK, cfg["BLOCK_N"]))](
-            *saved, dk, dv, *strides, *_strides(dk, 4), *_strides(dv, 4),
+            *saved, dk, dv, *strides,
             H, NQ, NK, D, R, C, scale, **common, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip

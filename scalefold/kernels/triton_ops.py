@@ -102,7 +102,7 @@ def attention_bwd(
 def _(do, q, k, v, bias, mask_offset, gate, o, row_max, row_logsum, scale, R, C, need_dbias):
     dbias = bias.new_empty(bias.shape) if (need_dbias and bias is not None) else q.new_empty(_EMPTY)
     dgate = torch.empty_like(gate) if gate is not None else q.new_empty(_EMPTY)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias, dgate
+    return torch.empty_like(q), k.new_empty(k.shape), v.new_empty(v.shape), dbias, dgate
 
 
 def _attention_setup_context(ctx, inputs, output):
