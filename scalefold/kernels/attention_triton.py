@@ -250,6 +250,10 @@ def _attn_bwd_preprocess(
     sgh,
     sgm,
     sgd,
+    sdgz,
+    sdgh,
+    sdgm,
+    sdgd,
     H,
     NQ,
     D,
@@ -271,14 +275,16 @@ def _attn_bwd_preprocess(
     do = tl.load(DO + z * sdz + h * sdh + rows[:, None] * sdm + dims[None, :] * sdd, mask=io_mask, other=0.0).to(
         ACC_DTYPE
     )
-    # contiguous [Z, H, NQ, D] outputs: a scalar (int64) base plus int32 in-tile offsets
+    # contiguous [Z, H, NQ, D] dO_attn: a scalar (int64) base plus int32 in-tile offsets
     base = zh * NQ * D
     out = rows[:, None] * D + dims[None, :]
     tl.store(DELTA + zh * NQ + rows, tl.sum(do * o, 1), mask=rows < NQ)
     if HAS_GATE:
         g = tl.load(GATE + z * sgz + h * sgh + rows[:, None] * sgm + dims[None, :] * sgd, mask=io_mask, other=0.0)
         sig = 1.0 / (1.0 + tl.exp(-g.to(ACC_DTYPE)))
-        tl.store(DGATE + base + out, (do * o * (1.0 - sig)).to(DGATE.dtype.element_ty), mask=io_mask)
+        # dgate in the gate's own layout (strided)
+        dgate_ptrs = DGATE + z * sdgz + h * sdgh + rows[:, None] * sdgm + dims[None, :] * sdgd
+        tl.store(dgate_ptrs, (do * o * (1.0 - sig)).to(DGATE.dtype.element_ty), mask=io_mask)
         do = do * sig
     tl.store(DO_ATTN + base + out, do.to(DO_ATTN.dtype.element_ty), mask=io_mask)
 
@@ -393,7 +399,8 @@ def _attn_bwd_dkdv(
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
         ds = p * (dp - delta[:, None])
         dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
-    base = zh * NK * D  # contiguous [Z, H, NK, D]
+    # contiguous [Z, H, NK, D] (strided stores here spill registers at the A100 fp32 default config)
+    base = zh * NK * D
     out = cols[:, None] * D + dims[None, :]
     tl.store(DK + base + out, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + base + out, dv.to(DV.dtype.element_ty), mask=kv_mask)
@@ -702,6 +709,14 @@ def _launch(name: str, shape: dict, q: torch.Tensor, launch) -> dict:
     return tuner.run(autotune.make_key(shape, q, label), launch)
 
 
+def output_layout(q: torch.Tensor) -> torch.Tensor:
+    """An empty ``[Z, H, NQ, D]`` output like ``q``, stored ``[Z, NQ, H, D]`` (strides ``(NQ H D, D, H D, 1)``):
+    the model's heads are ``[*, N, H * D]`` viewed as ``[*, H, N, D]``, and it moves the output back the same
+    way (``o.transpose(-2, -3).reshape(..., H * D)``), which is then a view instead of a copy."""
+    Z, H, NQ, D = q.shape
+    return q.new_empty((Z, NQ, H, D)).transpose(1, 2)
+
+
 def _shape_class(q: torch.Tensor, k: torch.Tensor, has_bias: bool, R: int) -> dict:
     """Sizes bucketed to powers of two, the head size, a bias, and a bias shared over R > 1 members."""
     Z, H, NQ, D = q.shape
@@ -719,11 +734,12 @@ def attention_forward(
     R: int,
     C: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Forward on the canonical layout; returns ``(o [Z,H,NQ,D], row_max [Z,H,NQ], row_logsum)``."""
+    """Forward on the canonical layout; returns ``(o [Z,H,NQ,D], row_max [Z,H,NQ], row_logsum)``, ``o``
+    stored head-interleaved (:func:`output_layout`)."""
     Z, H, NQ, D = q.shape
     NK = k.shape[2]
     acc_torch = torch.float64 if q.dtype == torch.float64 else torch.float32
-    o = torch.empty((Z, H, NQ, D), dtype=q.dtype, device=q.device)
+    o = output_layout(q)
     row_max = torch.empty((Z, H, NQ), dtype=acc_torch, device=q.device)
     row_logsum = torch.empty_like(row_max)
 
@@ -763,7 +779,9 @@ def attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Backward on the canonical layout; returns ``(dq, dk, dv, dbias, dgate)`` (None where absent).
 
-    ``dbias`` has the shape of ``bias`` (its broadcast head/query/key dims summed in PyTorch).
+    ``dbias`` has the shape of ``bias`` (its broadcast head/query/key dims summed in PyTorch); ``dq`` and
+    ``dgate`` have the layouts of ``q`` and ``gate`` (``torch.empty_like``): the gradients of the model's
+    transposed head views then reshape back to ``[*, N, H * D]`` without a copy (``dk``, ``dv`` contiguous).
     Three steps: :func:`_backward_preprocess` (delta, dO_attn, dgate), :func:`_backward_dkdv`,
     :func:`_backward_dq_dbias`.
     """
@@ -787,10 +805,11 @@ def _backward_preprocess(
     acc_torch = torch.float64 if q.dtype == torch.float64 else torch.float32
     do_attn = torch.empty((Z, H, NQ, D), dtype=q.dtype, device=q.device)  # fed to tl.dot like q
     delta = torch.empty((Z, H, NQ), dtype=acc_torch, device=q.device)
-    dgate = torch.empty((Z, H, NQ, D), dtype=gate.dtype, device=q.device) if gate is not None else None
+    dgate = torch.empty_like(gate) if gate is not None else None
     pre_block = 32
     _attn_bwd_preprocess[launch_grid(Z * H, triton.cdiv(NQ, pre_block))](
-        o, do, gate, do_attn, dgate, delta, *o.stride(), *do.stride(), *_strides(gate, 4), H, NQ, D,
+        o, do, gate, do_attn, dgate, delta, *o.stride(), *do.stride(), *_strides(gate, 4), *_strides(dgate, 4),
+        H, NQ, D,
         HAS_GATE=gate is not None, ACC_DTYPE=_acc_dtype(q.dtype), BLOCK_M=pre_block, BLOCK_D=_block_d(D),
     )  # fmt: skip
     return do_attn, delta, dgate
@@ -849,7 +868,8 @@ def _backward_dq_dbias(saved: tuple, strides: tuple, common: dict, scale: float,
 
     _launch("attention_bwd_dq", _shape_class(q, k, bias is not None, R), q, launch_dq)
     dq_buf = state["dq_buf"]
-    dq = (dq_buf[0] if dq_buf.shape[0] == 1 else dq_buf.sum(0)).mul_(scale).to(q.dtype)
+    # scaled and cast in one kernel, into q's layout (the same values as scaling in place, then casting)
+    dq = torch.mul(dq_buf[0] if dq_buf.shape[0] == 1 else dq_buf.sum(0), scale, out=torch.empty_like(q))
 
     dbias = None
     if need_dbias:

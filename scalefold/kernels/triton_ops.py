@@ -34,6 +34,16 @@ from scalefold.kernels.reference import TrimulWeights, adam_step_scalars  # noqa
 _EMPTY = (0,)  # placeholder output for an absent gradient (custom ops cannot return None)
 
 
+def _auxiliary_outputs(ctx, *aux: torch.Tensor) -> None:
+    """Mark an operator's auxiliary outputs (statistics and planes saved for its backward) non-differentiable
+    and stop autograd materialising the gradients nobody produced: by default each undefined output gradient
+    reaches the backward formula as a full ``zeros`` tensor (a launch and its bytes per auxiliary output, every
+    call), which these formulas never read. The backward formulas take ``None`` for them, and for the main
+    output's gradient where it has none (returning no gradient then)."""
+    ctx.mark_non_differentiable(*aux)
+    ctx.set_materialize_grads(False)
+
+
 # ----------------------------------------------------------------------------------------------
 # Attention
 # ----------------------------------------------------------------------------------------------
@@ -59,7 +69,7 @@ def attention_fwd(
 def _(q, k, v, bias, mask_offset, gate, scale, R, C):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     stats = q.new_empty(q.shape[:-1], dtype=acc)
-    return q.new_empty(q.shape), stats, torch.empty_like(stats)
+    return attention_triton.output_layout(q), stats, torch.empty_like(stats)
 
 
 @torch.library.custom_op("scalefold::attention_bwd", mutates_args=())
@@ -91,8 +101,8 @@ def attention_bwd(
 @attention_bwd.register_fake
 def _(do, q, k, v, bias, mask_offset, gate, o, row_max, row_logsum, scale, R, C, need_dbias):
     dbias = bias.new_empty(bias.shape) if (need_dbias and bias is not None) else q.new_empty(_EMPTY)
-    dgate = gate.new_empty(gate.shape) if gate is not None else q.new_empty(_EMPTY)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias, dgate
+    dgate = torch.empty_like(gate) if gate is not None else q.new_empty(_EMPTY)
+    return torch.empty_like(q), k.new_empty(k.shape), v.new_empty(v.shape), dbias, dgate
 
 
 def _attention_setup_context(ctx, inputs, output):
@@ -100,10 +110,12 @@ def _attention_setup_context(ctx, inputs, output):
     o, row_max, row_logsum = output
     ctx.save_for_backward(q, k, v, bias, mask_offset, gate, o, row_max, row_logsum)
     ctx.scale, ctx.R, ctx.C = scale, R, C
-    ctx.mark_non_differentiable(row_max, row_logsum)
+    _auxiliary_outputs(ctx, row_max, row_logsum)
 
 
 def _attention_backward(ctx, do, _d_row_max, _d_row_logsum):
+    if do is None:
+        return (None,) * 9
     q, k, v, bias, mask_offset, gate, o, row_max, row_logsum = ctx.saved_tensors
     need_dbias = bias is not None and ctx.needs_input_grad[3]
     dq, dk, dv, dbias, dgate = attention_bwd(
@@ -130,10 +142,11 @@ def _mask_offset(
         raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to {batch + tail}")
     mask = mask.reshape((1,) * (ndim - mask.dim()) + tuple(mask.shape))
     mask_tail = tuple(mask.shape[len(batch) :])
-    mask = mask.expand(tuple(batch) + mask_tail).reshape((math.prod(batch),) + mask_tail)
-    # contiguous: a unit key stride is specialised by Triton (vector loads, fewer registers); the
-    # ending-node triangle attention would otherwise pass its transposed mask
-    return ((mask.to(dtype) - 1.0) * inf).contiguous()
+    # contiguous: a unit key stride is specialised by Triton (vector loads, fewer registers); the ending-node
+    # triangle attention passes its transposed mask, which the cast lays out contiguous (no extra copy). The
+    # offset is made on the mask's own shape, then broadcast over the batch (a copy only where that needs one).
+    offset = (mask.to(dtype, memory_format=torch.contiguous_format) - 1.0) * inf
+    return offset.expand(tuple(batch) + mask_tail).reshape((math.prod(batch),) + mask_tail).contiguous()
 
 
 def attention(
@@ -212,10 +225,12 @@ def _layer_norm_setup_context(ctx, inputs, output):
     x, weight, _bias, _eps = inputs
     _y, mean, rstd = output
     ctx.save_for_backward(x, weight, mean, rstd)
-    ctx.mark_non_differentiable(mean, rstd)
+    _auxiliary_outputs(ctx, mean, rstd)
 
 
 def _layer_norm_backward(ctx, dy, _d_mean, _d_rstd):
+    if dy is None:
+        return None, None, None, None
     x, weight, mean, rstd = ctx.saved_tensors
     dx, dweight, dbias = layer_norm_bwd(dy, x, weight, mean, rstd)
     return dx, dweight, dbias, None
@@ -403,10 +418,12 @@ def _trimul_setup_context(ctx, inputs, output):
     ctx.save_for_backward(out, z, mask, w_in, b_in, ln_in_w, w_out, ln_out_w, ln_out_b, a, b, x, g, zn,
                           mean, rstd, mean_x, rstd_x)  # fmt: skip
     ctx.n, ctx.outgoing = n, outgoing
-    ctx.mark_non_differentiable(a, b, x, g, zn, mean, rstd, mean_x, rstd_x)
+    _auxiliary_outputs(ctx, a, b, x, g, zn, mean, rstd, mean_x, rstd_x)
 
 
 def _trimul_backward(ctx, dout, *_unused):
+    if dout is None:
+        return (None,) * 14
     out, *saved = ctx.saved_tensors
     grads = trimul_bwd(dout, out, *saved, ctx.n, ctx.outgoing)
     dz, dw_in, db_in, dln_in_w, dln_in_b, dw_out, db_out, dln_out_w, dln_out_b = grads

@@ -78,15 +78,15 @@ from scalefold.model.primitives import WeightCasts
 FIELDS = ("mm_bf16", "mm_fp32", "mm_fp64", "elementwise", "read", "written", "launches")
 LAUNCHES = 6
 #: Kernels ScaleFold's Triton operators launch per call (the attention backward: its preprocess, dK/dV and
-#: dQ/dbias kernels plus dQ's scale and cast; the layer-norm backward: dx and the dw/db reduction; the fused
-#: triangle multiplication's forward: the input kernel, the product's batched matmul and the output kernel;
+#: dQ/dbias kernels plus dQ's scale, which writes the cast result into q's layout; the layer-norm backward:
+#: dx and the dw/db reduction; the fused triangle multiplication's forward: the input kernel, the product's batched matmul and the output kernel;
 #: its backward: the output kernel, the product's two matmuls, the gates kernel, the bias concatenation, the
 #: input projections' gradient matmul, the LayerNorm backward's two kernels, the two weight-gradient matmuls
 #: and the two bias casts -- ``kernels.triton_ops.trimul_fwd`` / ``trimul_bwd``). An operator not named here
 #: is one launch. Bytes stay at the operator's boundary: the fused triangle multiplication's ``a``, ``b`` and
 #: ``x`` are its outputs (saved for backward), so their writes count; the product's and the output
 #: kernel's reads of them inside the operator do not (an undercount of about 3 planes per call).
-TRITON_LAUNCHES = {"attention_bwd": 5, "layer_norm_bwd": 2, "trimul_fwd": 3, "trimul_bwd": 12}
+TRITON_LAUNCHES = {"attention_bwd": 4, "layer_norm_bwd": 2, "trimul_fwd": 3, "trimul_bwd": 12}
 MM = (0, 1, 2)
 _MM_FIELD = {torch.bfloat16: 0, torch.float16: 0, torch.float32: 1, torch.float64: 2}
 CATEGORIES = ("recycling", "forward", "loss", "recompute", "backward", "optimizer")
