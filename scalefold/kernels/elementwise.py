@@ -30,8 +30,12 @@ import torch
 
 from scalefold.kernels import reference
 
+#: The structure module's geometry (:mod:`scalefold.kernels.geometry`): its frames and points written element
+#: by element in fp32, hundreds of tiny kernels per block iteration eagerly, each chain one compiled kernel
+GEOMETRY_CHAINS = ("backbone_update", "sidechain_frames", "structure_outputs", "ipa_points", "ipa_logits",
+                   "ipa_attended_points")  # fmt: skip
 #: The chains compiled: the functions of these names in :mod:`scalefold.kernels.reference` themselves.
-CHAINS = ("masked_softmax", "sigmoid_gate", "gated_projection", "dropout_add")
+CHAINS = ("masked_softmax", "sigmoid_gate", "gated_projection", "dropout_add") + GEOMETRY_CHAINS
 #: The chains ``--compile`` compiles by default, per device type: on a GPU all of them; on the CPU only
 #: those that were not slower than eager there (demo preset, 1 thread, bench step, alternating: the triangle
 #: gated projection 1.08x alone; softmax glue 0.96x, output gate 0.99x, dropout + residual 0.92x, all four
@@ -138,6 +142,7 @@ def chain(name: str) -> Callable[..., torch.Tensor]:
 __all__ = [
     "CHAINS",
     "DEFAULT_CHAINS",
+    "GEOMETRY_CHAINS",
     "RECOMPILE_LIMIT",
     "chain",
     "default_chains",
