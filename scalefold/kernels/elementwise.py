@@ -101,13 +101,13 @@ def mode(backend: str | None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def recording(
-    observe: Callable[[str, tuple], None], finished: Callable[[str, tuple, torch.Tensor], None] | None = None,
+    observe: Callable[[str, tuple], None], finished: Callable[[str, tuple, Any], None] | None = None,
     chains: Sequence[str] | None = None,
 ) -> Iterator[None]:  # fmt: skip
     """Within the block every chain (``chains``: those named, default all) runs as its reference, but routed
     and shaped as compiled chains are (the dispatch point merges the operands' leading dimensions), and each
     call is first reported to ``observe(name, args)``: the calls a compiled run compiles for
-    (:mod:`scalefold.perf.compile_sites`); ``finished(name, args, out)``, when given, is called when the
+    (:mod:`scalefold.perf.compile_sites`); ``finished(name, args, out)`` (``out``: a tensor or a tuple of them), when given, is called when the
     chain returns (the counter of :mod:`scalefold.perf.flops` counts the operators in between as one
     compiled kernel)."""
 
