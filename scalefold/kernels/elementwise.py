@@ -30,8 +30,12 @@ import torch
 
 from scalefold.kernels import reference
 
+#: The structure module's geometry (:mod:`scalefold.kernels.geometry`): its frames and points written element
+#: by element in fp32, hundreds of tiny kernels per block iteration eagerly, each chain one compiled kernel
+GEOMETRY_CHAINS = ("backbone_update", "sidechain_frames", "structure_outputs", "ipa_points", "ipa_logits",
+                   "ipa_attended_points")  # fmt: skip
 #: The chains compiled: the functions of these names in :mod:`scalefold.kernels.reference` themselves.
-CHAINS = ("masked_softmax", "sigmoid_gate", "gated_projection", "dropout_add")
+CHAINS = ("masked_softmax", "sigmoid_gate", "gated_projection", "dropout_add") + GEOMETRY_CHAINS
 #: The chains ``--compile`` compiles by default, per device type: on a GPU all of them; on the CPU only
 #: those that were not slower than eager there (demo preset, 1 thread, bench step, alternating: the triangle
 #: gated projection 1.08x alone; softmax glue 0.96x, output gate 0.99x, dropout + residual 0.92x, all four
@@ -97,13 +101,13 @@ def mode(backend: str | None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def recording(
-    observe: Callable[[str, tuple], None], finished: Callable[[str, tuple, torch.Tensor], None] | None = None,
+    observe: Callable[[str, tuple], None], finished: Callable[[str, tuple, Any], None] | None = None,
     chains: Sequence[str] | None = None,
 ) -> Iterator[None]:  # fmt: skip
     """Within the block every chain (``chains``: those named, default all) runs as its reference, but routed
     and shaped as compiled chains are (the dispatch point merges the operands' leading dimensions), and each
     call is first reported to ``observe(name, args)``: the calls a compiled run compiles for
-    (:mod:`scalefold.perf.compile_sites`); ``finished(name, args, out)``, when given, is called when the
+    (:mod:`scalefold.perf.compile_sites`); ``finished(name, args, out)`` (``out``: a tensor or a tuple of them), when given, is called when the
     chain returns (the counter of :mod:`scalefold.perf.flops` counts the operators in between as one
     compiled kernel)."""
 
@@ -138,6 +142,7 @@ def chain(name: str) -> Callable[..., torch.Tensor]:
 __all__ = [
     "CHAINS",
     "DEFAULT_CHAINS",
+    "GEOMETRY_CHAINS",
     "RECOMPILE_LIMIT",
     "chain",
     "default_chains",

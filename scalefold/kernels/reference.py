@@ -9,6 +9,17 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+# The structure module's geometry chains: references like the chains below, looked up here by name
+# (scalefold.kernels.elementwise); written in their own module with the rotation algebra they share.
+from scalefold.kernels.geometry import (  # noqa: F401
+    backbone_update,
+    ipa_attended_points,
+    ipa_logits,
+    ipa_points,
+    sidechain_frames,
+    structure_outputs,
+)
+
 
 def attention(
     q: torch.Tensor,

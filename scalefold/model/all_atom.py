@@ -20,6 +20,7 @@ from typing import NamedTuple, Union
 import torch
 
 from scalefold import residue_constants as rc
+from scalefold.kernels import geometry
 from scalefold.model.rigid import Rigid, Rotation
 
 
@@ -62,6 +63,9 @@ def torsion_angles_to_frames(
 ) -> Rigid:
     """Rigid-group frames from backbone frames and torsion angles (Alg. 24, lines 1-10).
 
+    The arithmetic is :func:`scalefold.kernels.geometry.torsion_angles_to_frames` (the structure module
+    runs it inside its ``sidechain_frames`` chain, compiled under ``--compile``).
+
     Args:
         backb_to_global: ``[*, N]`` backbone frames (Angstrom).
         alpha: ``[*, N, 7, 2]`` (sin, cos) of pre-omega, phi, psi, chi1..chi4.
@@ -71,41 +75,9 @@ def torsion_angles_to_frames(
     Returns:
         ``[*, N, 8]`` frames of all rigid groups in global coordinates.
     """
-    # [*, N, 8] literature transforms group -> parent group
-    default_r = Rigid.from_tensor_4x4(default_frames[aatype, ...])
-
-    # The backbone group gets the identity "angle" (sin 0, cos 1): [*, N, 8, 2].
-    bb_rot = alpha.new_zeros((1,) * len(alpha.shape[:-1]) + (2,))
-    bb_rot[..., 1] = 1
-    alpha = torch.cat([bb_rot.expand(alpha.shape[:-2] + (-1, -1)), alpha], dim=-2)
-
-    # Rotations about the x-axis, as in the AlphaFold source (the supplement's indices differ):
-    #   [[1, 0, 0], [0, cos, -sin], [0, sin, cos]]          [*, N, 8, 3, 3]
-    sin, cos = alpha[..., 0], alpha[..., 1]
-    all_rots = alpha.new_zeros(alpha.shape[:-1] + (3, 3))
-    all_rots[..., 0, 0] = 1
-    all_rots[..., 1, 1] = cos
-    all_rots[..., 1, 2] = -sin
-    all_rots[..., 2, 1] = sin
-    all_rots[..., 2, 2] = cos
-    all_frames = default_r.compose(Rigid(Rotation(rot_mats=all_rots), None))
-
-    # chi2..chi4 frames are relative to the previous chi frame: chain them to the backbone.
-    chi1_frame_to_bb = all_frames[..., 4]
-    chi2_frame_to_bb = chi1_frame_to_bb.compose(all_frames[..., 5])
-    chi3_frame_to_bb = chi2_frame_to_bb.compose(all_frames[..., 6])
-    chi4_frame_to_bb = chi3_frame_to_bb.compose(all_frames[..., 7])
-    all_frames_to_bb = Rigid.cat(
-        [
-            all_frames[..., :5],
-            chi2_frame_to_bb.unsqueeze(-1),
-            chi3_frame_to_bb.unsqueeze(-1),
-            chi4_frame_to_bb.unsqueeze(-1),
-        ],
-        dim=-1,
-    )
-    # [*, N, 8]
-    return backb_to_global[..., None].compose(all_frames_to_bb)
+    rot = backb_to_global.get_rots().get_cur_rot()
+    rots, trans = geometry.torsion_angles_to_frames(rot, backb_to_global.get_trans(), alpha, aatype, default_frames)
+    return Rigid(Rotation(rot_mats=rots), trans)
 
 
 def frames_and_literature_positions_to_atom14_pos(
@@ -115,7 +87,8 @@ def frames_and_literature_positions_to_atom14_pos(
     atom_mask: torch.Tensor,
     lit_positions: torch.Tensor,
 ) -> torch.Tensor:
-    """Place each atom's literature position with its rigid group's frame (Alg. 24, line 11).
+    """Place each atom's literature position with its rigid group's frame (Alg. 24, line 11):
+    :func:`scalefold.kernels.geometry.atom14_positions`.
 
     Args:
         frames: ``[*, N, 8]`` rigid-group frames in global coordinates.
@@ -127,19 +100,8 @@ def frames_and_literature_positions_to_atom14_pos(
     Returns:
         ``[*, N, 14, 3]`` atom positions (zero where the residue has no such atom).
     """
-    # [*, N, 14] which of the 8 frames moves each atom
-    atom_group = group_idx[aatype, ...]
-    rot_mats = frames.get_rots().get_rot_mats()  # [*, N, 8, 3, 3]
-    trans = frames.get_trans()  # [*, N, 8, 3]
-    atom_rots = torch.gather(
-        rot_mats, -3, atom_group[..., None, None].expand(atom_group.shape + (3, 3))
-    )  # [*, N, 14, 3, 3]
-    atom_trans = torch.gather(trans, -2, atom_group[..., None].expand(atom_group.shape + (3,)))  # [*, N, 14, 3]
-    atoms_to_global = Rigid(Rotation(rot_mats=atom_rots), atom_trans)
-
-    # [*, N, 14, 3]
-    positions = atoms_to_global.apply(lit_positions[aatype, ...])
-    return positions * atom_mask[aatype, ...].unsqueeze(-1)
+    rots = frames.get_rots().get_rot_mats()
+    return geometry.atom14_positions(rots, frames.get_trans(), aatype, group_idx, atom_mask, lit_positions)
 
 
 def atom14_to_atom37(atom14: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:

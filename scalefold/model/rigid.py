@@ -21,56 +21,13 @@ from typing import Any
 
 import torch
 
+# The written-out rotation algebra lives with the geometry chains of the kernels (the structure module's
+# compiled chains and these classes run the very same functions).
+from scalefold.kernels.geometry import invert_rot_mat, quat_multiply_by_vec, quat_to_rot, rot_matmul, rot_vec_mul
+
 # ---------------------------------------------------------------------------------------------
 # Elementwise rotation algebra
 # ---------------------------------------------------------------------------------------------
-
-
-def rot_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Product ``a @ b`` of ``[*, 3, 3]`` rotation matrices, written out (autocast-proof)."""
-    rows = []
-    for i in range(3):
-        rows.append(
-            torch.stack(
-                [
-                    a[..., i, 0] * b[..., 0, j] + a[..., i, 1] * b[..., 1, j] + a[..., i, 2] * b[..., 2, j]
-                    for j in range(3)
-                ],
-                dim=-1,
-            )
-        )
-    return torch.stack(rows, dim=-2)
-
-
-def rot_vec_mul(r: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """Rotate ``[*, 3]`` vectors by ``[*, 3, 3]`` matrices: ``r @ t``, written out."""
-    x, y, z = torch.unbind(t, dim=-1)
-    return torch.stack(
-        [r[..., i, 0] * x + r[..., i, 1] * y + r[..., i, 2] * z for i in range(3)],
-        dim=-1,
-    )
-
-
-def invert_rot_mat(rot_mat: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``[*, 3, 3]`` rotation matrices (the transpose)."""
-    return rot_mat.transpose(-1, -2)
-
-
-def quat_to_rot(quat: torch.Tensor) -> torch.Tensor:
-    """``[*, 4]`` quaternions ``(a, b, c, d)`` (not necessarily unit) -> ``[*, 3, 3]`` matrices.
-
-    Uses the homogeneous form ``R_ij = sum_kl q_k q_l M_klij`` (exact rotation for unit quats).
-    """
-    a, b, c, d = torch.unbind(quat, dim=-1)
-    aa, bb, cc, dd = a * a, b * b, c * c, d * d
-    ab, ac, ad = a * b, a * c, a * d
-    bc, bd, cd = b * c, b * d, c * d
-    rows = [
-        [aa + bb - cc - dd, 2 * (bc - ad), 2 * (bd + ac)],
-        [2 * (bc + ad), aa - bb + cc - dd, 2 * (cd - ab)],
-        [2 * (bd - ac), 2 * (cd + ab), aa - bb - cc + dd],
-    ]
-    return torch.stack([torch.stack(row, dim=-1) for row in rows], dim=-2)
 
 
 def rot_to_quat(rot: torch.Tensor) -> torch.Tensor:
@@ -107,21 +64,6 @@ def quat_multiply(quat1: torch.Tensor, quat2: torch.Tensor) -> torch.Tensor:
             a1 * b2 + b1 * a2 + c1 * d2 - d1 * c2,
             a1 * c2 - b1 * d2 + c1 * a2 + d1 * b2,
             a1 * d2 + b1 * c2 - c1 * b2 + d1 * a2,
-        ],
-        dim=-1,
-    )
-
-
-def quat_multiply_by_vec(quat: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
-    """Hamilton product ``quat * (0, vec)`` with a pure-vector quaternion ``vec`` ``[*, 3]``."""
-    a, b, c, d = torch.unbind(quat, dim=-1)
-    x, y, z = torch.unbind(vec, dim=-1)
-    return torch.stack(
-        [
-            -b * x - c * y - d * z,
-            a * x + c * z - d * y,
-            a * y - b * z + d * x,
-            a * z + b * y - c * x,
         ],
         dim=-1,
     )

@@ -26,13 +26,9 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from scalefold.model.all_atom import (
-    frames_and_literature_positions_to_atom14_pos,
-    rigid_group_constants,
-    torsion_angles_to_frames,
-)
+from scalefold.kernels import elementwise
+from scalefold.model.all_atom import RigidGroupConstants, rigid_group_constants
 from scalefold.model.config import StructureModuleConfig
 from scalefold.model.primitives import LayerNorm, Linear
 from scalefold.model.rigid import Rigid, Rotation
@@ -93,10 +89,8 @@ class InvariantPointAttention(nn.Module):
         The projection's output is laid out as [all x | all y | all z].
         Returns ``[*, N_res, H, num_points, 3]``.
         """
-        pts = linear(s)
-        # [*, N_res, H * P * 3] -> [*, N_res, H * P, 3]
-        pts = torch.stack(torch.split(pts, pts.shape[-1] // 3, dim=-1), dim=-1)
-        pts = r[..., None].apply(pts)
+        # [*, N_res, H * P * 3] -> [*, N_res, H * P, 3], global (one compiled chain under --compile)
+        pts = elementwise.chain("ipa_points")(linear(s), r.get_rots().get_cur_rot(), r.get_trans())
         return pts.view(pts.shape[:-2] + (self.num_heads, num_points, 3))
 
     def forward(self, s: torch.Tensor, z: torch.Tensor, r: Rigid, mask: torch.Tensor) -> torch.Tensor:
@@ -117,37 +111,21 @@ class InvariantPointAttention(nn.Module):
 
         b = self.linear_b(z)  # [*, N_res, N_res, H]
 
-        # Scalar term + pair bias, [*, H, N_res, N_res].
+        # Scalar term + pair bias + point term (softplus head weights) + mask, softmax: [*, H, N_res, N_res].
         a = torch.matmul(q.movedim(-3, -2), k.movedim(-3, -1))
-        a = a * math.sqrt(1.0 / (3 * C))
-        a = a + math.sqrt(1.0 / 3) * b.movedim(-1, -3)
-
-        # Point term: -gamma_h * w_C / 2 * sum_p |q_pts_i - k_pts_j|^2.
-        pt_att = q_pts.unsqueeze(-4) - k_pts.unsqueeze(-5)  # [*, N_res, N_res, H, P_qk, 3]
-        pt_att = sum(torch.unbind(pt_att**2, dim=-1))  # [*, N_res, N_res, H, P_qk]
-        head_weights = F.softplus(self.head_weights).view((1,) * (pt_att.ndim - 2) + (H, 1))
-        head_weights = head_weights * math.sqrt(1.0 / (3 * (self.num_qk_points * 9.0 / 2)))
-        pt_att = -0.5 * torch.sum(pt_att * head_weights, dim=-1)  # [*, N_res, N_res, H]
-
-        square_mask = (mask.unsqueeze(-1) * mask.unsqueeze(-2) - 1.0) * self.inf  # [*, N_res, N_res]
-
-        a = a + pt_att.movedim(-1, -3)
-        a = a + square_mask.unsqueeze(-3)
-        a = torch.softmax(a, dim=-1)  # [*, H, N_res, N_res]
+        scale_pt = math.sqrt(1.0 / (3 * (self.num_qk_points * 9.0 / 2)))
+        a = elementwise.chain("ipa_logits")(
+            a, b, q_pts, k_pts, self.head_weights, mask, math.sqrt(1.0 / (3 * C)), scale_pt, self.inf
+        )
 
         # Attended scalars: [*, N_res, H * C].
         o = torch.matmul(a, v.transpose(-2, -3)).transpose(-2, -3)
         o = o.reshape(o.shape[:-2] + (H * C,))
 
-        # Attended points, back in the local frame: [*, N_res, H, P_v, 3].
-        o_pt = torch.sum(
-            a.unsqueeze(-3).unsqueeze(-1)  # [*, H, 1, N_res, N_res, 1]
-            * v_pts.swapdims(-4, -3).movedim(-1, -3).unsqueeze(-3),  # [*, H, 3, 1, N_res, P_v]
-            dim=-2,
-        )  # [*, H, 3, N_res, P_v]
-        o_pt = o_pt.movedim(-3, -1).swapdims(-3, -4)
-        o_pt = r[..., None, None].invert_apply(o_pt)
-        o_pt_norm = torch.sqrt(torch.sum(o_pt**2, dim=-1) + self.eps)
+        # Attended points, back in the local frame: [*, N_res, H, P_v, 3], and their norms.
+        o_pt, o_pt_norm = elementwise.chain("ipa_attended_points")(
+            a, v_pts, r.get_rots().get_cur_rot(), r.get_trans(), self.eps
+        )
         o_pt_norm = o_pt_norm.reshape(o_pt_norm.shape[:-2] + (H * self.num_v_points,))
         o_pt = o_pt.reshape(o_pt.shape[:-3] + (H * self.num_v_points, 3))
 
@@ -314,39 +292,46 @@ class StructureModule(nn.Module):
 
         outputs: list[dict[str, torch.Tensor]] = []
         for _ in range(self.num_blocks):
-            s = s + self.ipa(s, z, rigids, mask)
-            s = self.ipa_dropout(s)
-            s = self.layer_norm_ipa(s)
-            s = self.transition(s)  # [B, N, c_s]
-
-            rigids = rigids.compose_q_update_vec(self.bb_update(s))
-
-            # Side chains use rotation matrices (as AlphaFold does) and Angstrom.
-            backb_to_global = Rigid(Rotation(rot_mats=rigids.get_rots().get_rot_mats()), rigids.get_trans())
-            backb_to_global = backb_to_global.scale_translation(self.scale_factor)
-
-            unnormalized_angles, angles = self.angle_resnet(s, s_initial)  # [B, N, 7, 2] each
-            all_frames_to_global = torsion_angles_to_frames(backb_to_global, angles, aatype, consts.default_frames)
-            pred_xyz = frames_and_literature_positions_to_atom14_pos(
-                all_frames_to_global, aatype, consts.group_idx, consts.atom_mask, consts.lit_positions
-            )  # [B, N, 14, 3]
-
-            outputs.append(
-                {
-                    "sm_frames": rigids.scale_translation(self.scale_factor).to_tensor_7(),
-                    "sm_sidechain_frames": all_frames_to_global.to_tensor_4x4(),
-                    "sm_unnormalized_angles": unnormalized_angles,
-                    "sm_angles": angles,
-                    "sm_positions": pred_xyz,
-                    "sm_states": s,
-                }
-            )
-            # No gradient flows through the rotations into the next block (Alg. 20, line 20).
-            rigids = rigids.stop_rot_gradient()
+            s, rigids, out = self._block(s, z, mask, aatype, s_initial, rigids, consts)
+            outputs.append(out)
 
         stacked = {key: torch.stack([out[key] for out in outputs], dim=1) for key in outputs[0]}
         stacked["sm_single"] = s
         return stacked
+
+
+    def _block(self, s: torch.Tensor, z: torch.Tensor, mask: torch.Tensor, aatype: torch.Tensor,
+               s_initial: torch.Tensor, rigids: Rigid, consts: RigidGroupConstants):  # fmt: skip
+        """One iteration of Alg. 20 -> ``(s, frames for the next one, this one's outputs)``. Its geometry
+        runs as three elementwise chains (:mod:`scalefold.kernels.geometry`; plain PyTorch unless compiled):
+        the backbone update, the side chains (Alg. 24) and the frame outputs."""
+        s = s + self.ipa(s, z, rigids, mask)
+        s = self.ipa_dropout(s)
+        s = self.layer_norm_ipa(s)
+        s = self.transition(s)  # [B, N, c_s]
+
+        # New frames (quaternions, nm) and the side chains' backbone frames (rotation matrices, Angstrom).
+        update = self.bb_update(s)
+        quats, trans, backb_rots, backb_trans = elementwise.chain("backbone_update")(
+            rigids.get_rots().get_quats(), rigids.get_trans(), update, self.scale_factor
+        )
+        unnormalized_angles, angles = self.angle_resnet(s, s_initial)  # [B, N, 7, 2] each
+        group_rots, group_trans, pred_xyz = elementwise.chain("sidechain_frames")(
+            backb_rots, backb_trans, angles, aatype, *consts
+        )  # [B, N, 8, 3, 3], [B, N, 8, 3], [B, N, 14, 3]
+        frames, sidechain_frames = elementwise.chain("structure_outputs")(
+            quats, trans, group_rots, group_trans, self.scale_factor
+        )
+        out = {
+            "sm_frames": frames,
+            "sm_sidechain_frames": sidechain_frames,
+            "sm_unnormalized_angles": unnormalized_angles,
+            "sm_angles": angles,
+            "sm_positions": pred_xyz,
+            "sm_states": s,
+        }
+        # No gradient flows through the rotations into the next block (Alg. 20, line 20).
+        return s, Rigid(Rotation(quats=quats.detach(), normalize_quats=False), trans), out
 
 
 __all__ = [

@@ -314,25 +314,28 @@ class OpCounter(TorchDispatchMode):
         FLOPs but no launches and no bytes."""
         self._chain_stack.append(torch._C._autograd._get_sequence_nr())
 
-    def chain_finished(self, name: str, args: tuple, out: torch.Tensor) -> None:
-        """The chain returned: one launch reading its distinct inputs and writing its output; where it ran
-        with grad, its backward is one launch too, reading the output's gradient and the inputs, writing
+    def chain_finished(self, name: str, args: tuple, out: Any) -> None:
+        """The chain returned (``out``: a tensor, or a tuple / pytree of them): one launch reading its distinct
+        inputs and writing all its outputs; where it ran with grad (any output requires grad), its backward
+        is one launch too, reading the gradients of the outputs that require grad and the inputs, writing
         the gradients of the inputs that need one."""
         start = self._chain_stack.pop()
         if self._chain_stack:
             return
         inputs = list({id(t): t for t in args if isinstance(t, torch.Tensor)}.values())
-        read, written = sum(_nbytes(t) for t in inputs), _nbytes(out)
+        outputs = list({id(t): t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}.values())
+        read, written = sum(_nbytes(t) for t in inputs), sum(_nbytes(t) for t in outputs)
         category, module = self.where()
         counts = self.counts[category, module]
         counts[4], counts[5], counts[LAUNCHES] = counts[4] + read, counts[5] + written, counts[LAUNCHES] + 1
         self._launch(category, module, f"chain:{name}", (0, 0, 0, read + written, 1))
         end = torch._C._autograd._get_sequence_nr()
-        if end > start and out.requires_grad:
+        out_grads = sum(_nbytes(t) for t in outputs if t.requires_grad)
+        if end > start and any(t.requires_grad for t in outputs):
             grads = sum(_nbytes(t) for t in inputs if t.requires_grad)
             self._chain_starts.append(start)
             self._chain_ends.append(end)
-            self._chain_backward.append((name, written + read, grads))
+            self._chain_backward.append((name, out_grads + read, grads))
 
     def _chain_backward_op(self, category: str, module: str) -> bool:
         """Whether the backward operator issued now belongs to a compiled chain's backward (charging that

@@ -87,3 +87,58 @@ def test_an_evoformer_block_with_compiled_chains_launches_less_for_the_same_flop
     assert sum(calls * sum(sig[:3]) for prof in fused.profile.values() for sig, calls in prof.items()) == sum(
         _total(fused, i) for i in MM
     )
+
+
+def _backbone_update(record: bool) -> OpCounter:
+    quats = torch.nn.functional.normalize(torch.randn(2, 5, 4), dim=-1)
+    trans, update = torch.randn(2, 5, 3, requires_grad=True), torch.randn(2, 5, 6, requires_grad=True)
+    grads = [torch.randn(2, 5, *shape) for shape in ((4,), (3,), (3, 3), (3,))]
+    with OpCounter({}) as counter:
+        ctx = elementwise.recording(counter.chain_started, counter.chain_finished) if record else elementwise.mode(None)
+        with ctx:
+            outs = elementwise.chain("backbone_update")(quats, trans, update, 10.0)
+        torch.autograd.backward(outs, grads)
+    return counter
+
+
+def test_a_chain_with_several_outputs_is_one_launch_each_way_writing_them_all():
+    eager, fused = _backbone_update(False), _backbone_update(True)
+    assert fused.ops["forward", "chain:backbone_update"] == 1
+    assert fused.ops["backward", "chain:backbone_update_backward"] == 1
+    # besides the chain, only the autograd engine's accumulation of a leaf's gradient
+    assert {op for _, op in fused.ops if not op.startswith("chain:")} <= {"copy_"}
+    assert _total(fused, LAUNCHES) < _total(eager, LAUNCHES)
+    # forward: quats, trans, update read; new quats [4], trans [3], rotation matrices [9], scaled trans [3]
+    # written. Backward: the 4 outputs' gradients and the inputs read, trans's and update's gradients written
+    rows = 2 * 5 * 4
+    inputs, outputs, grads = rows * (4 + 3 + 6), rows * (4 + 3 + 9 + 3), rows * (3 + 6)
+    assert fused.profile["forward", "<step>"] == {(0, 0, 0, inputs + outputs, 1): 1}
+    assert fused.profile["backward", "<step>"][(0, 0, 0, outputs + inputs + grads, 1)] == 1
+
+
+def _structure_module(record: bool) -> OpCounter:
+    from scalefold.model.structure_module import StructureModule
+
+    cfg = AlphaFoldConfig.from_preset("tiny").structure_module_config
+    torch.manual_seed(0)
+    module = StructureModule(cfg)
+    s, z = torch.randn(1, 7, cfg.c_s, requires_grad=True), torch.randn(1, 7, 7, cfg.c_z, requires_grad=True)
+    mask, aatype = torch.ones(1, 7), torch.randint(0, 21, (1, 7))
+    with OpCounter({"structure_module": module}) as counter:
+        ctx = elementwise.recording(counter.chain_started, counter.chain_finished) if record else elementwise.mode(None)
+        with ctx:
+            out = module(s, z, mask, aatype)
+        sum(v.sum() for v in out.values()).backward()
+    return counter
+
+
+def test_the_structure_module_with_compiled_geometry_launches_a_fraction():
+    """The side chains, frame updates and IPA's point work: hundreds of small kernels per block iteration
+    eagerly, a handful of chains compiled (the Linear layers and IPA's matmuls remain)."""
+    eager, fused = _structure_module(False), _structure_module(True)
+    for i in MM:
+        assert _total(fused, i) == _total(eager, i)
+    assert _total(fused, 3) == _total(eager, 3)  # the same elementwise arithmetic
+    assert _total(fused, LAUNCHES) * 5 < _total(eager, LAUNCHES)
+    chains = {op for _, op in fused.ops if op.startswith("chain:")}
+    assert {f"chain:{name}" for name in elementwise.GEOMETRY_CHAINS} <= chains
