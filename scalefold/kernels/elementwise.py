@@ -3,7 +3,11 @@
 Between its matmuls the model runs short chains of elementwise ops over its largest tensors: the
 attention logits' glue (``softmax(a + (mask - 1) * inf + bias)``), the sigmoid gates
 (``x * sigmoid(g)``, ``sigmoid(g) * mask * p``) and the dropout + residual adds (``x + u * mask``). Eager PyTorch reads and writes the whole tensor
-once per op; one compiled function per chain reads its inputs once and writes once. On a GPU these
+once per op; one compiled function per chain reads its inputs once and writes once. The structure module's
+geometry (:data:`GEOMETRY_CHAINS`, :mod:`scalefold.kernels.geometry`: frames composed, side chains placed, IPA's
+points and logits) is the other kind: tiny ``[N_res]`` tensors in fp32, hundreds of kernels per iteration eagerly,
+so bound by launches, not bytes; compiled, each chain is one kernel (two or three where inductor splits its
+reductions: IPA's logits, the attended points) each way. On a GPU these
 chains are bound by memory bandwidth (and by the host launching one kernel per op), so fusing them is
 where ``torch.compile`` pays -- and, being small graphs of a few ops, they compile in seconds, unlike
 the whole block stacks and the loss (NVIDIA's MLPerf code compiles such small functions too).

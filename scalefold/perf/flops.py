@@ -153,6 +153,8 @@ def _op_info(func: Any) -> _OpInfo:
     aliasing = bool(schema.returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
     metadata = not written and not any("Tensor" in str(r.type) for r in schema.returns)  # t.device, sizes, ...
     matrix, recomputed = flop_registry.get(func.overloadpacket), None
+    if namespace == "aten" and name == "_addmm_activation":  # addmm with cuBLASLt's activation epilogue
+        matrix = flop_registry[torch.ops.aten.addmm]
     if namespace == "scalefold" and name in _ATTENTION_PRODUCTS:
         matrix, recomputed = _attention_formula(name), _attention_formula(name, recomputed=True)
     tags = set(func.tags)

@@ -8,7 +8,7 @@ import torch
 from scalefold import kernels
 from scalefold.kernels import fused_linear
 from scalefold.model.transitions import PairTransition
-from scalefold.perf.flops import OpCounter
+from scalefold.perf.flops import MM, OpCounter
 
 
 def _grads(fn, *inputs: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -45,10 +45,13 @@ def test_the_transition_launches_one_kernel_less_on_the_fast_path(monkeypatch):
     t = PairTransition(c_z=8, n=4)
     z = torch.randn(1, 5, 5, 8)
 
+    flops: dict[str, int] = {}
+
     def count(path: str) -> tuple[dict, torch.Tensor]:
         monkeypatch.setenv("SCALEFOLD_KERNELS", path)
         with OpCounter({"": t}) as counter:
             out = t(z)
+        flops[path] = sum(sum(v[i] for i in MM) for v in counter.counts.values())
         return {op: k for (_, op), k in counter.ops.items()}, out
 
     torch_ops, ref = count("torch")
@@ -58,4 +61,5 @@ def test_the_transition_launches_one_kernel_less_on_the_fast_path(monkeypatch):
     fast_ops, out = count("triton")
     assert torch_ops.get("relu") == 1 and "relu" not in fast_ops and fast_ops.get("_addmm_activation") == 1
     assert sum(fast_ops.values()) == sum(torch_ops.values()) - 1
+    assert flops["triton"] == flops["torch"] == 2 * 25 * 8 * 32 + 2 * 25 * 32 * 8  # the epilogue's product is addmm's
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
