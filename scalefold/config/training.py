@@ -139,7 +139,8 @@ class TrainConfig:
                                       help="parallel Evoformer (the outer product mean at the end of the block)")
     # torch.compile of the model's elementwise chains (or of whole regions; eager fallback when compilation fails)
     compile: bool = option(False, cli=True, help="torch.compile the model's memory-bound elementwise chains "
-                           "(attention's softmax glue and gates, triangle gates, dropout + residual adds; --compile-regions)")
+                           "(attention's softmax glue and gates, triangle gates, dropout + residual adds, on a GPU also the structure "
+                           "module's geometry; --compile-regions)")
     compile_regions: str = option("elementwise", cli=True, help="with --compile: comma-separated regions "
                                   "(elementwise, the default; or evoformer_stack, extra_msa_stack, template_pair_stack, "
                                   "structure_module, loss: whole blocks, slow to compile)")
