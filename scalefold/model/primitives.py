@@ -211,6 +211,14 @@ class Linear(nn.Linear):
         return F.linear(x, *self.params(x.device.type))
 
 
+class LinearReLU(Linear):
+    """``relu(Linear(x))`` through :func:`scalefold.kernels.linear_relu`: on the fast path one product with the ReLU
+    applied by its epilogue, else the two eager kernels (the same parameters and names as a ``Linear``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear_relu(x, *self.params(x.device.type))
+
+
 class LayerNorm(nn.Module):
     """LayerNorm over the last dimension, dispatched through :func:`scalefold.kernels.layer_norm`."""
 
@@ -279,4 +287,4 @@ class Attention(nn.Module):
         return self.linear_o(o)
 
 
-__all__ = ["Linear", "LayerNorm", "Attention", "TRUNCATED_NORMAL_STDDEV_FACTOR", "WeightCasts"]
+__all__ = ["Linear", "LinearReLU", "LayerNorm", "Attention", "TRUNCATED_NORMAL_STDDEV_FACTOR", "WeightCasts"]

@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from scalefold import kernels
-from scalefold.model.primitives import LayerNorm, Linear
+from scalefold.model.primitives import LayerNorm, Linear, LinearReLU
 
 
 class Transition(nn.Module):
@@ -21,13 +20,13 @@ class Transition(nn.Module):
     def __init__(self, c: int, n: int) -> None:
         super().__init__()
         self.layer_norm = LayerNorm(c)
-        self.linear_1 = Linear(c, n * c, bias=True, init="relu")
+        self.linear_1 = LinearReLU(c, n * c, bias=True, init="relu")
         self.linear_2 = Linear(n * c, c, bias=True, init="final")
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` ``[*, c]`` -> update ``[*, c]``; ``mask`` is ignored (reference semantics)."""
         x = self.layer_norm(x)
-        x = kernels.linear_relu(x, *self.linear_1.params(x.device.type))  # the ReLU in the product's epilogue
+        x = self.linear_1(x)  # with its ReLU (in the product's epilogue on the fast path)
         # x: [*, n * c]
         return self.linear_2(x)
 

@@ -495,8 +495,7 @@ def estimate_memory(
     tracker = StorageTracker(block=CUDA_BLOCK_BYTES if target == "cuda" else 1,
                              cuda_autocast=target == "cuda" and cfg.precision == "bf16", origins=origins,
                              sites=sites)  # fmt: skip
-    paths = device_path.as_cuda() if target == "cuda" else contextlib.nullcontext()  # dropout, optimizer: the GPU's
-    with fake_process_group(cfg.dap), scoped_env("SCALEFOLD_KERNELS", kernels), paths, warnings.catch_warnings(), mode:
+    with fake_process_group(cfg.dap), scoped_env("SCALEFOLD_KERNELS", kernels), _code_paths(target), warnings.catch_warnings(), mode:
         warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")  # the optimizer's view check
         _wrap_parallel(cfg, model, model_cfg)
         step = TrainingStep.build(cfg, "cpu", model=model, batch=batch)
@@ -526,6 +525,12 @@ def estimate_memory(
         sites=tracker.sites.at_peak(SITES_KEPT) if tracker.sites is not None else {}, settings=settings,
         seconds=time.perf_counter() - t0,
     )  # fmt: skip
+
+
+def _code_paths(target: str) -> contextlib.AbstractContextManager:
+    """For a CUDA target, the places that choose their code by device (dropout, the optimizer's chunks, the gradient
+    norm) take the GPU's path on the fake step's CPU tensors (:mod:`scalefold.kernels.device_path`)."""
+    return device_path.as_cuda() if target == "cuda" else contextlib.nullcontext()
 
 
 def _build_constant_tables() -> None:
