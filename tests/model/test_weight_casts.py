@@ -65,7 +65,7 @@ def test_weight_casts_not_used_outside_the_models_forward():
     torch.manual_seed(0)
     model = AlphaFold(AlphaFoldConfig.from_preset("tiny")).eval()
     batch = make_synthetic_batch(N_RES, N_CLUST, N_EXTRA, N_TEMPL, num_recycling_iters=0, seed=1)
-    lin = model.evoformer_stack.blocks[0].core.msa_transition.linear_1
+    lin = model.evoformer_stack.blocks[0].core.msa_transition.linear_2  # (linear_1 applies its ReLU)
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
         model(batch)
         lin.weight.data.mul_(2.0)  # through .data: no version bump
