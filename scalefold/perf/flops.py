@@ -96,6 +96,12 @@ _NO_TRAFFIC = frozenset({
     "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_local_scalar_dense", "lift_fresh",
     "_unsafe_view", "set_", "resize_", "record_stream",
 })  # fmt: skip
+#: torch's ``reduction`` operator tag (torch >= 2.7); before it, the reductions the model runs by name
+_REDUCTION_TAG = getattr(torch.Tag, "reduction", None)
+_REDUCTIONS = frozenset({
+    "sum", "mean", "amax", "amin", "max", "min", "prod", "norm", "linalg_vector_norm", "var", "std", "var_mean",
+    "std_mean", "logsumexp", "all", "any", "argmax", "argmin",
+})  # fmt: skip
 _MOVES = frozenset({"clone", "_to_copy", "copy_", "copy", "fill_", "fill", "zero_", "zeros_like", "lift_fresh_copy"})
 _NORMS = frozenset({
     "_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data", "native_layer_norm",
@@ -162,7 +168,8 @@ def _op_info(func: Any) -> _OpInfo:
         skip=namespace in _UNCOUNTED_NAMESPACES, view=aliasing or metadata or name in _NO_TRAFFIC, matrix=matrix,
         recomputed=recomputed if recomputed is not None and _ATTENTION_PRODUCTS[name][1] else None,
         pointwise=torch.Tag.pointwise in tags and name not in _MOVES,
-        reduction=torch.Tag.reduction in tags or name in _NORMS, written_args=written, write_only=write_only,
+        reduction=(_REDUCTION_TAG in tags if _REDUCTION_TAG is not None else name in _REDUCTIONS) or name in _NORMS,
+        written_args=written, write_only=write_only,
     )  # fmt: skip
 
 
