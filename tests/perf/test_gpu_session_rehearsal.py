@@ -76,7 +76,8 @@ def test_whole_step_graphs_plan_per_card(card):
     lines, total = hp.plan_lines(card, list(hp.CONFIGS), 1, 465, trace=True)
     started = [line.split()[0] for line in lines if "skipped" not in line]
     assert started[:3] == ["eager", "all", "graphs-step"] and "cuda_graphs=step" in lines[2] and total <= 465
-    assert ("graphs" in started) == (card == "h200") and "compile" not in started  # H100: graphs, compile skipped
+    # the rest skipped for time on both cards: "all" compiles the ten default chains cold (geometry included)
+    assert started == ["eager", "all", "graphs-step"]
 
 
 def test_window_plan_fits_fifteen_minutes(capsys):
