@@ -48,7 +48,7 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from scalefold.kernels import elementwise, reference  # noqa: E402
+from scalefold.kernels import elementwise, fused_linear, reference  # noqa: E402
 
 _BACKENDS = ("auto", "triton", "torch")
 
@@ -330,8 +330,6 @@ def _adam_swa_compiled(param, grad, exp_avg, exp_avg_sq, swa, compute, *, lr, st
 def linear_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """``relu(F.linear(x, weight, bias))``: on the fast path one product with cuBLASLt's ReLU epilogue
     (:mod:`scalefold.kernels.fused_linear`), else the two eager kernels."""
-    from scalefold.kernels import fused_linear
-
     if resolve_backend(backend, x, weight, bias) == "triton":
         return fused_linear.linear_relu(x, weight, bias)
     return fused_linear.linear_relu_reference(x, weight, bias)

@@ -299,7 +299,6 @@ class StructureModule(nn.Module):
         stacked["sm_single"] = s
         return stacked
 
-
     def _block(self, s: torch.Tensor, z: torch.Tensor, mask: torch.Tensor, aatype: torch.Tensor,
                s_initial: torch.Tensor, rigids: Rigid, consts: RigidGroupConstants):  # fmt: skip
         """One iteration of Alg. 20 -> ``(s, frames for the next one, this one's outputs)``. Its geometry
