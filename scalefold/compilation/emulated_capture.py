@@ -38,7 +38,10 @@ operation in a step and sees it reported at its line.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib
+import os
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -47,12 +50,26 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from scalefold.compilation import capture_rules as rules
 
 _HERE = frozenset({Path(__file__).resolve()})
-_SLOT, _CONST = 0, 1
+_MACHINERY = _HERE | {Path(rules.__file__).resolve(), Path(__file__).resolve().with_name("graphed_step.py"),
+                      Path(__file__).resolve().with_name("cuda_graphs.py")}  # fmt: skip
+_LIBRARIES = (Path(os.__file__).resolve().parent, Path(torch.__file__).resolve().parent)
+
+
+def _site() -> str:
+    """``path:line (function)`` of the innermost frame of the caller's own code (ScaleFold, a test, a
+    script: not torch, not the standard library, not this capture machinery) -- the line to change."""
+    for frame in reversed(traceback.extract_stack()):
+        path = Path(frame.filename).resolve()
+        if path in _MACHINERY or "site-packages" in path.parts or any(path.is_relative_to(d) for d in _LIBRARIES):
+            continue
+        package = Path(__file__).resolve().parents[2]
+        shown = path.relative_to(package) if path.is_relative_to(package) else path
+        return f"{shown.as_posix()}:{frame.lineno} ({frame.name})"
+    return ""
 
 
 class CaptureRefused(RuntimeError):
@@ -67,7 +84,7 @@ _survey: list[list[tuple[str, str]]] = []  # record(..., survey=...): refusals l
 
 
 def _refuse(what: str) -> None:
-    where = rules.format_site(rules.site(_HERE))
+    where = _site()
     if _survey:
         if (what, where) not in _survey[-1]:
             _survey[-1].append((what, where))
@@ -90,8 +107,8 @@ _WHAT = {
 
 
 def _signature(t: torch.Tensor) -> tuple:
-    """What makes two tensor objects the same memory to a graph: storage, offset, shape, stride, dtype."""
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
+    """What makes two tensor objects the same memory to a graph: address, dtype, shape, stride."""
+    return (t.data_ptr(), t.dtype, t.shape, t.stride())
 
 
 class _Recorder(TorchDispatchMode):
@@ -99,7 +116,7 @@ class _Recorder(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.nodes: list[tuple[Any, Any, list[tuple[int, Any]], list[int | None]]] = []
+        self.nodes: list[tuple[Any, tuple[list, dict], list[tuple], Any]] = []  # op, arguments, fills, outputs
         self.slots: dict[tuple, int] = {}
         self.values: list[torch.Tensor] = []  # every recorded output, alive until the capture ends
         self.cpu_only_depth = 0
@@ -116,25 +133,41 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if kind is not None:  # a CPU-only read: its value decides nothing a replay computes
             return out
-        leaves, spec = tree_flatten((args, kwargs))
-        refs: list[tuple[int, Any]] = []
-        for x in leaves:
-            if isinstance(x, torch.Tensor):
-                slot = self.slots.get(_signature(x))
-                refs.append((_SLOT, slot) if slot is not None else (_CONST, x))
-            else:
-                refs.append((_CONST, x))
-        out_leaves, _ = tree_flatten(out)
-        out_slots: list[int | None] = []
-        for y in out_leaves:
-            if isinstance(y, torch.Tensor):
-                self.slots[_signature(y)] = len(self.values)
-                out_slots.append(len(self.values))
-                self.values.append(y)
-            else:
-                out_slots.append(None)
-        self.nodes.append((func, spec, refs, out_slots))
+        template, subs = self._template(args, kwargs)
+        out_slots: list[int | None] | int | None = [self._new_slot(y) for y in out] if isinstance(out, (tuple, list)) \
+            else self._new_slot(out)  # fmt: skip
+        self.nodes.append((func, template, subs, out_slots))
         return out
+
+    def _new_slot(self, y: Any) -> int | None:
+        if not isinstance(y, torch.Tensor):
+            return None
+        self.slots[_signature(y)] = len(self.values)
+        self.values.append(y)
+        return len(self.values) - 1
+
+    def _ref(self, x: Any) -> int | None:
+        return self.slots.get(_signature(x)) if isinstance(x, torch.Tensor) else None
+
+    def _template(self, args: tuple, kwargs: dict) -> tuple[tuple[list, dict], list[tuple]]:
+        """The call's arguments with each recorded tensor's place noted: ``(args, kwargs)`` holding the
+        constants and literals, and ``(container, key, slot)`` / ``(container, key, index, slot)`` (a tensor
+        list) for the places a replay fills with that slot's tensor."""
+        template = (list(args), dict(kwargs))
+        subs: list[tuple] = []
+        for container, keys in ((0, range(len(args))), (1, list(kwargs))):
+            values = template[container]
+            for key in keys:
+                x = values[key]
+                slot = self._ref(x)
+                if slot is not None:
+                    subs.append((container, key, slot))
+                elif isinstance(x, (list, tuple)):
+                    for i, y in enumerate(x):
+                        inner = self._ref(y)
+                        if inner is not None:
+                            subs.append((container, key, i, inner))
+        return template, subs
 
 
 class _HostCalls(TorchFunctionMode):
@@ -238,11 +271,10 @@ class EmulatedGraph:
     def _last_uses(self) -> list[list[int]]:
         """Per node, the slots whose last reader it is (freed after it runs); the outputs are kept."""
         last: dict[int, int] = {}
-        for i, (_, _, refs, outs) in enumerate(self.nodes):
-            for kind, v in refs:
-                if kind == _SLOT:
-                    last[v] = i
-            for s in outs:
+        for i, (_, _, subs, outs) in enumerate(self.nodes):
+            for sub in subs:
+                last[sub[-1]] = i
+            for s in outs if isinstance(outs, list) else (outs,):
                 if s is not None:
                     last.setdefault(s, i)
         keep = {s for s in self._out_slots if s is not None}
@@ -252,17 +284,36 @@ class EmulatedGraph:
                 free[i].append(slot)
         return free
 
-    @torch.no_grad()
     def replay(self) -> Any:
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return self._replay()
+        finally:
+            if collecting:
+                gc.enable()
+
+    @torch.no_grad()
+    def _replay(self) -> Any:
         env: list[Any] = [None] * self.num_slots
-        for (func, spec, refs, outs), free in zip(self.nodes, self._free_after):
-            leaves = [env[v] if kind == _SLOT else v for kind, v in refs]
-            args, kwargs = tree_unflatten(leaves, spec)
+        for (func, (args, kwargs), subs, outs), free in zip(self.nodes, self._free_after):
+            if subs:
+                call = (list(args), dict(kwargs))
+                for sub in subs:
+                    if len(sub) == 3:
+                        call[sub[0]][sub[1]] = env[sub[2]]
+                    else:
+                        container, key, i, slot = sub
+                        seq = call[container][key]
+                        if not isinstance(seq, list):
+                            seq = call[container][key] = list(seq)
+                        seq[i] = env[slot]
+                args, kwargs = call
             out = func(*args, **kwargs)
-            if len(outs) == 1 and outs[0] is not None:
-                env[outs[0]] = out
-            elif outs:
-                for slot, y in zip(outs, tree_flatten(out)[0]):
+            if outs.__class__ is int:
+                env[outs] = out
+            elif outs is not None:
+                for slot, y in zip(outs, out):
                     if slot is not None:
                         env[slot] = y
             for slot in free:
@@ -280,13 +331,17 @@ def record(fn: Callable[..., Any], *args: Any, survey: list[tuple[str, str]] | N
     recorder = _Recorder()
     if survey is not None:
         _survey.append(survey)
+    collecting = gc.isenabled()
+    gc.disable()  # tens of thousands of recorded operators: the cyclic collector would rescan them all, often
     try:
         with _refused_calls(), _HostCalls(recorder), recorder:
             output = fn(*args)
+        return EmulatedGraph(recorder, output)
     finally:
+        if collecting:
+            gc.enable()
         if survey is not None:
             _survey.pop()
-    return EmulatedGraph(recorder, output)
 
 
 class EmulatedGraphBackend:

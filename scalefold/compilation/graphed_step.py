@@ -143,6 +143,8 @@ def resolve_mode(mode: str, device_type: str, model_parallel: int = 1, backend_a
         raise ValueError(f"--cuda-graphs must be one of {MODES}, got {mode!r}")
     if mode == "off":
         return False, "--cuda-graphs off"
+    if emulated_capture(mode, device_type):  # the whole step's capture, emulated (its graphs are the CPU's)
+        graph_device_type, backend_available = "cpu", True
     if mode in STRICT_MODES and mode != "on":  # recycling / step: refused where graphs cannot be used, as on
         try:
             enabled, why = resolve_mode("on", device_type, model_parallel, backend_available, graph_device_type,
@@ -525,6 +527,7 @@ def resolve_step_mode(mode: str, device_type: str, model_parallel: int = 1, worl
     is refused (:class:`CudaGraphsUnavailable`) elsewhere, ``auto`` then falls back quietly."""
     if mode not in ("step", "auto"):
         return False, f"--cuda-graphs {mode}"
+    emulated = emulated_capture(mode, device_type)
     enabled, why = resolve_mode(mode, device_type, model_parallel, backend_available, graph_device_type, unsupported)
     if not enabled:
         return False, why
@@ -533,7 +536,7 @@ def resolve_step_mode(mode: str, device_type: str, model_parallel: int = 1, worl
             raise CudaGraphsUnavailable(f"--cuda-graphs step is not supported with {world_size} data-parallel ranks "
                                         f"({WHOLE_STEP_DDP}); use --cuda-graphs recycling or auto")  # fmt: skip
         return False, WHOLE_STEP_DDP
-    return True, f"--cuda-graphs {mode}: the whole step, CUDA, one rank"
+    return True, f"--cuda-graphs {mode}: the whole step, {'emulated on the CPU' if emulated else 'CUDA'}, one rank"
 
 
 @dataclass
