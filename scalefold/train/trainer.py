@@ -592,10 +592,10 @@ class Trainer:
                 print(time_to_train_line(self.clock, result), flush=True)
         result.timings = dict(self.timings)
         result.device_name = self.hooks.device_name
-        if self.device.type == "cuda":  # graphed / eager step counts (on CPU the forward is always eager)
+        if self.device.type == "cuda":  # graphed / eager step counts (on CPU the recycling passes are always eager)
             result.notes.append(self.forward.summary())
-            if getattr(self, "step_graphs", None) is not None:
-                result.notes.append(self.step_graphs.summary())
+        if getattr(self, "step_graphs", None) is not None and (self.device.type == "cuda" or self.step_graphs.emulated):
+            result.notes.append(self.step_graphs.summary())
         if getattr(self, "compiled", None) is not None:  # graph breaks / recompilations of the compiled regions
             result.notes.append(self.compiled.summary())
         if self.main and (aborted or eval_failure is not None):  # an aborted run gets its curves and breakdown too

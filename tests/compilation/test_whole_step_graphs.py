@@ -165,16 +165,16 @@ def test_a_failed_capture_a_wrong_gradient_or_a_baked_value_turns_graphs_off_in_
 
 def test_a_refused_operation_in_the_step_turns_graphs_off_naming_its_line(monkeypatch):
     """An ``.item()`` planted in the loss: the warm-up's capture refuses it, names the line, runs eagerly."""
-    from scalefold.losses import violations
+    from scalefold.losses import alphafold_loss
 
-    real = violations.find_structural_violations
+    real = alphafold_loss.find_structural_violations
 
     def planted(*args, **kwargs):
         out = real(*args, **kwargs)
         out["between_residues"]["clashes_mean_loss"].sum().item()  # planted host read
         return out
 
-    monkeypatch.setattr(violations, "find_structural_violations", planted)
+    monkeypatch.setattr(alphafold_loss, "find_structural_violations", planted)
     step = _step()
     lines = []
     graphs = WholeStepGraphs(step, backend=EmulatedGraphBackend(), warn=lines.append)
