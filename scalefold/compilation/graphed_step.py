@@ -588,6 +588,10 @@ class WholeStepGraphs:
         self.stats = WholeStepStats()
         self._graphs: dict[Hashable, _StepGraph] = {}
         self._missed: set[int] = set()
+        self._memory = _MemoryWatch(False)
+        #: ``figures()`` -> (graph pool, an eager step's transient peak, what is left beside them) in bytes, or
+        #: ``None`` (not measured: the CPU); default: the CUDA allocator's (tests plant their own)
+        self.memory_figures: Callable[[], tuple[int, int, int] | None] | None = None
 
     @property
     def active(self) -> bool:
@@ -643,6 +647,7 @@ class WholeStepGraphs:
         rng_devices = [aatype.device] if aatype.device.type == "cuda" else []
         t0 = time.perf_counter()
         state = self._save()
+        self._memory = _MemoryWatch(self.backend.device_type == "cuda" and torch.cuda.is_available())
         try:
             with torch.random.fork_rng(devices=rng_devices):
                 for n in counts:
@@ -659,6 +664,9 @@ class WholeStepGraphs:
                         self._turn_off(f"recycling count {n}: {problem}")
                         break
                     self._graphs[self._key(static, n)] = _StepGraph(static, replay)
+                problem = self._memory.problem(self.memory_figures) if self.enabled else None
+                if problem is not None:
+                    self._turn_off(problem)
         finally:
             self._restore(state, final=True)
         if self.enabled and self.log is not None:
@@ -705,7 +713,8 @@ class WholeStepGraphs:
         states. A wrong gradient (a scale, a stale buffer) or a Python value baked into the graph (the second
         step's rate, a host counter) shows in the second step if not the first."""
         runs = {}
-        for name, run in (("replay", replay), ("eager", lambda: self._compute(static))):
+        eager = self._memory.measured(lambda: self._compute(static))
+        for name, run in (("replay", replay), ("eager", eager)):
             self._restore(state)
             rows = []
             for i, batch in enumerate(batches):
@@ -794,6 +803,51 @@ def step_graph_backend(mode: str, device_type: str, backend: GraphBackend | None
     if backend is not None:
         return backend, backend.is_available(), backend.device_type
     return None, torch.cuda.is_available(), "cuda"
+
+
+class _MemoryWatch:
+    """The memory whole-step graphs hold on a GPU: the pool the captures reserved (held for the run) and the
+    transient peak of an eager step (SWA's first update, a shape not captured, which run beside the pool),
+    against the card's memory. Graphs that leave no room for an eager step are turned off at warm-up."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.reserved_before = torch.cuda.memory_reserved() if cuda else 0
+        self.eager_transient = 0
+
+    def measured(self, run: Callable[[], Any]) -> Callable[[], Any]:
+        """``run`` with its transient peak above the memory it started from recorded (the largest seen)."""
+        if not self.cuda:
+            return run
+
+        def timed() -> Any:
+            start = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            out = run()
+            self.eager_transient = max(self.eager_transient, torch.cuda.max_memory_allocated() - start)
+            return out
+
+        return timed
+
+    def figures(self) -> tuple[int, int, int] | None:
+        if not self.cuda:
+            return None
+        free, _ = torch.cuda.mem_get_info()
+        pool = torch.cuda.memory_reserved() - self.reserved_before
+        unused_reserved = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        return pool, self.eager_transient, free + unused_reserved
+
+    def problem(self, planted: Callable[[], tuple[int, int, int] | None] | None = None) -> str | None:
+        figures = planted() if planted is not None else self.figures()
+        if figures is None:
+            return None
+        pool, eager, left = figures
+        if eager <= left:
+            return None
+        gib = 2**30
+        return (f"memory: the graphs' pool holds {pool / gib:.2f} GiB for the run and an eager step (SWA's first "
+                f"update, an uncaptured shape) needs {eager / gib:.2f} GiB beside it, {left / gib:.2f} GiB is left on "
+                "the card (use --activation-checkpointing on / auto, a larger --dap, or --cuda-graphs recycling)")  # fmt: skip
 
 
 def setup_step_graphs(

@@ -483,6 +483,7 @@ def estimate_memory(
         raise ValueError("estimate-memory models DAP; branch parallelism (--bp 2) is not modelled")
     if cuda_graphs is None:
         cuda_graphs = target == "cuda" and cfg.dap * cfg.bp == 1 and cfg.cuda_graphs != "off"
+    whole_step = bool(cuda_graphs) and target == "cuda" and cfg.dap * cfg.bp == 1 and cfg.cuda_graphs == "step"
     t0 = time.perf_counter()
     model_cfg = build_model_config(cfg)
     model = training_model(cfg, model_cfg, "cpu")  # real (small) initialisation; then swapped for fakes
@@ -512,12 +513,16 @@ def estimate_memory(
             step.run(n, phase=tracker.phase)
     by_cat, by_mod = tracker.breakdown()
     step_peak = tracker.peak
-    peak, pool = _with_graph_pool(tracker, bool(cuda_graphs and n > 0))
+    if whole_step:
+        peak, pool = _with_whole_step_pool(tracker, batch.values())
+    else:
+        peak, pool = _with_graph_pool(tracker, bool(cuda_graphs and n > 0))
     settings = {
         "preset": cfg.model_preset, "precision": cfg.precision, "crop": _crop(model_cfg), "dap": cfg.dap,
         "target": target, "kernels": kernels,
         "recycling_passes": n, "activation_checkpointing": policy_name(cfg.activation_checkpointing),
-        "checkpointed_blocks": model.checkpointed_blocks(), "cuda_graphs": bool(cuda_graphs),
+        "checkpointed_blocks": model.checkpointed_blocks(),
+        "cuda_graphs": ("step" if whole_step else "recycling") if cuda_graphs else False,
     }  # fmt: skip
     return MemoryEstimate(
         peak_bytes=int(peak), step_peak_bytes=int(step_peak), cuda_graph_pool_bytes=int(pool), breakdown=by_cat,
@@ -540,6 +545,22 @@ def _build_constant_tables() -> None:
 
     for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         rigid_group_constants(dtype, torch.device("cpu"))
+
+
+def _with_whole_step_pool(tracker: StorageTracker, batch: Any) -> tuple[int, int]:
+    """(peak, pool) with whole-step CUDA graphs (``--cuda-graphs step``, ``auto`` where it captures): the graphs'
+    one pool holds the step's whole transient peak (everything above the state at the forward's start) for the
+    run, the static batch buffers beside it, and an eager step -- SWA's first update, a shape not captured,
+    the evaluation's forward (no grad: less) -- needs its own transient peak outside the pool: the state, the
+    pool, the static batch and one more transient peak."""
+    base = tracker.phase_start["forward"]
+    transient = max(tracker.peak - base, 0)
+    static_batch = sum(_block(t.untyped_storage().nbytes(), tracker.block) for t in batch)
+    return tracker.peak + transient + static_batch, transient + static_batch
+
+
+def _block(nbytes: int, block: int) -> int:
+    return -(-nbytes // block) * block if block > 1 else nbytes
 
 
 def _with_graph_pool(tracker: StorageTracker, graphed: bool) -> tuple[int, int]:

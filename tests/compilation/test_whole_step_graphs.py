@@ -189,6 +189,24 @@ def test_a_failed_capture_a_wrong_gradient_or_a_baked_value_turns_graphs_off_in_
     assert graphs(step.sliced(0), 0) is None and graphs.stats.eager_off == 1
 
 
+def test_graphs_that_leave_no_room_for_an_eager_step_are_turned_off_with_the_figures():
+    """On a GPU the warm-up weighs the graphs' pool and an eager step's transient peak against what is left
+    on the card (planted figures here): graphs that would not fit are off for the run in one line."""
+    step = _step()
+    lines = []
+    graphs = WholeStepGraphs(step, backend=PlantedBackend(), warn=lines.append)
+    graphs.memory_figures = lambda: (10 * 2**30, 5 * 2**30, 2**30)
+    before = _state(step)
+    assert graphs.warm_up(step.batch, counts=[0]) == [] and not graphs.active
+    assert len(lines) == 1 and "pool holds 10.00 GiB" in lines[0] and "needs 5.00 GiB beside it" in lines[0], lines
+    assert "1.00 GiB is left" in lines[0]
+    for a, b in zip(before, _state(step)):
+        assert torch.equal(a, b)
+    fits = WholeStepGraphs(_step(), backend=PlantedBackend(), warn=pytest.fail)
+    fits.memory_figures = lambda: (10 * 2**30, 2**30, 2 * 2**30)
+    assert fits.warm_up(fits.step.batch, counts=[0]) == [0]
+
+
 def test_a_refused_operation_in_the_step_turns_graphs_off_naming_its_line(monkeypatch):
     """An ``.item()`` planted in the loss: the warm-up's capture refuses it, names the line, runs eagerly."""
     from scalefold.losses import alphafold_loss
