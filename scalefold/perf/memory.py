@@ -483,7 +483,6 @@ def estimate_memory(
         raise ValueError("estimate-memory models DAP; branch parallelism (--bp 2) is not modelled")
     if cuda_graphs is None:
         cuda_graphs = target == "cuda" and cfg.dap * cfg.bp == 1 and cfg.cuda_graphs != "off"
-    whole_step = bool(cuda_graphs) and target == "cuda" and cfg.dap * cfg.bp == 1 and cfg.cuda_graphs == "step"
     t0 = time.perf_counter()
     model_cfg = build_model_config(cfg)
     model = training_model(cfg, model_cfg, "cpu")  # real (small) initialisation; then swapped for fakes
@@ -513,16 +512,12 @@ def estimate_memory(
             step.run(n, phase=tracker.phase)
     by_cat, by_mod = tracker.breakdown()
     step_peak = tracker.peak
-    if whole_step:
-        peak, pool = _with_whole_step_pool(tracker, batch.values())
-    else:
-        peak, pool = _with_graph_pool(tracker, bool(cuda_graphs and n > 0))
+    peak, pool, graphs = _graph_peak(cfg, target, bool(cuda_graphs), tracker, batch.values(), n)
     settings = {
         "preset": cfg.model_preset, "precision": cfg.precision, "crop": _crop(model_cfg), "dap": cfg.dap,
         "target": target, "kernels": kernels,
         "recycling_passes": n, "activation_checkpointing": policy_name(cfg.activation_checkpointing),
-        "checkpointed_blocks": model.checkpointed_blocks(),
-        "cuda_graphs": ("step" if whole_step else "recycling") if cuda_graphs else False,
+        "checkpointed_blocks": model.checkpointed_blocks(), "cuda_graphs": graphs,
     }  # fmt: skip
     return MemoryEstimate(
         peak_bytes=int(peak), step_peak_bytes=int(step_peak), cuda_graph_pool_bytes=int(pool), breakdown=by_cat,
@@ -545,6 +540,17 @@ def _build_constant_tables() -> None:
 
     for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         rigid_group_constants(dtype, torch.device("cpu"))
+
+
+def _graph_peak(cfg: TrainConfig, target: str, cuda_graphs: bool, tracker: StorageTracker, batch: Any,
+                n: int) -> tuple[int, int, str | bool]:  # fmt: skip
+    """(peak, graph pool, which graphs: ``step`` / ``recycling`` / ``False``) of the tracked step: whole-step
+    graphs where the run asks for them (``--cuda-graphs step`` on CUDA, DAP and BP 1), else the recycling
+    passes' graphs where they apply."""
+    if cuda_graphs and target == "cuda" and cfg.dap * cfg.bp == 1 and cfg.cuda_graphs == "step":
+        return (*_with_whole_step_pool(tracker, batch), "step")
+    peak, pool = _with_graph_pool(tracker, bool(cuda_graphs and n > 0))
+    return peak, pool, "recycling" if cuda_graphs else False
 
 
 def _with_whole_step_pool(tracker: StorageTracker, batch: Any) -> tuple[int, int]:
