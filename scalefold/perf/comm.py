@@ -103,14 +103,23 @@ class ModelDims:
                    itemsize=ITEMSIZE[cfg.precision], parameters=parameter_count(cfg))  # fmt: skip
 
 
+_PARAMETERS: dict[str, int] = {}
+
+
 def parameter_count(cfg: Any) -> int:
-    """Trainable parameters of the run's model (built on the ``meta`` device: no memory, no init cost)."""
+    """Trainable parameters of the run's model (built once per model configuration on the ``meta`` device: no
+    memory, no initialisation)."""
     import torch
 
     from scalefold.model.factory import build_model, build_model_config
 
-    model = build_model(cfg, build_model_config(cfg), torch.device("meta"), torch.float32)
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+    model_cfg = build_model_config(cfg)
+    key = repr((model_cfg.to_dict(), cfg.parallel_evoformer))
+    if key not in _PARAMETERS:
+        with torch.device("meta"):  # built there: no initialisation runs
+            model = build_model(cfg, model_cfg, torch.device("meta"), torch.float32, training=False)
+        _PARAMETERS[key] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return _PARAMETERS[key]
 
 
 @dataclass(frozen=True)
