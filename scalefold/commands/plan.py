@@ -95,7 +95,8 @@ def format_plan(out: dict[str, Any]) -> str:
              f"time to train (run_start -> run_stop): {p['ttt_minutes']:.2f} min; init before it {p['init_minutes']:.1f} min "
              f"(NVIDIA's, not modelled)",
              f"  {b['steps']} steps to lDDT-Ca 0.8{' (batch outside 128..256: extrapolated)' if p['batch_extrapolated'] else ''} "
-             f"x {b['step_s']:.3f} s ({p['step_source']}, {p['mode']}) = {b['train_s']:.1f} s",
+             f"x {b['step_s']:.3f} s ({p['step_source'] + (', ' + p['mode'] if p['step_source'] == 'predicted' else '')}) "
+             f"= {b['train_s']:.1f} s",
              f"  startup {b['startup_s']:.1f} s, first cycle's warm-up {b['warmup_s']:.1f} s, hand-over between cycles "
              f"{b['handover_s']:.1f} s",
              f"  waiting on evaluation {b['eval_wait_s']:.1f} s (an evaluation {b['eval_s']:.1f} s, the first {b['first_eval_s']:.1f} s), "
@@ -110,7 +111,9 @@ def format_plan(out: dict[str, Any]) -> str:
         for q in out["best_layouts"]:
             ql = q["layout"]
             lines.append(f"{'':<14}{ql['dap']:>5}{ql['bp']:>4}{ql['dp']:>6}{ql['eval_ranks']:>6}{ql['global_batch']:>7}"
-                         f"{ql['cards']:>7}{q['breakdown']['step_s']:>9.3f}{q['ttt_minutes']:>9.2f}")  # fmt: skip
+                         f"{ql['cards']:>7}{q['breakdown']['step_s']:>9.3f}{q['ttt_minutes']:>9.2f}"
+                         f"{'  * batch outside 128..256 (extrapolated)' if q['batch_extrapolated'] else ''}")  # fmt: skip
+        lines.append("  (ranked by predicted time to train, layouts whose batch is within the calibrated 128..256 first)")
     return "\n".join(lines)
 
 

@@ -94,6 +94,8 @@ HANDOVER_S = CALIBRATION["strong"]["handover_s"]
 EVAL_SETUP_S = CALIBRATION["strong"]["eval_start_s"]
 INIT_S = CALIBRATION["strong"]["init_s"]
 LATENCY_S = 0.24  # epoch_start -> eval_start: the weights reach the evaluation ranks
+#: Evaluation ranks the layout search tries (0: synchronous evaluation on the training ranks).
+EVAL_RANK_CANDIDATES = (0, 8, 16, 32, 64, 128)
 
 
 def steps_to_target(batch: int) -> tuple[int, bool]:
@@ -183,7 +185,7 @@ def candidate_layouts(card: Card, count: int, crop: int, batch: int | None = Non
         group = dap * bp
         if card.gpus_per_node % group or crop % dap:
             continue
-        for e in (0, 8, 16, 32, 64):
+        for e in EVAL_RANK_CANDIDATES:
             if e >= count:
                 continue
             dp = min((count - e) // group, CALIBRATED_BATCHES[1])

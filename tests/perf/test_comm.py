@@ -120,3 +120,28 @@ def test_comm_seconds_graphed_exposes_the_allreduce_eager_overlaps_it():
     assert 0 < graphed["dap_exposed_s"] < graphed["dap_s"]  # the overlapped switches and gathers left out
     assert eager["host_launch_s"] == pytest.approx(eager["launches"] * 20e-6)
     assert dims.parameters == 93_229_082  # MLPerf's model_parameters_count
+
+
+def test_estimate_step_reports_the_layouts_communication(capsys):
+    """``estimate-step --dap 2 --dp 4 --json`` on the tiny preset: bytes and launches per collective per block and
+    step, the gradient all-reduce over the 8 training ranks, the links named, and the predicted step on the card
+    (compute + exposed communication), graphed and eager; a layout that cannot exist is refused in one line."""
+    import json
+
+    from scalefold.cli import main
+
+    assert main(["estimate-step", "--preset", "tiny", "--precision", "bf16", "--dap", "2", "--dp", "4", "--json"]) == 0
+    c = json.loads(capsys.readouterr().out)["communication"]
+    assert c["layout"]["train_ranks"] == 8 and c["card"]["intra_node"]["name"] == "nvlink4"
+    assert c["card"]["inter_node"]["name"] == "ib-ndr" and c["parameters"] == 119_290
+    assert set(c["per_block_forward"]["evoformer_stack"]) == {"all_to_all", "all_gather"}
+    assert set(c["per_step"]) == {"0", "1"} and c["per_step_mean"]["dap/all_to_all"]["calls"] > 0
+    assert c["gradient_allreduce"]["ring_bytes_per_rank"] == 2 * 7 * 119_290 * 4 // 8
+    for mode in ("graphed", "eager"):
+        m = c["predicted_step_s"][mode]["mean"]
+        assert m["step_s"] == pytest.approx(m["compute_s"] + m["exposed_s"]) and m["dap_s"] > 0
+    assert main(["estimate-step", "--preset", "tiny", "--dap", "3", "--dp", "2"]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--dap 3 must divide the 8 GPUs per node" in err[0]
+    assert main(["estimate-step", "--preset", "tiny", "--card", "v100"]) == 3
+    assert "known: h100, h200, a100-sxm, a100-pcie, b200" in capsys.readouterr().err
