@@ -53,6 +53,8 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError(f"--step-seconds {args.step_seconds:g}: must be > 0")
     if args.step_seconds is not None and args.dap is None:
         raise UserError("--step-seconds needs --dap: a measured step is the step of one layout")
+    if args.bp != 1 and (args.dap is None or args.step_seconds is None):
+        raise UserError("--bp 2 needs --dap and --step-seconds: the step-time model counts no branch-parallel step")
 
 
 def _config(args: argparse.Namespace) -> Any:
@@ -63,24 +65,33 @@ def _config(args: argparse.Namespace) -> Any:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from scalefold.errors import UserError
     from scalefold.perf.cluster import card as card_named
-    from scalefold.perf.layout_model import Layout, validate_layout
-    from scalefold.perf.plan import best_layouts, plan_layout
 
     _check(args)
     card = card_named(args.card)
-    if args.dap is not None:
-        eval_ranks = args.eval_ranks if args.eval_ranks is not None else (32 if args.count >= 256 else 0)
-        layout = validate_layout(Layout(args.count, args.dap, args.bp, eval_ranks, args.batch), card, args.crop)
-        out = {"plan": plan_layout(_config(args), card, layout, args.mode, args.step_seconds)}
-    else:
-        plans = best_layouts(_config(args), card, args.count, args.crop, args.mode, args.batch, args.bp, args.top)
-        if args.eval_ranks is not None:
-            plans = [p for p in plans if p["layout"]["eval_ranks"] == args.eval_ranks] or plans
-        out = {"plan": plans[0] if plans else None, "best_layouts": plans}
+    try:
+        out = _plan(args, card)
+    except UserError:
+        raise
+    except ValueError as exc:  # an option the model cannot take (a preset's shapes, a policy)
+        raise UserError(str(exc)) from exc
     out["ttt_minutes"] = out["plan"]["ttt_minutes"] if out["plan"] else None
     print(json.dumps(out, indent=1) if args.json else format_plan(out))
     return 0
+
+
+def _plan(args: argparse.Namespace, card: Any) -> dict[str, Any]:
+    from scalefold.perf.layout_model import Layout, validate_layout
+    from scalefold.perf.plan import best_layouts, plan_layout
+
+    if args.dap is not None:
+        eval_ranks = args.eval_ranks if args.eval_ranks is not None else (32 if args.count >= 256 else 0)
+        layout = validate_layout(Layout(args.count, args.dap, args.bp, eval_ranks, args.batch), card, args.crop)
+        return {"plan": plan_layout(_config(args), card, layout, args.mode, args.step_seconds)}
+    plans = best_layouts(_config(args), card, args.count, args.crop, args.mode, args.batch, args.bp, args.top,
+                         eval_ranks=args.eval_ranks)  # fmt: skip
+    return {"plan": plans[0] if plans else None, "best_layouts": plans}
 
 
 def format_plan(out: dict[str, Any]) -> str:

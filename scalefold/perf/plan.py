@@ -158,14 +158,18 @@ def time_to_train(steps: int, step_s: float, eval_ranks: int, train_ranks: int, 
 
 def plan_layout(cfg: Any, card: Card, layout: Layout, mode: str = "graphed", step_seconds: float | None = None) -> dict:
     """The plan of one layout: its step (predicted, or ``step_seconds``), steps to the target, the breakdown."""
+    if layout.bp > 1 and step_seconds is None:
+        raise PlanLayoutError("--bp 2: the step-time model counts no branch-parallel step (the fake step refuses BP); "
+                              "plan it from a measured step with --step-seconds")  # fmt: skip
     steps, extrapolated = steps_to_target(layout.global_batch)
     predicted = None
     speed = 1.0
-    if step_seconds is None or card.name != "h100":
+    if step_seconds is None:
         predicted = predict_step(cfg, card, layout)
-        if card.name != "h100":
-            ref = predict_step(cfg, CARDS["h100"], layout)
-            speed = ref[mode]["mean"]["compute_s"] / predicted[mode]["mean"]["compute_s"]
+    if card.name != "h100":  # the evaluation's speed against the calibration's H100: the DAP rank's compute
+        rank = Layout(count=layout.dap, dap=layout.dap)
+        mine, ref = predict_step(cfg, card, rank), predict_step(cfg, CARDS["h100"], rank)
+        speed = ref[mode]["mean"]["compute_s"] / mine[mode]["mean"]["compute_s"]
     step_s = step_seconds if step_seconds is not None else predicted[mode]["mean"]["step_s"]
     b = time_to_train(steps, step_s, layout.eval_ranks, layout.train_ranks, speed)
     out = {"card": card.name, "layout": layout.to_json(), "mode": mode, "step_source": "measured" if step_seconds else "predicted",
@@ -176,16 +180,17 @@ def plan_layout(cfg: Any, card: Card, layout: Layout, mode: str = "graphed", ste
     return out
 
 
-def candidate_layouts(card: Card, count: int, crop: int, batch: int | None = None, bp: int = 1) -> list[Layout]:
+def candidate_layouts(card: Card, count: int, crop: int, batch: int | None = None, bp: int = 1,
+                      eval_ranks: int | None = None) -> list[Layout]:  # fmt: skip
     """Layouts worth ranking on ``count`` cards: each DAP size the node and crop allow, evaluation ranks from
     a few candidates (or none), the largest data-parallel size whose batch (one sample per replica unless
-    ``batch``) stays within the calibrated 128..256 (cards left over stay idle)."""
+    ``batch``) stays within the calibrated 128..256 (cards left over stay idle); ``eval_ranks``: only that many."""
     out: list[Layout] = []
     for dap in DAP_SIZES:
         group = dap * bp
         if card.gpus_per_node % group or crop % dap:
             continue
-        for e in EVAL_RANK_CANDIDATES:
+        for e in EVAL_RANK_CANDIDATES if eval_ranks is None else (eval_ranks,):
             if e >= count:
                 continue
             dp = min((count - e) // group, CALIBRATED_BATCHES[1])
@@ -200,10 +205,10 @@ def candidate_layouts(card: Card, count: int, crop: int, batch: int | None = Non
 
 
 def best_layouts(cfg: Any, card: Card, count: int, crop: int, mode: str = "graphed", batch: int | None = None,
-                 bp: int = 1, top: int = 5) -> list[dict]:  # fmt: skip
+                 bp: int = 1, top: int = 5, eval_ranks: int | None = None) -> list[dict]:  # fmt: skip
     """The ``top`` candidate layouts by predicted time to train (each DAP size counted once: minutes the first
     time at MLPerf shapes, then from the disk cache)."""
-    plans = [plan_layout(cfg, card, lay, mode) for lay in candidate_layouts(card, count, crop, batch, bp)]
+    plans = [plan_layout(cfg, card, lay, mode) for lay in candidate_layouts(card, count, crop, batch, bp, eval_ranks)]
     plans.sort(key=lambda p: (p["batch_extrapolated"], p["ttt_minutes"]))
     return plans[:top]
 

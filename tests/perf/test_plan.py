@@ -134,3 +134,13 @@ def test_plan_predicts_and_ranks_layouts_on_a_small_preset(capsys, tmp_path, mon
     assert [q["ttt_minutes"] for q in ranked] == sorted(q["ttt_minutes"] for q in ranked)
     assert all(q["layout"]["cards"] <= 4 for q in ranked)
     assert len(list(tmp_path.glob("plan/*.json"))) == 3  # one count per DAP size that fits 4 cards (1, 2, 4), kept
+
+
+def test_branch_parallel_plans_need_a_measured_step(capsys):
+    """The fake step counts no BP step: ``--bp 2`` plans only from ``--step-seconds`` (and BP x DAP must fit a node)."""
+    assert main(["plan", "--card", "h100", "--count", "64", "--bp", "2", "--dap", "2"]) == 3
+    assert "--bp 2 needs --dap and --step-seconds" in capsys.readouterr().err
+    assert main(["plan", "--card", "h100", "--count", "64", "--bp", "2", "--dap", "4", "--eval-ranks", "0",
+                 "--step-seconds", "1.0", "--json"]) == 0  # fmt: skip
+    p = json.loads(capsys.readouterr().out)["plan"]
+    assert p["layout"]["dp"] == 8 and p["steps_to_target"] == P.steps_to_target(8)[0]
