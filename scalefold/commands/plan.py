@@ -24,6 +24,8 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument("--card", required=True, help="h100, h200, a100-sxm, a100-pcie or b200")
     p.add_argument("--count", type=int, required=True, help="cards in the cluster")
+    p.add_argument("--intra-link", help="the link inside a node instead of the card's (nvlink3, nvlink4, nvlink5, pcie4, pcie5)")
+    p.add_argument("--inter-link", help="the link between nodes instead of the card's (ib-hdr, ib-ndr, ib-xdr)")
     p.add_argument("--dap", type=int, help="DAP size (1, 2, 4, 8; dividing the GPUs per node); without it, the best layouts")
     p.add_argument("--bp", type=int, default=1, help="branch parallelism: 1 or 2 (the Parallel Evoformer; default 1)")
     p.add_argument("--eval-ranks", type=int,
@@ -67,9 +69,10 @@ def _config(args: argparse.Namespace) -> Any:
 def _run(args: argparse.Namespace) -> int:
     from scalefold.errors import UserError
     from scalefold.perf.cluster import card as card_named
+    from scalefold.perf.cluster import with_links
 
     _check(args)
-    card = card_named(args.card)
+    card = with_links(card_named(args.card), args.intra_link, args.inter_link)
     try:
         out = _plan(args, card)
     except UserError:

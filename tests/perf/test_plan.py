@@ -87,6 +87,7 @@ def test_unknown_card_names_the_known_ones():
     "argv, message",
     [
         (["--card", "v100", "--count", "8"], "known: h100, h200, a100-sxm, a100-pcie, b200"),
+        (["--card", "h100", "--count", "8", "--inter-link", "ethernet"], "known: nvlink3, nvlink4, nvlink5, pcie4, pcie5, ib-hdr"),
         (["--card", "h100", "--count", "2080", "--dap", "3"], "--dap 3 must divide the 8 GPUs per node"),
         (["--card", "h100", "--count", "64", "--dap", "8", "--eval-ranks", "64"], "--eval-ranks 64"),
         (["--card", "h100", "--count", "2080", "--dap", "8", "--batch", "100"], "not divisible by the data-parallel size"),
