@@ -151,22 +151,22 @@ class _Recorder(TorchDispatchMode):
 
     def _template(self, args: tuple, kwargs: dict) -> tuple[tuple[list, dict], list[tuple]]:
         """The call's arguments with each recorded tensor's place noted: ``(args, kwargs)`` holding the
-        constants and literals, and ``(container, key, slot)`` / ``(container, key, index, slot)`` (a tensor
-        list) for the places a replay fills with that slot's tensor."""
+        constants and literals, and ``(container, key, slot)`` -- or ``(container, key, slot, index, ...)``
+        inside (nested) tensor lists, as collectives take them -- for the places a replay fills."""
         template = (list(args), dict(kwargs))
         subs: list[tuple] = []
+
+        def walk(x: Any, where: tuple) -> None:
+            slot = self._ref(x)
+            if slot is not None:
+                subs.append(where[:2] + (slot,) + where[2:])
+            elif isinstance(x, (list, tuple)):
+                for i, y in enumerate(x):
+                    walk(y, where + (i,))
+
         for container, keys in ((0, range(len(args))), (1, list(kwargs))):
-            values = template[container]
             for key in keys:
-                x = values[key]
-                slot = self._ref(x)
-                if slot is not None:
-                    subs.append((container, key, slot))
-                elif isinstance(x, (list, tuple)):
-                    for i, y in enumerate(x):
-                        inner = self._ref(y)
-                        if inner is not None:
-                            subs.append((container, key, i, inner))
+                walk(template[container][key], (container, key))
         return template, subs
 
 
@@ -273,7 +273,7 @@ class EmulatedGraph:
         last: dict[int, int] = {}
         for i, (_, _, subs, outs) in enumerate(self.nodes):
             for sub in subs:
-                last[sub[-1]] = i
+                last[sub[2]] = i
             for s in outs if isinstance(outs, list) else (outs,):
                 if s is not None:
                     last.setdefault(s, i)
@@ -303,13 +303,11 @@ class EmulatedGraph:
                     if len(sub) == 3:
                         call[sub[0]][sub[1]] = env[sub[2]]
                     else:
-                        container, key, i, slot = sub
-                        seq = call[container][key]
-                        if not isinstance(seq, list):
-                            seq = call[container][key] = list(seq)
-                        seq[i] = env[slot]
+                        _fill(call[sub[0]], sub[1], sub[3:], env[sub[2]])
                 args, kwargs = call
             out = func(*args, **kwargs)
+            if func.namespace == "c10d":  # a collective: stream-ordered on NCCL, so its result is ready here
+                _wait(out)
             if outs.__class__ is int:
                 env[outs] = out
             elif outs is not None:
@@ -322,6 +320,23 @@ class EmulatedGraph:
             if slot is not None and env[slot] is not None and env[slot] is not static:
                 static.copy_(env[slot])
         return self.output
+
+
+def _fill(container: Any, key: Any, path: tuple, value: torch.Tensor) -> None:
+    """``container[key][path...] = value``, copying the (nested) lists on the way (the template is shared)."""
+    if not path:
+        container[key] = value
+        return
+    inner = list(container[key])
+    container[key] = inner
+    _fill(inner, path[0], path[1:], value)
+
+
+def _wait(out: Any) -> None:
+    """Wait on the ``Work`` a c10d operator returned (gloo's are asynchronous; a replay has no Python to wait)."""
+    for x in out if isinstance(out, (tuple, list)) else (out,):
+        if hasattr(x, "wait") and not isinstance(x, torch.Tensor):
+            x.wait()
 
 
 def record(fn: Callable[..., Any], *args: Any, survey: list[tuple[str, str]] | None = None) -> EmulatedGraph:
