@@ -519,16 +519,26 @@ WHOLE_STEP_DDP = ("DDP's bucket all-reduce runs through its reducer's host-side 
                   "future callback, which a CUDA graph cannot hold")  # fmt: skip
 
 
+#: why whole-step graphs are not offered with branch parallelism
+WHOLE_STEP_BP = ("branch parallelism reseeds the generator per branch on the host (branch_rng), which a graph "
+                 "would freeze")  # fmt: skip
+
+
 def resolve_step_mode(mode: str, device_type: str, model_parallel: int = 1, world_size: int = 1,
                       backend_available: bool = True, graph_device_type: str = "cuda",
-                      unsupported: str | None = None) -> tuple[bool, str]:  # fmt: skip
+                      unsupported: str | None = None, bp: int = 1) -> tuple[bool, str]:  # fmt: skip
     """``(whole-step graphs wanted, why)`` for ``--cuda-graphs mode``: ``step`` and ``auto`` want them where
     the recycling graphs can run and the run has one data-parallel rank (:data:`WHOLE_STEP_DDP`); ``step``
-    is refused (:class:`CudaGraphsUnavailable`) elsewhere, ``auto`` then falls back quietly."""
+    is refused (:class:`CudaGraphsUnavailable`) elsewhere, ``auto`` then falls back quietly. ``step`` also
+    takes DAP (``model_parallel`` = DAP x ``bp``): its all-to-all / all-gather are tensor collectives on
+    preallocated buffers, captured inside the graph (NCCL; gloo under the CPU emulation), every rank of a
+    group capturing the same sequence and agreeing on the verdict; not branch parallelism (:data:`WHOLE_STEP_BP`)."""
     if mode not in ("step", "auto"):
         return False, f"--cuda-graphs {mode}"
     emulated = emulated_capture(mode, device_type)
-    enabled, why = resolve_mode(mode, device_type, model_parallel, backend_available, graph_device_type, unsupported)
+    dap_inside = mode == "step" and model_parallel > 1 and bp == 1 and not unsupported
+    enabled, why = resolve_mode(mode, device_type, 1 if dap_inside else model_parallel, backend_available,
+                                graph_device_type, unsupported)  # fmt: skip
     if not enabled:
         return False, why
     if world_size > 1:
@@ -536,7 +546,9 @@ def resolve_step_mode(mode: str, device_type: str, model_parallel: int = 1, worl
             raise CudaGraphsUnavailable(f"--cuda-graphs step is not supported with {world_size} data-parallel ranks "
                                         f"({WHOLE_STEP_DDP}); use --cuda-graphs recycling or auto")  # fmt: skip
         return False, WHOLE_STEP_DDP
-    return True, f"--cuda-graphs {mode}: the whole step, {'emulated on the CPU' if emulated else 'CUDA'}, one rank"
+    where = "emulated on the CPU" if emulated else "CUDA"
+    ranks = f"DAP {model_parallel} (its collectives inside the graph)" if dap_inside else "one rank"
+    return True, f"--cuda-graphs {mode}: the whole step, {where}, {ranks}"
 
 
 @dataclass
@@ -862,13 +874,14 @@ def setup_step_graphs(
     rank: int = 0,
     verbose: bool = True,
     backend: GraphBackend | None = None,
+    bp: int = 1,
 ) -> WholeStepGraphs:
     """Whole-step graphs for ``--cuda-graphs mode`` over ``step`` (a
     :class:`~scalefold.train.step.TrainingStep`), captured and checked on a synthetic batch of the training
     shapes (before ``run_start``). Off where :func:`resolve_step_mode` says so (``step`` is refused there)."""
     backend, available, graph_device = step_graph_backend(mode, device.type, backend)
     enabled, reason = resolve_step_mode(mode, device.type, model_parallel, world_size, available, graph_device,
-                                        unsupported=uncapturable_reason(model))  # fmt: skip
+                                        unsupported=uncapturable_reason(model), bp=bp)  # fmt: skip
     log = (lambda line: print(line, flush=True)) if verbose else None
     graphs = WholeStepGraphs(step, backend=backend, enabled=enabled, reason=reason, log=log, rank=rank)
     if graphs.active:

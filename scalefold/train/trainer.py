@@ -164,10 +164,11 @@ def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
         # --cuda-graphs on where graphs cannot run is refused on every rank before anything is logged or built
         # (evaluation ranks included, which would otherwise wait for a run_start that never comes)
         unsupported = PARALLEL_EVOFORMER_UNCAPTURABLE if cfg.parallel_evoformer else None
-        resolve_graph_mode(cfg.cuda_graphs, runtime.device.type, model_parallel=parallel.layout.model_parallel,
-                           unsupported=unsupported)  # fmt: skip
+        if cfg.cuda_graphs != "step":  # the recycling passes' graphs (step: the whole step's, below)
+            resolve_graph_mode(cfg.cuda_graphs, runtime.device.type, model_parallel=parallel.layout.model_parallel,
+                               unsupported=unsupported)  # fmt: skip
         resolve_step_mode(cfg.cuda_graphs, runtime.device.type, parallel.layout.model_parallel,
-                          parallel.num_train_ranks if runtime.distributed else 1, unsupported=unsupported)  # fmt: skip
+                          parallel.num_train_ranks if runtime.distributed else 1, unsupported=unsupported, bp=cfg.bp)  # fmt: skip
         with StopRequest() as stop_request:
             if parallel.is_eval_rank:  # asynchronous evaluation ranks: serve evaluations until training ends
                 result = _evaluation_rank(cfg, runtime, stop_request, model_cfg, features)
@@ -348,7 +349,7 @@ class Trainer:
         # forward(batch) is net(batch) where the recycling graphs are off
         model_parallel = self.parallel.layout.model_parallel
         whole, _ = resolve_step_mode(cfg.cuda_graphs, self.device.type, model_parallel, self.ddp_world,
-                                     torch.cuda.is_available(), unsupported=uncapturable_reason(model))  # fmt: skip
+                                     torch.cuda.is_available(), unsupported=uncapturable_reason(model), bp=cfg.bp)  # fmt: skip
         self.forward = setup_graphed_step("off" if whole else cfg.cuda_graphs, model, self.net, self.features,
                                           self.device, self.dtype, self.autocast, model_parallel=model_parallel,
                                           rank=self.runtime.rank, verbose=self.main)  # fmt: skip
@@ -368,7 +369,7 @@ class Trainer:
         cfg = self.cfg
         graphs = setup_step_graphs(cfg.cuda_graphs, self.step, model, self.features, self.device, self.dtype,
                                    world_size=self.ddp_world, model_parallel=model_parallel, rank=self.runtime.rank,
-                                   verbose=self.main)  # fmt: skip
+                                   verbose=self.main, bp=cfg.bp)  # fmt: skip
         self.step_graphs = graphs
         if graphs.active:
             self.step.graphs = graphs

@@ -83,8 +83,12 @@ def test_resolve_step_mode():
         resolve_mode("recycling", "cpu")  # the recycling graphs have no CPU emulation
     with pytest.raises(CudaGraphsUnavailable, match="2 data-parallel ranks"):
         resolve_step_mode("step", "cuda", world_size=2)
+    # DAP's collectives are tensor collectives: captured inside the graph; branch parallelism is not
+    assert resolve_step_mode("step", "cuda", model_parallel=2)[1] == \
+        "--cuda-graphs step: the whole step, CUDA, DAP 2 (its collectives inside the graph)"
     with pytest.raises(CudaGraphsUnavailable, match="--dap/--bp"):
-        resolve_step_mode("step", "cuda", model_parallel=2)
+        resolve_step_mode("step", "cuda", model_parallel=4, bp=2)
+    assert resolve_step_mode("auto", "cuda", model_parallel=2)[0] is False
 
 
 def test_warm_up_captures_every_count_leaves_no_trace_and_replays_match_eager():
