@@ -587,8 +587,9 @@ class WholeStepGraphs:
 
     def __init__(self, step: Any, backend: GraphBackend | None = None, enabled: bool = True, reason: str = "",
                  log: Callable[[str], None] | None = None, warn: Callable[[str], None] | None = None, rank: int = 0,
-                 tolerance: float | None = None) -> None:  # fmt: skip
+                 tolerance: float | None = None, group: Any = None) -> None:  # fmt: skip
         self.step = step
+        self.group = group  # the ranks that decide the capture together (None: this rank alone)
         if enabled and backend is None:
             backend = CudaGraphBackend()
         self.backend = backend
@@ -672,13 +673,18 @@ class WholeStepGraphs:
                         problem = self._check(static, replay, state, batches)
                     except Exception as exc:  # noqa: BLE001 -- any capture failure: whole-step graphs off
                         problem = f"capture failed: {exception_summary(exc)}{_where(exc)}"
+                    if not self._agreed(problem is None) and problem is None:
+                        problem = "another rank's capture failed or disagreed (every rank of a group captures or none)"
                     if problem is not None:
                         self._turn_off(f"recycling count {n}: {problem}")
                         break
                     self._graphs[self._key(static, n)] = _StepGraph(static, replay)
-                problem = self._memory.problem(self.memory_figures) if self.enabled else None
-                if problem is not None:
-                    self._turn_off(problem)
+                if self.enabled:  # the same on every rank of the group (each count's verdict was agreed)
+                    problem = self._memory.problem(self.memory_figures)
+                    if not self._agreed(problem is None) and problem is None:
+                        problem = "memory: another rank's graphs leave no room for an eager step"
+                    if problem is not None:
+                        self._turn_off(problem)
         finally:
             self._restore(state, final=True)
         if self.enabled and self.log is not None:
@@ -691,6 +697,18 @@ class WholeStepGraphs:
     @property
     def emulated(self) -> bool:
         return bool(getattr(self.backend, "emulated", False))
+
+    def _agreed(self, ok: bool) -> bool:
+        """Whether every rank of :attr:`group` captured and checked this count (one all-reduce of a flag; NCCL
+        needs every rank of a communicator to capture the same graphs, or none): ``ok`` alone without a group."""
+        if self.group is None:
+            return ok
+        import torch.distributed as dist
+
+        device = self.step.device if self.step.device.type == "cuda" else torch.device("cpu")
+        flag = torch.tensor([1.0 if ok else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item() > 0)
 
     def _compute(self, batch: Mapping[str, torch.Tensor]) -> Any:
         """The captured function: the step's compute, its verdict left unread (the warm-up is undone)."""
@@ -875,6 +893,7 @@ def setup_step_graphs(
     verbose: bool = True,
     backend: GraphBackend | None = None,
     bp: int = 1,
+    group: Any = None,
 ) -> WholeStepGraphs:
     """Whole-step graphs for ``--cuda-graphs mode`` over ``step`` (a
     :class:`~scalefold.train.step.TrainingStep`), captured and checked on a synthetic batch of the training
@@ -883,7 +902,7 @@ def setup_step_graphs(
     enabled, reason = resolve_step_mode(mode, device.type, model_parallel, world_size, available, graph_device,
                                         unsupported=uncapturable_reason(model), bp=bp)  # fmt: skip
     log = (lambda line: print(line, flush=True)) if verbose else None
-    graphs = WholeStepGraphs(step, backend=backend, enabled=enabled, reason=reason, log=log, rank=rank)
+    graphs = WholeStepGraphs(step, backend=backend, enabled=enabled, reason=reason, log=log, rank=rank, group=group)
     if graphs.active:
         if log is not None and graphs.emulated:
             log("cuda graphs: --cuda-graphs step on a CPU runs the emulated capture (each recycling count's step "
