@@ -162,6 +162,13 @@ class FlatGradReducer:
         """Calls one reduction makes: ``all_reduce`` (one per bucket) and ``scale`` (one ``mul_`` per run)."""
         return {"all_reduce": len(self.buckets), "scale": sum(len(b.runs) for b in self.buckets)}
 
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        n = self.launches
+        when = "issued as backward fills them" if self.overlap else "after backward"
+        return (f"flat gradient buffers, {n['all_reduce']} bucket(s) of <= {BUCKET_BYTES >> 20} MiB over "
+                f"{self.world_size} rank(s), {when}; {n['scale']} scale run(s)")
+
     def set_overlap(self, overlap: bool) -> None:
         """Issue buckets from backward's gradient-ready hooks (``True``) or all after backward (``False``:
         what a CUDA graph captures, since its replays run no Python hook)."""

@@ -345,6 +345,8 @@ class Trainer:
             self.reducer = FlatGradReducer(self.opt, self.parallel.train_group, self.parallel.grad_scales(model))
             self.reducer.broadcast_parameters()  # rank 0's weights everywhere, as DDP's construction
             reduce = partial(self.reducer.reduce_and_clip, self.clipper)
+            if self.main:
+                print(f"gradient reduction: {self.reducer.describe()}", flush=True)
         elif self.ddp_world > 1:
             # gradient_as_bucket_view=False: DDP copies reduced buckets into .grad, which stays a view of
             # the optimizer's flat gradient buffer (bucket views would replace it).
