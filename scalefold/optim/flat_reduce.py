@@ -85,6 +85,12 @@ class Bucket:
     runs: tuple[tuple[int, int, float], ...]
     params: tuple[int, ...]
 
+    def __post_init__(self) -> None:
+        # the runs' views, built once: issuing a bucket slices nothing (one mul_ per run that is not x 1)
+        scaled = tuple((self.view if (a, b) == (0, self.view.numel()) else self.view[a:b], f)
+                       for a, b, f in self.runs if f != 1.0)  # fmt: skip
+        object.__setattr__(self, "scaled", scaled)
+
 
 def _runs(bounds: Sequence[tuple[int, int, float]]) -> tuple[tuple[int, int, float], ...]:
     """Adjacent ``(start, stop, factor)`` spans of one factor merged."""
@@ -159,8 +165,9 @@ class FlatGradReducer:
 
     @property
     def launches(self) -> dict[str, int]:
-        """Calls one reduction makes: ``all_reduce`` (one per bucket) and ``scale`` (one ``mul_`` per run)."""
-        return {"all_reduce": len(self.buckets), "scale": sum(len(b.runs) for b in self.buckets)}
+        """Calls one reduction makes: ``all_reduce`` (one per bucket) and ``scale`` (one ``mul_`` per run of a
+        factor not 1)."""
+        return {"all_reduce": len(self.buckets), "scale": sum(len(b.scaled) for b in self.buckets)}
 
     def describe(self) -> str:
         """One line for the start-up log."""
@@ -205,9 +212,8 @@ class FlatGradReducer:
 
     def _issue(self, b: int) -> None:
         bucket = self.buckets[b]
-        for start, stop, factor in bucket.runs:
-            if factor != 1.0:
-                bucket.view[start:stop].mul_(factor)
+        for view, factor in bucket.scaled:
+            view.mul_(factor)
         self._works.append(dist.all_reduce(bucket.view, group=self.group, async_op=True))
         self._next = b + 1
 

@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from scalefold.checkpoint.files import load_checkpoint
 from scalefold.distributed.launch import free_port
