@@ -54,9 +54,12 @@ from scalefold.optim.clipping import ClipResult, GradClipper
 BUCKET_BYTES = 25 * 2**20
 
 #: ``--grad-reduce auto``'s verdict for eager steps: whether the flat path, overlapped with backward, was
-#: measured as fast as DDP's eager overlap (``bench/flat_reduce.py``, bench/RESULTS.md: gloo, DP-2, tiny
-#: and demo presets). A graphed step always takes the flat path (DDP cannot be captured).
-FLAT_AS_FAST_AS_DDP = False
+#: measured as fast as DDP's eager overlap. Measured (``bench/flat_reduce.py``, bench/RESULTS.md; gloo, DP-2,
+#: 2-core CPU): as fast or faster everywhere -- whole step x0.97 (tiny) and x0.81 (demo), backward + reduction
+#: x0.96 / x0.79, reduction-bound at the MLPerf layout x0.87 -- with 2 extra operators per bucket where DDP
+#: adds ~3 per parameter (its copies in and out of its buckets). A graphed step always takes the flat path
+#: (DDP cannot be captured). Not yet measured on NCCL.
+FLAT_AS_FAST_AS_DDP = True
 
 
 def resolve_grad_reduce(mode: str, world_size: int, graphed: bool = False) -> str:
@@ -157,6 +160,7 @@ class FlatGradReducer:
         self._expected = [sum(1 for i in bucket.params if holders[i].requires_grad) for bucket in self.buckets]
         self._handles: list[Any] = []
         self._works: list[Any] = []
+        self.issued_in_backward = 0
         self._reset()
         self.overlap = False
         self.set_overlap(overlap)
@@ -221,6 +225,7 @@ class FlatGradReducer:
     def reduce(self) -> None:
         """After backward: issue every bucket not issued yet (in order) and wait for all of them (on NCCL
         the wait is the stream's, on the device). The flat buffers then hold the averaged gradient."""
+        self.issued_in_backward = self._next  # buckets the hooks issued before backward returned (diagnostics)
         while self._next < len(self.buckets):
             self._issue(self._next)
         works, late = self._works, self._late
