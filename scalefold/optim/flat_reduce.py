@@ -55,10 +55,10 @@ BUCKET_BYTES = 25 * 2**20
 
 #: ``--grad-reduce auto``'s verdict for eager steps: whether the flat path, overlapped with backward, was
 #: measured as fast as DDP's eager overlap. Measured (``bench/flat_reduce.py``, bench/RESULTS.md; gloo, DP-2,
-#: 2-core CPU): as fast or faster everywhere -- whole step x0.97 (tiny) and x0.81 (demo), backward + reduction
-#: x0.96 / x0.79, reduction-bound at the MLPerf layout x0.87 -- with 2 extra operators per bucket where DDP
-#: adds ~3 per parameter (its copies in and out of its buckets). A graphed step always takes the flat path
-#: (DDP cannot be captured). Not yet measured on NCCL.
+#: 2-core CPU): never slower -- flat / DDP, median of the per-round ratios: whole step 0.95 (tiny), 0.98 (demo),
+#: backward + reduction 1.00 / 0.96, reduction-bound at the MLPerf layout 0.87 -- with 2 operators per bucket
+#: where DDP adds ~3 per parameter (its copies in and out of its buckets). A graphed step always takes the flat
+#: path (DDP cannot be captured). Not yet measured on NCCL.
 FLAT_AS_FAST_AS_DDP = True
 
 
