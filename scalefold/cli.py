@@ -31,6 +31,7 @@ _SUBCOMMAND_PROVIDERS: tuple[tuple[str, str], ...] = (
     ("scalefold.commands.model_info", "add_parsers"),
     ("scalefold.commands.inference", "add_parsers"),
     ("scalefold.commands.perf", "add_parsers"),
+    ("scalefold.commands.plan", "add_parsers"),
     ("scalefold.commands.checkpoint", "add_parsers"),
     ("scalefold.commands.kernels", "add_parsers"),
     ("scalefold.commands.slurm", "add_parsers"),

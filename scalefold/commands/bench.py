@@ -103,7 +103,7 @@ def _cmd_bench_step(args: argparse.Namespace) -> int:
     )
 
     cfg, regions = _bench_step_config(args)
-    if args.cuda_graphs not in ("off", "auto") and not torch.cuda.is_available():
+    if args.cuda_graphs not in ("off", "auto", "step") and not torch.cuda.is_available():  # step: emulated on a CPU
         raise UserError(f"--cuda-graphs {args.cuda_graphs} needs a CUDA device")
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -48,6 +48,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--compile", action="store_true",
                    help="count the run of --compile (the elementwise chains compiled: one kernel each, forward and "
                    "backward, their bytes at the boundary)")  # fmt: skip
+    p.add_argument("--dp", type=int, default=1,
+                   help="data-parallel replicas: with --dap D the layout of D x N training ranks whose communication is "
+                   "reported per rank and step (DAP's collectives per block and in all, the gradient all-reduce: bytes, "
+                   "launches, seconds on --card's links) and added to the predicted step (default 1)")  # fmt: skip
+    p.add_argument("--card", default="h100",
+                   help="the cluster's card for the communication report: h100, h200, a100-sxm, a100-pcie, b200 "
+                   "(their NVLink / PCIe and InfiniBand tables: scalefold/perf/cluster.py; default h100)")  # fmt: skip
     p.set_defaults(handler=_run)
 
 
@@ -70,6 +77,8 @@ def check_arguments(args: argparse.Namespace) -> str | None:
         return f"unknown preset {args.preset!r}; expected one of {sorted(PRESETS)}"
     if args.dap < 1:
         return f"--dap {args.dap}: must be >= 1"
+    if getattr(args, "dp", 1) < 1:
+        return f"--dp {args.dp}: must be >= 1"
     if getattr(args, "device_memory_gib", None) is not None and not args.device_memory_gib > 0:
         return f"--device-memory-gib {args.device_memory_gib:g}: must be > 0"
     try:
@@ -99,6 +108,7 @@ def _run(args: argparse.Namespace) -> int:
     problem = check_arguments(args)
     if problem:
         return _bad(problem)
+    card, layout = _cluster(args)
     try:
         cfg = train_config(args, **({"compile": True} if getattr(args, "compile", False) else {}))
         cfg, choice = resolve(args, cfg, estimate=lambda c: count_step(c, target=args.target, kernels=args.kernels))
@@ -106,8 +116,24 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # a policy that cannot fit, a layout DAP cannot take, a bad option value
         return _bad(str(exc))
     out = report(step, choice, depth=args.depth)
-    print(json.dumps(out, indent=1) if args.json else format_report(out))
+    out["communication"] = _communication(cfg, card, layout, step)
+    print(json.dumps(out, indent=1) if args.json else format_report(out) + "\n\n" + format_communication(out["communication"]))
     return 0
+
+
+def _cluster(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The card and the layout of ``--card``, ``--dap``, ``--dp`` (a layout that cannot exist is refused)."""
+    from scalefold.perf.cluster import card as card_named
+    from scalefold.perf.layout_model import Layout, validate_layout
+
+    card = card_named(args.card)
+    return card, validate_layout(Layout(count=args.dap * args.dp, dap=args.dap), card, args.crop)
+
+
+def _communication(cfg: Any, card: Any, layout: Any, step: Any) -> dict[str, Any]:
+    from scalefold.perf.layout_model import StepProfile, communication_report
+
+    return communication_report(cfg, card, layout, StepProfile.from_count(step))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,10 +283,47 @@ def _format_policy(p: dict[str, Any], flop: str, scale: float) -> str:
     return "\n".join(lines)
 
 
+def _bytes(n: float) -> str:
+    for name, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {name}"
+    return f"{n:.0f} B"
+
+
+def format_communication(c: dict[str, Any]) -> str:
+    """The readable table of the communication report (``report()["communication"]``)."""
+    lay, card, ar = c["layout"], c["card"], c["gradient_allreduce"]
+    intra, inter = card["intra_node"], card["inter_node"]
+    lines = [f"communication per rank and step: DAP {lay['dap']} x DP {lay['dp']} = {lay['train_ranks']} training ranks on "
+             f"{card['name']} nodes ({card['gpus_per_node']} x {card['gpu']}); inside a node {intra['description']} "
+             f"({intra['gb_per_s']:g} GB/s per direction, {intra['efficiency']:.0%} reached, {intra['latency_us']:g} us per "
+             f"collective), between nodes {inter['description']} ({inter['gb_per_s']:g} GB/s per port, {card['nics_per_node']} "
+             f"ports per node, {inter['efficiency']:.0%}, {inter['latency_us']:g} us per step); activations "
+             f"{c['activation_itemsize']} bytes/element, gradients {c['grad_itemsize']}"]  # fmt: skip
+    for stack, kinds in c["per_block_forward"].items():
+        parts = ", ".join(f"{v['calls']} {k} {_bytes(v['bytes'])}" for k, v in kinds.items())
+        lines.append(f"  one {stack} block, forward: {parts}")
+    lines.append("  per step (mean over the recycling counts; forward, recycling, recomputation and backward):")
+    for key, v in c["per_step_mean"].items():
+        lines.append(f"    {key:<24} {_bytes(v['bytes']):>12} in {v['calls']:8.0f} calls")
+    lines.append(f"    gradient all-reduce      {_bytes(ar['bytes']):>12} buffer ({c['parameters']:,} parameters), "
+                 f"{ar['buckets']} buckets, ring {_bytes(ar['ring_bytes_per_rank'])} per rank; {ar['intra_node_s'] * 1e3:.2f} ms "
+                 f"inside the node + {min(ar['inter_node_ring_s'], ar['inter_node_tree_s']) * 1e3:.2f} ms between "
+                 f"({ar['inter_node_algorithm']})")  # fmt: skip
+    for mode, per_n in c["predicted_step_s"].items():
+        m = per_n["mean"]
+        lines.append(f"  predicted {card['name']} {mode} step (mean): {m['step_s']:.3f} s = compute {m['compute_s']:.3f} s + "
+                     f"exposed communication {m['exposed_s'] * 1e3:.1f} ms (DAP {m['dap_s'] * 1e3:.1f} ms, "
+                     f"{m['dap_exposed_s'] * 1e3:.1f} exposed; all-reduce {m['allreduce_s'] * 1e3:.1f} ms, "
+                     f"{m['allreduce_exposed_s'] * 1e3:.1f} exposed; host launches {m['host_launch_s'] * 1e3:.1f} ms; "
+                     f"{m['launches']:.0f} collective launches)")  # fmt: skip
+    return "\n".join(lines)
+
+
 def _bad(message: str) -> int:
     from scalefold.errors import UserError
 
     raise UserError(message, label="")  # scalefold estimate-step: <message>, exit 3
 
 
-__all__ = ["add_common_arguments", "add_parser", "check_arguments", "format_report", "report", "resolve", "train_config"]
+__all__ = ["add_common_arguments", "add_parser", "check_arguments", "format_communication", "format_report", "report", "resolve", "train_config"]

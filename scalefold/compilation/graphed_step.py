@@ -113,7 +113,15 @@ MODES = CUDA_GRAPHS_MODES  # one list: the config validates it too
 #: Relative L2 error between a warm-up replay and the eager passes above which graphs are refused
 #: (catches a graph reading the wrong buffers -- O(1) errors --, not bf16 rounding).
 VALIDATION_TOLERANCE = 5e-2
+#: The whole step's warm-up check (relative L2 of the gradient buffer, weights, moments, loss, norm between
+#: replays and eager steps from the same state): a wrong gradient scale or a Python value baked into the
+#: graph (a learning rate, a counter) is an O(1) error; a replay of the same kernels is bit-identical or
+#: differs by the order of atomics (bf16 gradients: ~1e-3). The emulated capture on the CPU checks bit
+#: for bit (tolerance 0).
+WHOLE_STEP_TOLERANCE = 2e-2
 _VALIDATION_SEED = 20240613
+#: the learning rates of the warm-up check's consecutive steps (different, so a baked rate shows)
+_VALIDATION_LRS = (1e-3, 4e-4)
 
 
 STRICT_MODES = ("on", "recycling", "step")  # refused where graphs cannot be used
@@ -135,6 +143,8 @@ def resolve_mode(mode: str, device_type: str, model_parallel: int = 1, backend_a
         raise ValueError(f"--cuda-graphs must be one of {MODES}, got {mode!r}")
     if mode == "off":
         return False, "--cuda-graphs off"
+    if emulated_capture(mode, device_type):  # the whole step's capture, emulated (its graphs are the CPU's)
+        graph_device_type, backend_available = "cpu", True
     if mode in STRICT_MODES and mode != "on":  # recycling / step: refused where graphs cannot be used, as on
         try:
             enabled, why = resolve_mode("on", device_type, model_parallel, backend_available, graph_device_type,
@@ -443,7 +453,8 @@ def _where(exc: BaseException) -> str:
     """`` at path:line (function)`` of the innermost frame of the ``scalefold`` package, outside this
     machinery, that raised ``exc`` (e.g. the model line doing a host sync), or ``""``."""
     package = Path(__file__).resolve().parents[1]  # .../scalefold
-    ours = {Path(__file__).resolve(), package / "compilation" / "cuda_graphs.py"}
+    ours = {Path(__file__).resolve(), package / "compilation" / "cuda_graphs.py",
+            package / "compilation" / "emulated_capture.py"}
     for frame in reversed(traceback.extract_tb(exc.__traceback__)):
         path = Path(frame.filename).resolve()
         if path.is_relative_to(package) and path not in ours:
@@ -452,9 +463,10 @@ def _where(exc: BaseException) -> str:
 
 
 def synthetic_step_batch(features: Any, model: torch.nn.Module, device: torch.device,
-                         dtype: torch.dtype) -> dict[str, torch.Tensor]:  # fmt: skip
+                         dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:  # fmt: skip
     """A random batch with the training shapes (crop, MSA clusters, extra MSA, templates, all ``R``
-    recycling slices) -- what the pipeline pads every training sample to -- on ``device``."""
+    recycling slices) -- what the pipeline pads every training sample to -- on ``device`` (``seed``: its
+    own generator's)."""
     from scalefold.data.batch import move_batch
     from scalefold.model.features import make_synthetic_batch
 
@@ -462,7 +474,7 @@ def synthetic_step_batch(features: Any, model: torch.nn.Module, device: torch.de
     batch = make_synthetic_batch(
         features.train_sequence_crop_size, features.max_msa_clusters, features.max_extra_msa,
         features.max_templates, num_recycling_iters=features.num_ensembles - 1, tf_dim=embedder.tf_dim,
-        msa_dim=embedder.msa_dim,
+        msa_dim=embedder.msa_dim, seed=seed,
     )  # fmt: skip
     return move_batch(batch, device, dtype)
 
@@ -507,15 +519,26 @@ WHOLE_STEP_DDP = ("DDP's bucket all-reduce runs through its reducer's host-side 
                   "future callback, which a CUDA graph cannot hold")  # fmt: skip
 
 
+#: why whole-step graphs are not offered with branch parallelism
+WHOLE_STEP_BP = ("branch parallelism reseeds the generator per branch on the host (branch_rng), which a graph "
+                 "would freeze")  # fmt: skip
+
+
 def resolve_step_mode(mode: str, device_type: str, model_parallel: int = 1, world_size: int = 1,
                       backend_available: bool = True, graph_device_type: str = "cuda",
-                      unsupported: str | None = None) -> tuple[bool, str]:  # fmt: skip
+                      unsupported: str | None = None, bp: int = 1) -> tuple[bool, str]:  # fmt: skip
     """``(whole-step graphs wanted, why)`` for ``--cuda-graphs mode``: ``step`` and ``auto`` want them where
     the recycling graphs can run and the run has one data-parallel rank (:data:`WHOLE_STEP_DDP`); ``step``
-    is refused (:class:`CudaGraphsUnavailable`) elsewhere, ``auto`` then falls back quietly."""
+    is refused (:class:`CudaGraphsUnavailable`) elsewhere, ``auto`` then falls back quietly. ``step`` also
+    takes DAP (``model_parallel`` = DAP x ``bp``): its all-to-all / all-gather are tensor collectives on
+    preallocated buffers, captured inside the graph (NCCL; gloo under the CPU emulation), every rank of a
+    group capturing the same sequence and agreeing on the verdict; not branch parallelism (:data:`WHOLE_STEP_BP`)."""
     if mode not in ("step", "auto"):
         return False, f"--cuda-graphs {mode}"
-    enabled, why = resolve_mode(mode, device_type, model_parallel, backend_available, graph_device_type, unsupported)
+    emulated = emulated_capture(mode, device_type)
+    dap_inside = mode == "step" and model_parallel > 1 and bp == 1 and not unsupported
+    enabled, why = resolve_mode(mode, device_type, 1 if dap_inside else model_parallel, backend_available,
+                                graph_device_type, unsupported)  # fmt: skip
     if not enabled:
         return False, why
     if world_size > 1:
@@ -523,7 +546,9 @@ def resolve_step_mode(mode: str, device_type: str, model_parallel: int = 1, worl
             raise CudaGraphsUnavailable(f"--cuda-graphs step is not supported with {world_size} data-parallel ranks "
                                         f"({WHOLE_STEP_DDP}); use --cuda-graphs recycling or auto")  # fmt: skip
         return False, WHOLE_STEP_DDP
-    return True, f"--cuda-graphs {mode}: the whole step, CUDA, one rank"
+    where = "emulated on the CPU" if emulated else "CUDA"
+    ranks = f"DAP {model_parallel} (its collectives inside the graph)" if dap_inside else "one rank"
+    return True, f"--cuda-graphs {mode}: the whole step, {where}, {ranks}"
 
 
 @dataclass
@@ -562,17 +587,23 @@ class WholeStepGraphs:
 
     def __init__(self, step: Any, backend: GraphBackend | None = None, enabled: bool = True, reason: str = "",
                  log: Callable[[str], None] | None = None, warn: Callable[[str], None] | None = None, rank: int = 0,
-                 tolerance: float = VALIDATION_TOLERANCE) -> None:  # fmt: skip
+                 tolerance: float | None = None) -> None:  # fmt: skip
         self.step = step
         if enabled and backend is None:
             backend = CudaGraphBackend()
         self.backend = backend
         self.enabled = enabled and backend is not None and backend.is_available()
+        if tolerance is None:  # the emulation replays the same CPU operators: bit for bit
+            tolerance = 0.0 if getattr(backend, "emulated", False) else WHOLE_STEP_TOLERANCE
         self.reason, self.log, self.rank, self.tolerance = reason, log, rank, tolerance
         self.warn = warn if warn is not None else (lambda line: sys.stderr.write(f"rank {rank}: {line}\n"))
         self.stats = WholeStepStats()
         self._graphs: dict[Hashable, _StepGraph] = {}
         self._missed: set[int] = set()
+        self._memory = _MemoryWatch(False)
+        #: ``figures()`` -> (graph pool, an eager step's transient peak, what is left beside them) in bytes, or
+        #: ``None`` (not measured: the CPU); default: the CUDA allocator's (tests plant their own)
+        self.memory_figures: Callable[[], tuple[int, int, int] | None] | None = None
 
     @property
     def active(self) -> bool:
@@ -602,7 +633,10 @@ class WholeStepGraphs:
             for name, t in batch.items():
                 graph.static[name].copy_(t)
         self.stats.graphed += 1
-        return graph.replay().clone()  # the static outputs are overwritten by the next replay
+        result = graph.replay().clone()  # the static outputs are overwritten by the next replay
+        # a replay runs no Python: the host's side of the captured step(apply=...) is marked here
+        self.step.opt.mark_replayed()
+        return result
 
     def summary(self) -> str:
         s = self.stats
@@ -611,36 +645,52 @@ class WholeStepGraphs:
 
     # -- warm-up (before run_start) ---------------------------------------------------------------------
 
-    def warm_up(self, batch: Mapping[str, torch.Tensor], counts: list[int] | None = None) -> list[int]:
+    def warm_up(self, batch: Mapping[str, torch.Tensor], counts: list[int] | None = None,
+                second: Mapping[str, torch.Tensor] | None = None) -> list[int]:  # fmt: skip
         """Capture the whole step of every recycling count (default ``0 .. R-1`` of ``batch``, ``[..., R]``)
-        and check each replay against eager; the step's state is restored afterwards."""
+        and check two consecutive replays against eager steps (the second on ``second``, another batch of
+        the same shapes: default ``batch`` with its floating features perturbed); the step's state is
+        restored afterwards."""
         if not self.enabled:
             return []
         aatype = batch["aatype"]
         counts = list(range(int(aatype.shape[-1]))) if counts is None else counts
+        second = second if second is not None else perturbed_batch(batch)
         rng_devices = [aatype.device] if aatype.device.type == "cuda" else []
         t0 = time.perf_counter()
         state = self._save()
+        self._memory = _MemoryWatch(self.backend.device_type == "cuda" and torch.cuda.is_available())
         try:
             with torch.random.fork_rng(devices=rng_devices):
                 for n in counts:
                     static = {k: v[..., : n + 1].clone() for k, v in batch.items()}
+                    batches = ({k: v.clone() for k, v in static.items()},
+                               {k: v[..., : n + 1].clone() for k, v in second.items()})
                     try:
                         self._restore(state)
                         replay = self.backend.capture(self._compute, (static,))
-                        problem = self._check(static, replay, state)
+                        problem = self._check(static, replay, state, batches)
                     except Exception as exc:  # noqa: BLE001 -- any capture failure: whole-step graphs off
                         problem = f"capture failed: {exception_summary(exc)}{_where(exc)}"
                     if problem is not None:
                         self._turn_off(f"recycling count {n}: {problem}")
                         break
                     self._graphs[self._key(static, n)] = _StepGraph(static, replay)
+                problem = self._memory.problem(self.memory_figures) if self.enabled else None
+                if problem is not None:
+                    self._turn_off(problem)
         finally:
             self._restore(state, final=True)
         if self.enabled and self.log is not None:
+            how = " (emulated on the CPU: recorded once, replayed without the step's Python)" if self.emulated else ""
             self.log(f"cuda graphs: captured the whole step (recycling passes, grad pass, loss, backward, clipping, "
-                     f"update) of recycling counts {self.captured()} in {time.perf_counter() - t0:.1f} s ({self.reason})")  # fmt: skip
+                     f"update) of recycling counts {self.captured()}{how} in {time.perf_counter() - t0:.1f} s; "
+                     f"two consecutive replays per count matched eager ({self.reason})")  # fmt: skip
         return self.captured()
+
+    @property
+    def emulated(self) -> bool:
+        return bool(getattr(self.backend, "emulated", False))
 
     def _compute(self, batch: Mapping[str, torch.Tensor]) -> Any:
         """The captured function: the step's compute, its verdict left unread (the warm-up is undone)."""
@@ -667,25 +717,50 @@ class WholeStepGraphs:
             opt._n_averaged_host = max(opt._n_averaged_host, 1)
             self.step.autocast_cache = False
 
-    def _check(self, static: Mapping[str, torch.Tensor], replay: Callable[[], Any], state: dict[str, Any]) -> str | None:
-        """``None`` when a replay from ``state`` matches an eager step from the same state and seed."""
-        runs = []
-        for run in (replay, lambda: self._compute(static)):
+    def _check(self, static: Mapping[str, torch.Tensor], replay: Callable[[], Any], state: dict[str, Any],
+               batches: tuple[Mapping[str, torch.Tensor], ...]) -> str | None:  # fmt: skip
+        """``None`` when consecutive replays from ``state`` -- one per batch of ``batches``, each with its own
+        seed and learning rate -- match eager steps from the same state, seeds, rates and batches: the
+        verdict, loss, gradient norm, the gradient buffer, the updated weights and moments, the generators'
+        states. A wrong gradient (a scale, a stale buffer) or a Python value baked into the graph (the second
+        step's rate, a host counter) shows in the second step if not the first."""
+        runs = {}
+        eager = self._memory.measured(lambda: self._compute(static))
+        for name, run in (("replay", replay), ("eager", eager)):
             self._restore(state)
-            torch.manual_seed(_VALIDATION_SEED)
-            self.step.set_flags(False, 0)
-            out = run().clone()
-            update = [g.master.detach().clone() for g in self.step.opt.groups]
-            runs.append((out, update, _rng_states(static["aatype"].device)))
-        (g, g_update, g_rng), (e, e_update, e_rng) = runs
+            rows = []
+            for i, batch in enumerate(batches):
+                with torch.no_grad():
+                    for key, t in batch.items():
+                        static[key].copy_(t)
+                self.step.opt.set_lr(_VALIDATION_LRS[i % len(_VALIDATION_LRS)])
+                torch.manual_seed(_VALIDATION_SEED + i)
+                self.step.set_flags(False, 0)
+                out = run().clone()
+                self.step.opt.forget_pending()
+                opt = self.step.opt
+                rows.append((out, [t.detach().clone() for g in opt.groups for t in (g.grad, g.master, g.exp_avg)],
+                             _rng_states(static["aatype"].device)))  # fmt: skip
+            runs[name] = rows
+        for step, ((g, g_bufs, g_rng), (e, e_bufs, e_rng)) in enumerate(zip(runs["replay"], runs["eager"]), 1):
+            problem = self._compare(g, e, g_bufs, e_bufs, g_rng, e_rng)
+            if problem is not None:
+                return f"warm-up step {step} of {len(batches)}: {problem}"
+        return None
+
+    def _compare(self, g: Any, e: Any, g_bufs: list[torch.Tensor], e_bufs: list[torch.Tensor], g_rng: list,
+                 e_rng: list) -> str | None:  # fmt: skip
         if bool(g.apply) != bool(e.apply):
             return f"the replay's verdict (apply {bool(g.apply)}) differs from eager's ({bool(e.apply)})"
-        before = [saved[0] for saved in state["opt"]["buffers"]]
-        pairs = [("loss", g.loss, e.loss), ("grad norm", g.grad_norm, e.grad_norm)]
-        pairs += [("weight update", gu - b, eu - b) for gu, eu, b in zip(g_update, e_update, before)]
+        names = ("gradient buffer", "weights", "Adam's first moment") * len(self.step.opt.groups)
+        pairs = [("loss", g.loss, e.loss), ("grad norm", g.grad_norm, e.grad_norm)] + list(zip(names, g_bufs, e_bufs))
         for name, x, y in pairs:
             x, y = x.double(), y.double()
             if not bool(torch.isfinite(y).all()):
+                continue
+            if self.tolerance == 0:
+                if not torch.equal(x, y):
+                    return f"replay differs from eager ({name}: not bit-identical, max difference {float((x - y).abs().max()):.3e})"
                 continue
             rel = float((x - y).norm() / y.norm().clamp_min(1e-30))
             if not rel <= self.tolerance:
@@ -711,6 +786,82 @@ class WholeStepGraphs:
         self.warn(f"cuda graphs: whole step {why}; whole-step graphs are off for this run")
 
 
+def perturbed_batch(batch: Mapping[str, torch.Tensor], seed: int = _VALIDATION_SEED) -> dict[str, torch.Tensor]:
+    """Another batch of ``batch``'s shapes for the warm-up check: floating features that are not 0/1 masks
+    moved by a few per cent of their spread (a replay still reading the first batch shows), the rest as is."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in batch.items():
+        if t.is_floating_point() and t.numel() and not bool(((t == 0) | (t == 1)).all()):
+            noise = torch.randn(t.shape, generator=g, dtype=torch.float32).to(t.device, t.dtype)
+            t = t + 0.05 * t.float().std().to(t.dtype) * noise
+        out[name] = t.clone()
+    return out
+
+
+def emulated_capture(mode: str, device_type: str) -> bool:
+    """Whether ``--cuda-graphs mode`` on ``device_type`` runs the CPU emulation of a capture: ``step`` on a
+    CPU (:mod:`scalefold.compilation.emulated_capture`; ``auto`` keeps eager there)."""
+    return mode == "step" and device_type == "cpu"
+
+
+def step_graph_backend(mode: str, device_type: str, backend: GraphBackend | None = None) -> tuple[GraphBackend | None, bool, str]:
+    """``(backend, available, its device type)`` for whole-step graphs: the given one, the CPU emulation
+    (:func:`emulated_capture`), else CUDA's."""
+    if backend is None and emulated_capture(mode, device_type):
+        from scalefold.compilation.emulated_capture import EmulatedGraphBackend
+
+        backend = EmulatedGraphBackend()
+    if backend is not None:
+        return backend, backend.is_available(), backend.device_type
+    return None, torch.cuda.is_available(), "cuda"
+
+
+class _MemoryWatch:
+    """The memory whole-step graphs hold on a GPU: the pool the captures reserved (held for the run) and the
+    transient peak of an eager step (SWA's first update, a shape not captured, which run beside the pool),
+    against the card's memory. Graphs that leave no room for an eager step are turned off at warm-up."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.reserved_before = torch.cuda.memory_reserved() if cuda else 0
+        self.eager_transient = 0
+
+    def measured(self, run: Callable[[], Any]) -> Callable[[], Any]:
+        """``run`` with its transient peak above the memory it started from recorded (the largest seen)."""
+        if not self.cuda:
+            return run
+
+        def timed() -> Any:
+            start = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            out = run()
+            self.eager_transient = max(self.eager_transient, torch.cuda.max_memory_allocated() - start)
+            return out
+
+        return timed
+
+    def figures(self) -> tuple[int, int, int] | None:
+        if not self.cuda:
+            return None
+        free, _ = torch.cuda.mem_get_info()
+        pool = torch.cuda.memory_reserved() - self.reserved_before
+        unused_reserved = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        return pool, self.eager_transient, free + unused_reserved
+
+    def problem(self, planted: Callable[[], tuple[int, int, int] | None] | None = None) -> str | None:
+        figures = planted() if planted is not None else self.figures()
+        if figures is None:
+            return None
+        pool, eager, left = figures
+        if eager <= left:
+            return None
+        gib = 2**30
+        return (f"memory: the graphs' pool holds {pool / gib:.2f} GiB for the run and an eager step (SWA's first "
+                f"update, an uncaptured shape) needs {eager / gib:.2f} GiB beside it, {left / gib:.2f} GiB is left on "
+                "the card (use --activation-checkpointing on / auto, a larger --dap, or --cuda-graphs recycling)")  # fmt: skip
+
+
 def setup_step_graphs(
     mode: str,
     step: Any,
@@ -723,18 +874,22 @@ def setup_step_graphs(
     rank: int = 0,
     verbose: bool = True,
     backend: GraphBackend | None = None,
+    bp: int = 1,
 ) -> WholeStepGraphs:
     """Whole-step graphs for ``--cuda-graphs mode`` over ``step`` (a
     :class:`~scalefold.train.step.TrainingStep`), captured and checked on a synthetic batch of the training
     shapes (before ``run_start``). Off where :func:`resolve_step_mode` says so (``step`` is refused there)."""
-    available = backend.is_available() if backend is not None else torch.cuda.is_available()
-    graph_device = backend.device_type if backend is not None else "cuda"
+    backend, available, graph_device = step_graph_backend(mode, device.type, backend)
     enabled, reason = resolve_step_mode(mode, device.type, model_parallel, world_size, available, graph_device,
-                                        unsupported=uncapturable_reason(model))  # fmt: skip
+                                        unsupported=uncapturable_reason(model), bp=bp)  # fmt: skip
     log = (lambda line: print(line, flush=True)) if verbose else None
     graphs = WholeStepGraphs(step, backend=backend, enabled=enabled, reason=reason, log=log, rank=rank)
     if graphs.active:
-        graphs.warm_up(synthetic_step_batch(features, model, device, dtype))
+        if log is not None and graphs.emulated:
+            log("cuda graphs: --cuda-graphs step on a CPU runs the emulated capture (each recycling count's step "
+                "recorded once and replayed without its Python, refusing what a CUDA capture refuses)")  # fmt: skip
+        second = synthetic_step_batch(features, model, device, dtype, seed=1)
+        graphs.warm_up(synthetic_step_batch(features, model, device, dtype), second=second)
     return graphs
 
 
@@ -744,8 +899,12 @@ __all__ = [
     "GraphedStep",
     "GraphedStepStats",
     "resolve_mode",
+    "WHOLE_STEP_TOLERANCE",
     "WholeStepGraphs",
     "WholeStepStats",
+    "emulated_capture",
+    "perturbed_batch",
+    "step_graph_backend",
     "resolve_step_mode",
     "setup_graphed_step",
     "setup_step_graphs",

@@ -127,9 +127,10 @@ def adam_swa_chunk_(
     """One chunk of :func:`adam_swa_`: clip scale -> ``torch.optim.Adam`` (single-tensor path)
     operation by operation -> compute copy -> SWA.
 
-    ``neg_step_size`` is ``-lr / bias_correction1``: a host float (CPU: Adam's own ``addcdiv_``, bit
-    for bit) or a device scalar (no host sync; ``p + (value * exp_avg) / denom`` as ``addcdiv_``
-    evaluates it, within a few ulp). ``scratch``: three buffers of the chunk's length and master
+    ``neg_step_size`` is ``-lr / bias_correction1``: a host float (Adam's own ``addcdiv_``) or a device
+    scalar (no host read; ``p + (value * exp_avg) / denom`` in the order ``addcdiv_`` evaluates it, with the
+    scalar cast to the master dtype as ``addcdiv_`` casts its ``value``: on the CPU bit for bit the same,
+    ``tests/optim``; on CUDA within a few ulp). ``scratch``: three buffers of the chunk's length and master
     dtype for the temporaries (``None`` allocates).
     """
     s_grad, s_denom, s_update = scratch if scratch is not None else (None, None, None)
@@ -188,14 +189,13 @@ def adam_swa_(
     instead of three, but lerp's vectorised CPU kernel may fuse the multiply-add, so the two differ
     in the last bit (fp32: ~1 ulp per step). Training has always used the lerp form.
 
-    On CPU the step size is read to a host float (no device sync there), so the Adam update is
-    ``torch.optim.Adam``'s own ``addcdiv_``: fp32 results equal it bit for bit. ``chunk_numel``
+    The step size stays a device scalar on every device (nothing is read back to the host, so a captured
+    step -- :mod:`scalefold.compilation.emulated_capture` on the CPU -- replays it with each step's count);
+    on the CPU the update equals ``torch.optim.Adam``'s ``addcdiv_`` with the host float bit for bit. ``chunk_numel``
     processes the buffers in chunks (temporaries stay in the CPU caches; ``None``: one pass) with
     ``scratch``: three master-dtype buffers of at least one chunk (``None`` allocates).
     """
     neg_step_size, bias_correction2_sqrt = adam_step_scalars(lr, step, beta1, beta2)
-    if param.device.type == "cpu":
-        neg_step_size = float(neg_step_size)
     scalars = dict(
         clip_scale=clip_scale, neg_step_size=neg_step_size, bias_correction2_sqrt=bias_correction2_sqrt,
         beta1=beta1, beta2=beta2, eps=eps, swa_decay=swa_decay, swa_copy=swa_n_averaged == 0,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from scalefold import residue_constants as rc
-from scalefold.losses.common import masked_mean
+from scalefold.losses.common import device_table, masked_mean
 
 #: The 7 predicted torsions are (omega, phi, psi, chi1..chi4); chi losses use the last 4.
 FIRST_CHI_INDEX = 3
@@ -19,7 +19,7 @@ FIRST_CHI_INDEX = 3
 
 def chi_pi_periodic_mask(aatype: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[*, N_res] residue types -> [*, N_res, 4] 1.0 where that chi is π-periodic."""
-    table = torch.tensor(rc.chi_pi_periodic, dtype=dtype, device=aatype.device)  # [21, 4]
+    table = device_table("chi_pi_periodic", aatype.device, dtype, lambda: rc.chi_pi_periodic)  # [21, 4]
     return table[aatype]
 
 

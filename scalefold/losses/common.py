@@ -7,13 +7,31 @@ keeps the float64 results equal to the MLPerf reference to ~1e-14.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Union
+from collections.abc import Callable, Sequence
+from typing import Any, Union
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 Dims = Union[int, Sequence[int]]
+_TABLES: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def device_table(name: str, device: torch.device, dtype: torch.dtype, build: Callable[[], Any]) -> torch.Tensor:
+    """The constant table ``build()`` (host data: a list, a NumPy array, a CPU tensor) on ``device`` in
+    ``dtype``, built once per (name, device, dtype) and reused: a host-to-device copy of Python data inside
+    the step is what a CUDA-graph capture refuses (:mod:`scalefold.compilation.capture_rules`), and one per
+    step and table is wasted time. Built outside inference mode and grad (usable by any later step); a
+    table built under a fake-tensor mode (the memory model's step) is returned, not kept."""
+    key = (name, torch.device(device), dtype)
+    table = _TABLES.get(key)
+    if table is None:
+        with torch.inference_mode(False), torch.no_grad():
+            table = torch.as_tensor(build(), dtype=dtype, device=device)
+        if not is_fake(table):
+            _TABLES[key] = table
+    return table
 
 
 def softmax_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from scalefold import residue_constants as rc
+from scalefold.losses.common import device_table
 
 #: atom14 slots of the backbone atoms (identical for every residue type).
 N_INDEX, CA_INDEX, C_INDEX = 0, 1, 2
@@ -224,16 +225,16 @@ def between_residue_clash_loss(
     dists_mask = dists_mask * (residue_index[..., :, None, None, None] < residue_index[..., None, :, None, None])
 
     # The C(i)-N(i+1) peptide bond is not a clash.
-    c_one_hot = F.one_hot(residue_index.new_tensor(C_INDEX), num_classes=NUM_ATOM14)
+    c_one_hot = _atom14_one_hot(C_INDEX, residue_index.device)
     c_one_hot = c_one_hot.reshape(*batch_ones, *c_one_hot.shape).to(dtype)
-    n_one_hot = F.one_hot(residue_index.new_tensor(N_INDEX), num_classes=NUM_ATOM14)
+    n_one_hot = _atom14_one_hot(N_INDEX, residue_index.device)
     n_one_hot = n_one_hot.reshape(*batch_ones, *n_one_hot.shape).to(dtype)
     neighbour_mask = (residue_index[..., :, None, None, None] + 1) == residue_index[..., None, :, None, None]
     c_n_bonds = neighbour_mask * c_one_hot[..., None, None, :, None] * n_one_hot[..., None, None, None, :]
     dists_mask = dists_mask * (1.0 - c_n_bonds)
 
     # Disulfide bridges (SG-SG) are not clashes.
-    cys_sg_one_hot = F.one_hot(residue_index.new_tensor(CYS_SG_INDEX), num_classes=NUM_ATOM14)
+    cys_sg_one_hot = _atom14_one_hot(CYS_SG_INDEX, residue_index.device)
     cys_sg_one_hot = cys_sg_one_hot.reshape(*batch_ones, *cys_sg_one_hot.shape)
     disulfide_bonds = cys_sg_one_hot[..., None, None, :, None] * cys_sg_one_hot[..., None, None, None, :]
     dists_mask = dists_mask * (1.0 - disulfide_bonds)
@@ -296,6 +297,18 @@ def within_residue_violations(
     return {"per_atom_loss_sum": per_atom_loss_sum, "per_atom_violations": per_atom_violations}
 
 
+def _atom14_one_hot(index: int, device: torch.device) -> torch.Tensor:
+    """``F.one_hot(index, 14)`` (int64) on ``device``, built once (no host-to-device copy in the step)."""
+    return device_table(f"atom14_one_hot:{index}", device, torch.int64,
+                        lambda: F.one_hot(torch.tensor(index), num_classes=NUM_ATOM14))  # fmt: skip
+
+
+def _bounds_table(which: str, bounds: dict[str, np.ndarray], tolerances: tuple[float, float], device: torch.device,
+                  dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """``bounds[which]`` ``[21, 14, 14]`` on ``device`` in ``dtype``, built once per tolerance pair."""
+    return device_table(f"atom14_dists_{which}:{tolerances}", device, dtype, lambda: bounds[which])
+
+
 @functools.cache
 def _atom14_dists_bounds(overlap_tolerance: float, bond_length_tolerance_factor: float) -> dict[str, np.ndarray]:
     return rc.make_atom14_dists_bounds(
@@ -334,7 +347,8 @@ def find_structural_violations(
     )
 
     # [*, N_res, 14]
-    atomtype_radius = atom14_pred_positions.new_tensor(atom37_van_der_waals_radius())
+    device, dtype = atom14_pred_positions.device, atom14_pred_positions.dtype
+    atomtype_radius = device_table("atom37_van_der_waals_radius", device, dtype, atom37_van_der_waals_radius)
     atom14_atom_radius = atom14_atom_exists * atomtype_radius[batch["residx_atom14_to_atom37"]]
     between_residue_clashes = between_residue_clash_loss(
         atom14_pred_positions=atom14_pred_positions,
@@ -345,12 +359,13 @@ def find_structural_violations(
         overlap_tolerance_hard=clash_overlap_tolerance,
     )
 
-    bounds = _atom14_dists_bounds(clash_overlap_tolerance, violation_tolerance_factor)
+    tolerances = (clash_overlap_tolerance, violation_tolerance_factor)
+    bounds = _atom14_dists_bounds(*tolerances)
     residue_violations = within_residue_violations(
         atom14_pred_positions=atom14_pred_positions,
         atom14_atom_exists=atom14_atom_exists,
-        atom14_dists_lower_bound=atom14_pred_positions.new_tensor(bounds["lower_bound"])[batch["aatype"]],
-        atom14_dists_upper_bound=atom14_pred_positions.new_tensor(bounds["upper_bound"])[batch["aatype"]],
+        atom14_dists_lower_bound=_bounds_table("lower_bound", bounds, tolerances, device, dtype)[batch["aatype"]],
+        atom14_dists_upper_bound=_bounds_table("upper_bound", bounds, tolerances, device, dtype)[batch["aatype"]],
         tighten_bounds_for_loss=0.0,
     )
 

@@ -10,11 +10,21 @@ per *column* and shares it over all rows ("row-wise dropout"), and vice versa. F
 The mask is drawn by :func:`shared_dropout_mask` alone, so under DAP every rank of a group draws
 the full-size mask identically and keeps its own part (``forward(x, plane, sharded)``). Dropout is the
 identity in eval mode and when the rate is 0.
+
+**Activation checkpointing** recomputes a block in backward, and its dropout must use the masks the
+forward drew. ``torch.utils.checkpoint`` would save the generator's state and set it back for the
+recomputation, which a CUDA-graph capture refuses (``torch.cuda.get_rng_state`` / ``set_rng_state`` under
+capture). Instead a checkpointed block runs under a :class:`MaskTape`
+(:func:`scalefold.model.memory.run_block`): its forward records every mask it draws, its recomputation
+takes them back in order and draws nothing. The generator's stream is the same as with a preserved state
+(the forward draws, the recomputation does not advance it), so the numbers are too, and the recomputation
+is graph-safe: the masks are tensors the graph holds, not host state.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Union
 
 import torch
@@ -54,6 +64,44 @@ def shared_dropout_mask(
     return F.dropout(ones, p=p, training=True)
 
 
+class MaskTape:
+    """The dropout masks of one checkpointed block: its first pass (the forward) records each mask drawn,
+    every later pass (the recomputation in backward) takes them back in order."""
+
+    def __init__(self) -> None:
+        self.masks: list[torch.Tensor] = []
+        self.recorded = False
+        self._position = 0
+
+    @contextmanager
+    def run(self) -> Iterator[MaskTape]:
+        """One pass of the block: the first records, later ones replay from the first mask."""
+        self._position = 0
+        _TAPES.append(self)
+        try:
+            yield self
+        finally:
+            _TAPES.pop()
+            if self.recorded and self._position != len(self.masks):
+                raise RuntimeError(f"activation checkpointing: the recomputation used {self._position} of the "
+                                   f"{len(self.masks)} dropout masks its forward drew")  # fmt: skip
+            self.recorded = True
+
+    def take(self, draw, shape: Sequence[int]) -> torch.Tensor:  # noqa: ANN001 -- draw() -> the mask
+        if not self.recorded:
+            mask = draw()
+            self.masks.append(mask)
+            return mask
+        if self._position >= len(self.masks):
+            raise RuntimeError("activation checkpointing: the recomputation drew more dropout masks than its forward")
+        mask = self.masks[self._position]
+        self._position += 1
+        return mask
+
+
+_TAPES: list[MaskTape] = []  # the innermost active checkpointed block's tape last
+
+
 class SharedDropout(nn.Module):
     """Dropout with the mask shared (broadcast) along ``share_dim``; identity in eval or at rate 0."""
 
@@ -79,6 +127,11 @@ class SharedDropout(nn.Module):
         """The mask for ``x`` (None in eval mode or at rate 0); arguments as :meth:`forward`."""
         if not self.training or self.p == 0.0:
             return None
+        if _TAPES:  # inside a checkpointed block: the forward's masks again in its recomputation
+            return _TAPES[-1].take(lambda: self._draw(x, plane, sharded), x.shape)
+        return self._draw(x, plane, sharded)
+
+    def _draw(self, x: torch.Tensor, plane, sharded: int) -> torch.Tensor:  # noqa: ANN001
         if plane is None:
             return shared_dropout_mask(x.shape, self.p, self.share_dim, x.device, x.dtype)
         return plane.dropout_mask(
@@ -103,4 +156,4 @@ class DropoutColumnwise(SharedDropout):
         super().__init__(p, share_dim=COLUMN_SHARED_DIM)
 
 
-__all__ = ["shared_dropout_mask", "SharedDropout", "DropoutRowwise", "DropoutColumnwise"]
+__all__ = ["MaskTape", "shared_dropout_mask", "SharedDropout", "DropoutRowwise", "DropoutColumnwise"]

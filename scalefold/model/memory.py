@@ -31,6 +31,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from scalefold.config.recompute import Policy, parse_checkpointing
+from scalefold.model.dropout import MaskTape
 
 
 def chunked(
@@ -106,11 +107,18 @@ def use_checkpointing(module: nn.Module, requested: bool) -> bool:
 def run_block(block: nn.Module, with_checkpoint: bool, *args: torch.Tensor, **kwargs):
     """Run ``block(*args, **kwargs)``, recomputing its activations in backward if asked.
 
-    Non-reentrant ``torch.utils.checkpoint`` (RNG state preserved, so dropout masks are redrawn
-    identically in the recomputation).
+    Non-reentrant ``torch.utils.checkpoint`` without the RNG state (no generator state read or set: a
+    CUDA graph can capture it); the recomputation takes the dropout masks its forward drew from the
+    block's :class:`~scalefold.model.dropout.MaskTape`, so its activations and gradients are the forward's.
     """
     if with_checkpoint:
-        return checkpoint(block, *args, use_reentrant=False, **kwargs)
+        tape = MaskTape()
+
+        def taped(*a: torch.Tensor, **k):  # noqa: ANN003
+            with tape.run():
+                return block(*a, **k)
+
+        return checkpoint(taped, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
     return block(*args, **kwargs)
 
 

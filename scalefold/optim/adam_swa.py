@@ -332,6 +332,14 @@ class FlatAdamSWA:
         not the first SWA update (a copy, decided on the host) and no verdict pending."""
         return self._n_averaged_host > 0 and not self._pending
 
+    def mark_replayed(self) -> None:
+        """The host's side of a **replayed** ``step(apply=...)``: a CUDA graph's replay runs no Python, so the
+        verdict it left on the device is marked pending here (the caller's :meth:`settle` then follows the
+        read verdict, as after an eager step)."""
+        if self._pending:
+            raise RuntimeError("FlatAdamSWA: a replayed step while the previous step(apply=...) was not settled")
+        self._pending = True
+
     def forget_pending(self) -> None:
         """Drop an unsettled verdict without touching the host mirrors: for steps whose effect is undone
         (a CUDA graph's warm-up and capture, restored from :meth:`snapshot` afterwards)."""

@@ -12,6 +12,10 @@ shapes, so they measure the step the Trainer takes by construction.
   per operator, by module and recycling count (:func:`~scalefold.perf.flops.step_throughput`: a logged
   step's TFLOP/s and MFU); :mod:`scalefold.perf.devices` the GPUs' peaks and the roofline floor;
   :mod:`scalefold.perf.recompute` the activation-checkpointing policy that fits a device (``auto``);
+* :mod:`scalefold.perf.comm`, :mod:`scalefold.perf.cluster`, :mod:`scalefold.perf.layout_model` -- ``scalefold
+  estimate-step --dp``: each collective's bytes per rank (DAP per block and step, BP, the gradient all-reduce) on
+  named cards and links, and the step at a layout (compute per card + exposed communication);
+  :mod:`scalefold.perf.plan` -- ``scalefold plan``: the time to train on N cards, calibrated on NVIDIA's v3.0 runs;
 * :mod:`scalefold.perf.step_bench` -- ``scalefold bench step``: the step timed eager and compiled in
   one process, with graph breaks and recompilations counted; ``--call-sites``
   (:mod:`scalefold.perf.compile_sites`): each compiled region's cost at the step's own call sites,

@@ -512,12 +512,12 @@ def estimate_memory(
             step.run(n, phase=tracker.phase)
     by_cat, by_mod = tracker.breakdown()
     step_peak = tracker.peak
-    peak, pool = _with_graph_pool(tracker, bool(cuda_graphs and n > 0))
+    peak, pool, graphs = _graph_peak(cfg, target, bool(cuda_graphs), tracker, batch.values(), n)
     settings = {
         "preset": cfg.model_preset, "precision": cfg.precision, "crop": _crop(model_cfg), "dap": cfg.dap,
         "target": target, "kernels": kernels,
         "recycling_passes": n, "activation_checkpointing": policy_name(cfg.activation_checkpointing),
-        "checkpointed_blocks": model.checkpointed_blocks(), "cuda_graphs": bool(cuda_graphs),
+        "checkpointed_blocks": model.checkpointed_blocks(), "cuda_graphs": graphs,
     }  # fmt: skip
     return MemoryEstimate(
         peak_bytes=int(peak), step_peak_bytes=int(step_peak), cuda_graph_pool_bytes=int(pool), breakdown=by_cat,
@@ -540,6 +540,33 @@ def _build_constant_tables() -> None:
 
     for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         rigid_group_constants(dtype, torch.device("cpu"))
+
+
+def _graph_peak(cfg: TrainConfig, target: str, cuda_graphs: bool, tracker: StorageTracker, batch: Any,
+                n: int) -> tuple[int, int, str | bool]:  # fmt: skip
+    """(peak, graph pool, which graphs: ``step`` / ``recycling`` / ``False``) of the tracked step: whole-step
+    graphs where the run asks for them (``--cuda-graphs step`` on CUDA, DAP and BP 1), else the recycling
+    passes' graphs where they apply."""
+    if cuda_graphs and target == "cuda" and cfg.dap * cfg.bp == 1 and cfg.cuda_graphs == "step":
+        return (*_with_whole_step_pool(tracker, batch), "step")
+    peak, pool = _with_graph_pool(tracker, bool(cuda_graphs and n > 0))
+    return peak, pool, "recycling" if cuda_graphs else False
+
+
+def _with_whole_step_pool(tracker: StorageTracker, batch: Any) -> tuple[int, int]:
+    """(peak, pool) with whole-step CUDA graphs (``--cuda-graphs step``, ``auto`` where it captures): the graphs'
+    one pool holds the step's whole transient peak (everything above the state at the forward's start) for the
+    run, the static batch buffers beside it, and an eager step -- SWA's first update, a shape not captured,
+    the evaluation's forward (no grad: less) -- needs its own transient peak outside the pool: the state, the
+    pool, the static batch and one more transient peak."""
+    base = tracker.phase_start["forward"]
+    transient = max(tracker.peak - base, 0)
+    static_batch = sum(_block(t.untyped_storage().nbytes(), tracker.block) for t in batch)
+    return tracker.peak + transient + static_batch, transient + static_batch
+
+
+def _block(nbytes: int, block: int) -> int:
+    return -(-nbytes // block) * block if block > 1 else nbytes
 
 
 def _with_graph_pool(tracker: StorageTracker, graphed: bool) -> tuple[int, int]:

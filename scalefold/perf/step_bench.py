@@ -343,17 +343,20 @@ def step_host_syncs(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def graphed_step_times(cfg: TrainConfig, mode: str, repeats: int, warmup: int) -> dict[str, Any]:
-    """On the GPU: eager vs CUDA-graphed steps (``mode``: recycling, step or auto -- the whole step where it
-    captures, else the recycling passes), paired as :func:`paired_times`; ``speedup`` eager / graphed."""
+    """Eager vs CUDA-graphed steps (``mode``: recycling, step or auto -- the whole step where it captures, else
+    the recycling passes), paired as :func:`paired_times`; ``speedup`` eager / graphed. On a GPU; ``step`` on a
+    CPU runs the emulated capture (``captured: step (emulated)``: its replays run the recorded operators, so
+    its time says nothing of a GPU's)."""
     from scalefold.compilation.graphed_step import GraphedStep
     from scalefold.train.step import TrainingStep
 
-    eager = _Config(TrainingStep.build(cfg, "cuda"), None)
-    step = TrainingStep.build(cfg, "cuda")
-    out: dict[str, Any] = {"mode": mode, "device": torch.cuda.get_device_name()}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    eager = _Config(TrainingStep.build(cfg, device), None)
+    step = TrainingStep.build(cfg, device)
+    out: dict[str, Any] = {"mode": mode, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
     whole = step.use_whole_step_graphs() if mode in ("step", "auto") else None
     if whole is not None and whole.active:
-        out.update(captured="step", counts=whole.captured())
+        out.update(captured="step (emulated)" if whole.emulated else "step", counts=whole.captured())
     elif mode == "step":
         return {**out, "error": f"whole-step graphs off: {whole.reason}"}
     else:

@@ -166,10 +166,11 @@ def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
         # --cuda-graphs on where graphs cannot run is refused on every rank before anything is logged or built
         # (evaluation ranks included, which would otherwise wait for a run_start that never comes)
         unsupported = PARALLEL_EVOFORMER_UNCAPTURABLE if cfg.parallel_evoformer else None
-        resolve_graph_mode(cfg.cuda_graphs, runtime.device.type, model_parallel=parallel.layout.model_parallel,
-                           unsupported=unsupported)  # fmt: skip
+        if cfg.cuda_graphs != "step":  # the recycling passes' graphs (step: the whole step's, below)
+            resolve_graph_mode(cfg.cuda_graphs, runtime.device.type, model_parallel=parallel.layout.model_parallel,
+                               unsupported=unsupported)  # fmt: skip
         resolve_step_mode(cfg.cuda_graphs, runtime.device.type, parallel.layout.model_parallel,
-                          parallel.num_train_ranks if runtime.distributed else 1, unsupported=unsupported)  # fmt: skip
+                          parallel.num_train_ranks if runtime.distributed else 1, unsupported=unsupported, bp=cfg.bp)  # fmt: skip
         with StopRequest() as stop_request:
             if parallel.is_eval_rank:  # asynchronous evaluation ranks: serve evaluations until training ends
                 result = _evaluation_rank(cfg, runtime, stop_request, model_cfg, features)
@@ -360,7 +361,7 @@ class Trainer:
         # forward(batch) is net(batch) where the recycling graphs are off
         model_parallel = self.parallel.layout.model_parallel
         whole, _ = resolve_step_mode(cfg.cuda_graphs, self.device.type, model_parallel, self.ddp_world,
-                                     torch.cuda.is_available(), unsupported=uncapturable_reason(model))  # fmt: skip
+                                     torch.cuda.is_available(), unsupported=uncapturable_reason(model), bp=cfg.bp)  # fmt: skip
         self.forward = setup_graphed_step("off" if whole else cfg.cuda_graphs, model, self.net, self.features,
                                           self.device, self.dtype, self.autocast, model_parallel=model_parallel,
                                           rank=self.runtime.rank, verbose=self.main)  # fmt: skip
@@ -380,7 +381,7 @@ class Trainer:
         cfg = self.cfg
         graphs = setup_step_graphs(cfg.cuda_graphs, self.step, model, self.features, self.device, self.dtype,
                                    world_size=self.ddp_world, model_parallel=model_parallel, rank=self.runtime.rank,
-                                   verbose=self.main)  # fmt: skip
+                                   verbose=self.main, bp=cfg.bp)  # fmt: skip
         self.step_graphs = graphs
         if graphs.active:
             self.step.graphs = graphs
@@ -604,10 +605,10 @@ class Trainer:
                 print(time_to_train_line(self.clock, result), flush=True)
         result.timings = dict(self.timings)
         result.device_name = self.hooks.device_name
-        if self.device.type == "cuda":  # graphed / eager step counts (on CPU the forward is always eager)
+        if self.device.type == "cuda":  # graphed / eager step counts (on CPU the recycling passes are always eager)
             result.notes.append(self.forward.summary())
-            if getattr(self, "step_graphs", None) is not None:
-                result.notes.append(self.step_graphs.summary())
+        if getattr(self, "step_graphs", None) is not None and (self.device.type == "cuda" or self.step_graphs.emulated):
+            result.notes.append(self.step_graphs.summary())
         if getattr(self, "compiled", None) is not None:  # graph breaks / recompilations of the compiled regions
             result.notes.append(self.compiled.summary())
         if self.main and (aborted or eval_failure is not None):  # an aborted run gets its curves and breakdown too

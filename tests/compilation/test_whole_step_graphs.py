@@ -1,9 +1,11 @@
-"""Whole-step CUDA graphs (``--cuda-graphs step``) on CPU with a fake graph backend.
+"""Whole-step CUDA graphs (``--cuda-graphs step``) on the CPU over the emulated capture
+(:mod:`scalefold.compilation.emulated_capture`: the step recorded once, replayed without its Python).
 
-The fake "graph" re-runs the captured function (the training step's ``compute``) on the static batch
-buffers, so these tests check everything short of the capture itself: the static buffers and the copy
-of the live batch into them, the replay bookkeeping, the warm-up that leaves no trace, the comparison
-with eager, and the fallbacks on a failed or disagreeing capture.
+These tests check the capture bookkeeping on top of it -- the static buffers and the copy of the live
+batch into them, the replay's host side (the optimizer's pending verdict), the warm-up that leaves no
+trace, the check of two consecutive replays against eager (which catches a wrong gradient and a Python
+value baked into the graph), the fallbacks -- and that the step itself keeps a capture's rules: with
+dropout and activation checkpointing on, replays are bit-identical to eager.
 """
 
 from __future__ import annotations
@@ -17,41 +19,40 @@ from scalefold.compilation.graphed_step import (
     WHOLE_STEP_DDP,
     CudaGraphsUnavailable,
     WholeStepGraphs,
+    perturbed_batch,
+    resolve_mode,
     resolve_step_mode,
 )
+from scalefold.compilation.emulated_capture import EmulatedGraphBackend
 from scalefold.config.training import TrainConfig
 from scalefold.train.step import TrainingStep
 
 
-class FakeStepBackend:
-    """CPU stand-in: one eager warm-up call (as the real backend's side-stream iterations), then a
-    "capture" whose replay re-runs the function on the static arguments."""
+class PlantedBackend(EmulatedGraphBackend):
+    """The emulated capture with a planted fault: ``fail`` -- the capture raises (a refused operation);
+    ``scale`` -- every replay leaves the gradient buffer scaled by 2 (a graph reading or writing the wrong
+    memory); the replays themselves run no Python of the step."""
 
-    device_type = "cpu"
-
-    def __init__(self, fail: bool = False, corrupt: bool = False) -> None:
-        self.fail, self.corrupt, self.captures = fail, corrupt, 0
-
-    def is_available(self) -> bool:
-        return True
+    def __init__(self, fail: bool = False, scale: bool = False, step: TrainingStep | None = None) -> None:
+        super().__init__()
+        self.fail, self.scale, self.step, self.captures = fail, scale, step, 0
 
     def capture(self, fn, static_args):
-        fn(*static_args)  # warm-up iteration
         if self.fail:
+            fn(*static_args)
             raise RuntimeError("operation not permitted when stream is capturing")
+        replay = super().capture(fn, static_args)
         self.captures += 1
-        if self.corrupt:  # a graph reading the wrong memory: the loss doubled
-
-            def replay():
-                out = fn(*static_args)
-                out.loss = out.loss * 2
-                return out
-
+        if not self.scale:
             return replay
-        return lambda: fn(*static_args)
 
-    def capture_with_grad(self, module, example_args):  # pragma: no cover
-        raise AssertionError("not used")
+        def scaled():
+            out = replay()
+            for g in self.step.opt.groups:
+                g.grad.mul_(2)
+            return out
+
+        return scaled
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -75,27 +76,32 @@ def test_resolve_step_mode():
     assert resolve_step_mode("auto", "cuda")[0] is True
     assert resolve_step_mode("recycling", "cuda") == (False, "--cuda-graphs recycling")
     assert resolve_step_mode("off", "cuda")[0] is False
-    assert resolve_step_mode("auto", "cpu")[0] is False
+    assert resolve_step_mode("auto", "cpu")[0] is False  # auto keeps eager on the CPU
+    assert resolve_step_mode("step", "cpu") == (True, "--cuda-graphs step: the whole step, emulated on the CPU, one rank")
     assert resolve_step_mode("auto", "cuda", world_size=2) == (False, WHOLE_STEP_DDP)
     with pytest.raises(CudaGraphsUnavailable, match="needs a CUDA device"):
-        resolve_step_mode("step", "cpu")
+        resolve_mode("recycling", "cpu")  # the recycling graphs have no CPU emulation
     with pytest.raises(CudaGraphsUnavailable, match="2 data-parallel ranks"):
         resolve_step_mode("step", "cuda", world_size=2)
+    # DAP's collectives are tensor collectives: captured inside the graph; branch parallelism is not
+    assert resolve_step_mode("step", "cuda", model_parallel=2)[1] == \
+        "--cuda-graphs step: the whole step, CUDA, DAP 2 (its collectives inside the graph)"
     with pytest.raises(CudaGraphsUnavailable, match="--dap/--bp"):
-        resolve_step_mode("step", "cuda", model_parallel=2)
+        resolve_step_mode("step", "cuda", model_parallel=4, bp=2)
+    assert resolve_step_mode("auto", "cuda", model_parallel=2)[0] is False
 
 
 def test_warm_up_captures_every_count_leaves_no_trace_and_replays_match_eager():
     """Warm-up captures counts 0 .. R-1 and restores weights, moments, counters and RNG; the first step
     (SWA's copy) runs eagerly, later ones replay with the live batch copied into the static buffers --
-    losses, norms and weights bit-identical to a twin step run eagerly."""
+    losses, norms and weights bit-identical to a twin step run eagerly, the optimizer settled after each."""
     graphed, eager = _step(), _step()
-    backend = FakeStepBackend()
+    backend = PlantedBackend()
     graphs = WholeStepGraphs(graphed, backend=backend, warn=pytest.fail)
     graphed.graphs = graphs
     before = _state(graphed)
     assert graphs.warm_up(graphed.batch) == list(range(graphed.num_ensembles))
-    assert backend.captures == graphed.num_ensembles
+    assert backend.captures == graphed.num_ensembles and graphs.tolerance == 0
     for a, b in zip(before, _state(graphed)):
         assert torch.equal(a, b)
     assert graphed.autocast_cache and not graphed.opt._pending
@@ -104,6 +110,7 @@ def test_warm_up_captures_every_count_leaves_no_trace_and_replays_match_eager():
         live = {k: v[..., : n + 1].clone() + 0 for k, v in eager.batch.items()}  # new addresses each step
         results = []
         for step in (graphed, eager):
+            step.opt.set_lr(1e-3 / (i + 1))
             out = step.train(live, n, seed=100 + i, stop=i == 2, count=i)
             got = out.read(1)
             step.settle(got)
@@ -113,13 +120,39 @@ def test_warm_up_captures_every_count_leaves_no_trace_and_replays_match_eager():
         for a, b in zip(_state(graphed), _state(eager)):
             assert torch.equal(a, b)
     assert graphs.stats.eager_swa_copy == 1 and graphs.stats.graphed == 2 and graphs.stats.eager_miss == 0
+    assert graphed.opt.num_steps == eager.opt.num_steps == 3
     assert "2 step(s) graphed" in graphs.summary()
+
+
+def test_the_demo_step_with_dropout_and_checkpointing_replays_bit_identically():
+    """The demo preset with dropout and activation checkpointing on: after SWA's first (eager) update every
+    recycling count is replayed twice, each time with another seed, learning rate and batch -- losses, grad
+    norms, weights, Adam's moments and SWA bit-identical to the same steps run eagerly."""
+    cfg = TrainConfig.from_preset("demo", env={}, overrides={"activation_checkpointing": "on"})
+    graphed, eager = TrainingStep.build(cfg), TrainingStep.build(cfg)
+    assert any(graphed.model.checkpointed_blocks().values())
+    graphs = graphed.use_whole_step_graphs(log=lambda line: None)
+    assert graphs.active, graphs.reason
+    counts = [0] + [n for _ in range(2) for n in range(graphed.num_ensembles)]
+    for i, n in enumerate(counts):
+        live = perturbed_batch(eager.batch, seed=i)
+        live = {k: v[..., : n + 1] for k, v in live.items()}
+        outcomes = []
+        for step in (graphed, eager):
+            step.opt.set_lr(1e-3 * (0.7**i))
+            result = step.train(live, n, seed=1000 + i)
+            outcomes.append(result.read(1))
+            step.settle(outcomes[-1])
+        assert outcomes[0] == outcomes[1], (i, n)
+        for a, b in zip(_state(graphed), _state(eager)):
+            assert torch.equal(a, b), (i, n)
+    assert graphs.stats.graphed == len(counts) - 1 and graphs.stats.eager_swa_copy == 1
 
 
 def test_uncaptured_shapes_run_eagerly_said_once():
     step = _step()
     lines = []
-    graphs = WholeStepGraphs(step, backend=FakeStepBackend(), warn=lines.append)
+    graphs = WholeStepGraphs(step, backend=PlantedBackend(), warn=lines.append)
     assert graphs.warm_up(step.batch, counts=[0]) == [0]
     step.opt._n_averaged_host = 1  # past SWA's first update
     other = {k: v[..., :1] for k, v in step.batch.items()}
@@ -128,79 +161,134 @@ def test_uncaptured_shapes_run_eagerly_said_once():
     assert graphs.stats.eager_miss == 2 and len(lines) == 1 and "no whole-step graph" in lines[0]
 
 
-@pytest.mark.parametrize("fault, why", [("fail", "capture failed"), ("corrupt", "loss: relative error")])
-def test_a_failed_or_disagreeing_capture_turns_whole_step_graphs_off_in_one_line(fault, why):
+def _stale_python_value(step: TrainingStep):
+    """A Python value the host changes every step (a counter, a rate read on the host) fed to the update:
+    eager sees each step's, a replay the capture's."""
+    real, calls = step.opt.step, [0]
+
+    def planted(clip_scale=None, apply=None):
+        calls[0] += 1
+        return real(clip_scale=clip_scale * (1.0 if calls[0] % 2 else 0.5), apply=apply)
+
+    step.opt.step = planted
+
+
+@pytest.mark.parametrize("fault, why", [
+    ("fail", "capture failed: RuntimeError: operation not permitted"),
+    ("scale", "warm-up step 1 of 2: replay differs from eager (gradient buffer"),
+    ("stale", "replay differs from eager (weights"),
+])  # fmt: skip
+def test_a_failed_capture_a_wrong_gradient_or_a_baked_value_turns_graphs_off_in_one_line(fault, why):
     step = _step()
+    if fault == "stale":
+        _stale_python_value(step)
     lines = []
-    graphs = WholeStepGraphs(step, backend=FakeStepBackend(**{fault: True}), warn=lines.append)
+    backend = PlantedBackend(fail=fault == "fail", scale=fault == "scale", step=step)
+    graphs = WholeStepGraphs(step, backend=backend, warn=lines.append)
     before = _state(step)
     assert graphs.warm_up(step.batch) == []
-    assert not graphs.active and len(lines) == 1 and why in lines[0] and "off for this run" in lines[0]
-    for a, b in zip(before, _state(step)):
+    assert not graphs.active and len(lines) == 1 and why in lines[0] and "off for this run" in lines[0], lines
+    for a, b in zip(before, _state(step)):  # nothing half-applied: the warm-up undone bit for bit
         assert torch.equal(a, b)
     assert graphs(step.sliced(0), 0) is None and graphs.stats.eager_off == 1
 
 
-def test_cuda_graphs_step_on_a_cpu_is_refused_in_one_line(tmp_path, capsys):
+def test_graphs_that_leave_no_room_for_an_eager_step_are_turned_off_with_the_figures():
+    """On a GPU the warm-up weighs the graphs' pool and an eager step's transient peak against what is left
+    on the card (planted figures here): graphs that would not fit are off for the run in one line."""
+    step = _step()
+    lines = []
+    graphs = WholeStepGraphs(step, backend=PlantedBackend(), warn=lines.append)
+    graphs.memory_figures = lambda: (10 * 2**30, 5 * 2**30, 2**30)
+    before = _state(step)
+    assert graphs.warm_up(step.batch, counts=[0]) == [] and not graphs.active
+    assert len(lines) == 1 and "pool holds 10.00 GiB" in lines[0] and "needs 5.00 GiB beside it" in lines[0], lines
+    assert "1.00 GiB is left" in lines[0]
+    for a, b in zip(before, _state(step)):
+        assert torch.equal(a, b)
+    fits = WholeStepGraphs(_step(), backend=PlantedBackend(), warn=pytest.fail)
+    fits.memory_figures = lambda: (10 * 2**30, 2**30, 2 * 2**30)
+    assert fits.warm_up(fits.step.batch, counts=[0]) == [0]
+
+
+def test_a_refused_operation_in_the_step_turns_graphs_off_naming_its_line(monkeypatch):
+    """An ``.item()`` planted in the loss: the warm-up's capture refuses it, names the line, runs eagerly."""
+    from scalefold.losses import alphafold_loss
+
+    real = alphafold_loss.find_structural_violations
+
+    def planted(*args, **kwargs):
+        out = real(*args, **kwargs)
+        out["between_residues"]["clashes_mean_loss"].sum().item()  # planted host read
+        return out
+
+    monkeypatch.setattr(alphafold_loss, "find_structural_violations", planted)
+    step = _step()
+    lines = []
+    graphs = WholeStepGraphs(step, backend=EmulatedGraphBackend(), warn=lines.append)
+    assert graphs.warm_up(step.batch, counts=[0]) == []
+    assert len(lines) == 1 and "CaptureRefused: a device-to-host read" in lines[0], lines
+    assert "tests/compilation/test_whole_step_graphs.py:" in lines[0] and "(planted)" in lines[0], lines
+
+
+def test_the_trainer_replays_whole_step_graphs_with_the_same_numbers(tmp_path, capsys):
+    """``--cuda-graphs step`` on a CPU runs the emulated capture (one line says so) and writes the metrics and
+    checkpoint of a run with graphs off, bit for bit; the summary counts the replayed steps."""
+    from scalefold.checkpoint.files import load_checkpoint
     from scalefold.cli import main
-
-    out = tmp_path / "run"
-    rc = main(["train", "--preset", "tiny", "--out", str(out), "--store", str(tmp_path / "s.h5"), "--cuda-graphs", "step"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 3 and len(err) == 1 and "--cuda-graphs step needs a CUDA device" in err[0], err
-    assert not (out / "mlperf.log").exists()
-
-
-def test_the_trainer_replays_whole_step_graphs_with_the_same_numbers(tmp_path, monkeypatch):
-    """A run whose whole step is captured before run_start (fake backend) writes the metrics of a run
-    with graphs off, bit for bit; the graphs were replayed for every step after the first."""
-    from scalefold.cli import main
-    from scalefold.compilation import graphed_step
-    from scalefold.train import trainer as loop
 
     store = tmp_path / "store.h5"
-    common = ["train", "--preset", "tiny", "--max-steps", "3", "--eval-every", "0", "--checkpoint-every", "0",
-              "--store", str(store), "--no-progress"]  # fmt: skip
+    common = ["train", "--preset", "tiny", "--max-steps", "3", "--eval-every", "0", "--checkpoint-every", "3",
+              "--store", str(store), "--no-progress", "--deterministic"]  # fmt: skip
     assert main([*common, "--out", str(tmp_path / "off"), "--cuda-graphs", "off"]) == 0
-    created = []
-
-    def fake_setup(*args, **kwargs):
-        created.append(graphed_step.setup_step_graphs(*args, **{**kwargs, "backend": FakeStepBackend()}))
-        return created[-1]
-
-    monkeypatch.setattr(loop, "setup_step_graphs", fake_setup)
-    monkeypatch.setattr(loop, "resolve_graph_mode", lambda *a, **k: (True, "fake backend"))
-    monkeypatch.setattr(loop, "resolve_step_mode", lambda *a, **k: (True, "fake backend"))
-    monkeypatch.setattr(graphed_step, "resolve_step_mode", lambda *a, **k: (True, "fake backend"))
+    capsys.readouterr()
     assert main([*common, "--out", str(tmp_path / "step"), "--cuda-graphs", "step"]) == 0
+    out = capsys.readouterr().out
+    assert "--cuda-graphs step on a CPU runs the emulated capture" in out
+    assert "cuda graphs (whole step): 2 step(s) graphed, 1 eager before SWA's first update" in out
 
     def metrics(path):
         return [{k: v for k, v in json.loads(x).items() if not k.startswith("time_")} for x in path.read_text().splitlines()]
 
     off, step = (metrics(tmp_path / m / "metrics.jsonl") for m in ("off", "step"))
     assert len(off) == 3 and off == step
-    (graphs,) = created
-    assert graphs.stats.graphed == 2 and graphs.stats.eager_swa_copy == 1
+    (a,), (b,) = (sorted((tmp_path / m / "checkpoints").glob("*.pt")) for m in ("off", "step"))
+    assert _tensors(load_checkpoint(a)) == _tensors(load_checkpoint(b))
+
+
+def _tensors(obj, prefix=""):
+    """Every tensor of a nested checkpoint as ``{path: (dtype, values)}`` (comparable bit for bit)."""
+    if isinstance(obj, torch.Tensor):
+        return {prefix: (obj.dtype, obj.detach().double().flatten().tolist())}
+    if isinstance(obj, dict):
+        return {k: v for key, val in obj.items() for k, v in _tensors(val, f"{prefix}/{key}").items()}
+    return {}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_real_whole_step_graphs_match_eager(precision):
-    """On a GPU: the tiny step captured whole (every recycling count) and replayed gives the eager step's
-    losses, norms and weights within rounding, for a few steps."""
-    cfg = TrainConfig.from_preset("tiny", overrides={"precision": precision}, env={})
+    """On a GPU, at the settings that matter: the demo step (dropout and activation checkpointing on) captured
+    whole per recycling count and replayed twice per count, each with another seed, learning rate and batch:
+    losses, norms and weights as the eager step's within rounding; the capture's own warm-up check passed."""
+    cfg = TrainConfig.from_preset("demo", overrides={"precision": precision, "activation_checkpointing": "on"}, env={})
     graphed, eager = TrainingStep.build(cfg, "cuda"), TrainingStep.build(cfg, "cuda")
+    assert any(graphed.model.checkpointed_blocks().values())
     graphs = graphed.use_whole_step_graphs(log=print)
-    assert graphs.active, graphs.reason  # e.g. a host sync in the step, or a capture failure
+    assert graphs.active, graphs.reason  # e.g. a refused operation in the step, or a disagreeing replay
     tol = dict(rtol=2e-2, atol=2e-3) if precision == "bf16" else dict(rtol=1e-4, atol=1e-6)
-    for i, n in enumerate([1, 0, 1, 0]):
+    counts = [0] + [n for _ in range(2) for n in range(graphed.num_ensembles)]
+    for i, n in enumerate(counts):
+        live = {k: v[..., : n + 1] for k, v in perturbed_batch(eager.batch, seed=i).items()}
         outs = []
         for step in (graphed, eager):
-            torch.manual_seed(100 + i)
-            step.run(n, read=False)
-            outs.append(step.finish())
+            step.opt.set_lr(1e-3 * (0.7**i))
+            result = step.train(live, n, seed=100 + i)
+            outs.append(result.read(1))
+            step.settle(outs[-1])
+        assert outs[0].skipped == outs[1].skipped
         torch.testing.assert_close(outs[0].mean_loss, outs[1].mean_loss, **tol)
         torch.testing.assert_close(outs[0].grad_norm, outs[1].grad_norm, **tol)
         for a, b in zip(graphed.opt.groups, eager.opt.groups):
             torch.testing.assert_close(a.master, b.master, **tol)
-    assert graphs.stats.graphed == 3 and graphs.stats.eager_swa_copy == 1
+    assert graphs.stats.graphed == len(counts) - 1 and graphs.stats.eager_swa_copy == 1

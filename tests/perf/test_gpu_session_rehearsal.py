@@ -203,13 +203,20 @@ def test_mfu_of_rows_measured_before_the_flop_count(tmp_path, capsys):
     assert json.loads((tmp_path / "rows.jsonl").read_text().splitlines()[-1])["mfu"] == pytest.approx(2.0)
 
 
-def test_graphs_step_without_a_cuda_graph_backend_is_an_error_row(monkeypatch):
-    """graphs-step builds the step with ``--cuda-graphs step`` and captures it whole; where it cannot (here: a CPU,
-    no CUDA-graph backend) the configuration ends in a row with why, never a traceback or an eager figure."""
+def test_graphs_step_is_labelled_with_what_ran(monkeypatch):
+    """graphs-step builds the step with ``--cuda-graphs step`` and captures it whole: on a CPU through the
+    emulated capture; where the capture falls back the configuration is still measured, eagerly, its row
+    labelled with what ran and why."""
     import argparse
+
+    from scalefold.compilation import graphed_step
 
     h = _bench("step_headline")
     monkeypatch.setenv("SCALEFOLD_KERNELS", "torch")  # build_config sets it per configuration: restored after
     args = argparse.Namespace(preset="tiny", precision="fp32", device="cpu", activation_checkpointing=None)
-    with pytest.raises(RuntimeError, match="whole-step CUDA graphs off: no CUDA-graph backend on cpu"):
-        h.build_config("graphs-step", args)
+    step, _, _, ran = h.build_config("graphs-step", args)
+    assert ran == "whole-step graphs, emulated on the CPU" and step.graphs is not None
+    monkeypatch.setattr(graphed_step.WholeStepGraphs, "_check", lambda self, *a: "planted disagreement")
+    step, _, _, ran = h.build_config("graphs-step", args)
+    assert step.graphs is None and ran.startswith("eager: the whole-step capture fell back (turned off: ")
+    assert "planted disagreement" in ran

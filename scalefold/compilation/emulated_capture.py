@@ -1,0 +1,389 @@
+"""A CUDA graph's semantics on the CPU: record a step once, replay the recording without its Python.
+
+A real capture (:class:`~scalefold.compilation.cuda_graphs.CudaGraphBackend`) records kernels; a replay
+launches them again and runs **no Python**: counters, flags and host mirrors change only while capturing,
+Python values are the capture's at every replay, tensors are read and written at the addresses they had.
+A CPU "graph" that calls the step's Python again keeps none of these rules, so it cannot fail where a
+GPU fails. :class:`EmulatedGraphBackend` keeps them:
+
+* **Capture** runs the function once eagerly (as the real backend's side-stream warm-up: lazy caches,
+  constant tables, the optimizer's staging buffers are filled there), then once under a
+  ``TorchDispatchMode`` that records every ATen operator the dispatcher runs -- forward, the autograd
+  engine's backward (on the CPU it runs on the calling thread), activation checkpointing's
+  recomputation, the optimizer -- with its arguments: a tensor made by an earlier recorded operator
+  becomes a reference to that operator's output (matched by storage, offset, shape, stride and dtype,
+  so autograd's saved-tensor copies resolve too), any other tensor is a constant held **by reference**
+  (parameters, the optimizer's flat buffers, the learning-rate tensor, the static batch buffers: their
+  addresses, as a CUDA graph holds them), any other value is baked in.
+* **Replay** runs the recorded operators in order (``torch.no_grad``; each intermediate freed after its
+  last use) and copies the outputs into the capture's output tensors, which it returns: the static
+  outputs, overwritten by the next replay (clone what must outlive it). Dropout's draws are operators on
+  the default generator, so a replay draws new masks from the generator's state at replay time, as a
+  CUDA graph's philox offset advances.
+* **Refused** while recording, raising :class:`CaptureRefused` with the ``scalefold`` file and line that
+  made the call (:mod:`scalefold.compilation.capture_rules`): a device-to-host read (``.item()``,
+  ``float()``, ``bool()``, ``.tolist()``, ``.numpy()``, ``nonzero``, boolean indexing, ...), a
+  host-to-device copy of Python data (``torch.tensor`` / ``new_tensor`` / ``as_tensor`` of a list,
+  ``torch.from_numpy``), a random-number-generator state read or set (``torch.get_rng_state`` /
+  ``set_rng_state`` / ``manual_seed``, as ``torch.utils.checkpoint`` calls them when it preserves the RNG
+  state) and ``torch.cuda.synchronize``. Reads that only a CPU makes (``F.one_hot``'s range check) are
+  let through: the GPU does not make them.
+
+What it does not emulate: the memory pool (a replay allocates its intermediates from the CPU allocator),
+kernels the CPU never runs (Triton under capture, NCCL), and a CPU tensor's work inside a GPU step (here
+the emulated device *is* the CPU). ``tests/compilation/test_emulated_capture.py`` plants each refused
+operation in a step and sees it reported at its line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import importlib
+import os
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from scalefold.compilation import capture_rules as rules
+
+_HERE = frozenset({Path(__file__).resolve()})
+_MACHINERY = _HERE | {Path(rules.__file__).resolve(), Path(__file__).resolve().with_name("graphed_step.py"),
+                      Path(__file__).resolve().with_name("cuda_graphs.py")}  # fmt: skip
+_LIBRARIES = (Path(os.__file__).resolve().parent, Path(torch.__file__).resolve().parent)
+
+
+def _site() -> str:
+    """``path:line (function)`` of the innermost frame of the caller's own code (ScaleFold, a test, a
+    script: not torch, not the standard library, not this capture machinery) -- the line to change."""
+    for frame in reversed(traceback.extract_stack()):
+        path = Path(frame.filename).resolve()
+        if path in _MACHINERY or "site-packages" in path.parts or any(path.is_relative_to(d) for d in _LIBRARIES):
+            continue
+        package = Path(__file__).resolve().parents[2]
+        shown = path.relative_to(package) if path.is_relative_to(package) else path
+        return f"{shown.as_posix()}:{frame.lineno} ({frame.name})"
+    return ""
+
+
+class CaptureRefused(RuntimeError):
+    """An operation a CUDA-graph capture refuses, made inside the captured region (``what``, at ``where``)."""
+
+    def __init__(self, what: str, where: str) -> None:
+        self.what, self.where = what, where
+        super().__init__(f"{what} inside the captured region" + (f" at {where}" if where else ""))
+
+
+_survey: list[list[tuple[str, str]]] = []  # record(..., survey=...): refusals listed, not raised
+
+
+def _refuse(what: str) -> None:
+    where = _site()
+    if _survey:
+        if (what, where) not in _survey[-1]:
+            _survey[-1].append((what, where))
+        return
+    raise CaptureRefused(what, where)
+
+
+_WHAT = {
+    "item": "a device-to-host read (.item() / float() / bool() / int() of a tensor)",
+    "nonzero": "a device-to-host read (nonzero: its output shape depends on the data)",
+    "masked_select": "a device-to-host read (masked_select: its output shape depends on the data)",
+    "is_nonzero": "a device-to-host read (bool() of a tensor)",
+    "equal": "a device-to-host read (torch.equal)",
+    "unique": "a device-to-host read (unique: its output shape depends on the data)",
+    "mask_index": "a device-to-host read (boolean-mask indexing: its output shape depends on the data)",
+    "repeat_interleave": "a device-to-host read (repeat_interleave without output_size)",
+    "device_to_host": "a device-to-host copy",
+    "host_to_device": "a host-to-device copy of Python data (torch.tensor / new_tensor / as_tensor of host data)",
+}
+
+
+def _signature(t: torch.Tensor) -> tuple:
+    """What makes two tensor objects the same memory to a graph: address, dtype, shape, stride."""
+    return (t.data_ptr(), t.dtype, t.shape, t.stride())
+
+
+class _Recorder(TorchDispatchMode):
+    """Records every operator run inside it; refuses what a capture refuses (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nodes: list[tuple[Any, tuple[list, dict], list[tuple], Any]] = []  # op, arguments, fills, outputs
+        self.slots: dict[tuple, int] = {}
+        self.values: list[torch.Tensor] = []  # every recorded output, alive until the capture ends
+        self.cpu_only_depth = 0
+        self.scalar_setitem = 0  # inside ``t[index] = number``: its 0-dim scalar is a fill on a device, not a copy
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        kind = rules.HOST_TO_DEVICE_OPS.get(func)
+        if kind is not None and self.scalar_setitem and args and args[0].dim() == 0:
+            kind = None
+        kind = kind or rules.host_read(func, args, kwargs)
+        if kind is not None and not (self.cpu_only_depth and kind in rules.SYNC_OPS.values() and rules.on_cpu(args)):
+            _refuse(_WHAT.get(kind, kind))
+        out = func(*args, **kwargs)
+        if kind is not None:  # a CPU-only read: its value decides nothing a replay computes
+            return out
+        template, subs = self._template(args, kwargs)
+        out_slots: list[int | None] | int | None = [self._new_slot(y) for y in out] if isinstance(out, (tuple, list)) \
+            else self._new_slot(out)  # fmt: skip
+        self.nodes.append((func, template, subs, out_slots))
+        return out
+
+    def _new_slot(self, y: Any) -> int | None:
+        if not isinstance(y, torch.Tensor):
+            return None
+        self.slots[_signature(y)] = len(self.values)
+        self.values.append(y)
+        return len(self.values) - 1
+
+    def _ref(self, x: Any) -> int | None:
+        return self.slots.get(_signature(x)) if isinstance(x, torch.Tensor) else None
+
+    def _template(self, args: tuple, kwargs: dict) -> tuple[tuple[list, dict], list[tuple]]:
+        """The call's arguments with each recorded tensor's place noted: ``(args, kwargs)`` holding the
+        constants and literals, and ``(container, key, slot)`` -- or ``(container, key, slot, index, ...)``
+        inside (nested) tensor lists, as collectives take them -- for the places a replay fills."""
+        template = (list(args), dict(kwargs))
+        subs: list[tuple] = []
+
+        def walk(x: Any, where: tuple) -> None:
+            slot = self._ref(x)
+            if slot is not None:
+                subs.append(where[:2] + (slot,) + where[2:])
+            elif isinstance(x, (list, tuple)):
+                for i, y in enumerate(x):
+                    walk(y, where + (i,))
+
+        for container, keys in ((0, range(len(args))), (1, list(kwargs))):
+            for key in keys:
+                walk(template[container][key], (container, key))
+        return template, subs
+
+
+class _HostCalls(TorchFunctionMode):
+    """``Tensor.tolist`` / ``numpy`` / ``__array__`` read the storage without dispatching: refused here;
+    ``F.one_hot``'s CPU-only range check let through, and ``t[index] = number``'s scalar (a fill kernel on a
+    device, a 0-dim ``lift_fresh`` on the CPU)."""
+
+    def __init__(self, recorder: _Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        name = getattr(func, "__name__", "")
+        if name in rules.HOST_READ_METHODS and args and isinstance(args[0], torch.Tensor):
+            _refuse(f"a device-to-host read (Tensor.{name})")
+        depth = None
+        if name in rules.CPU_ONLY_FUNCTIONS and rules.on_cpu(args[:1]):
+            depth = "cpu_only_depth"
+        elif name == "__setitem__" and len(args) == 3 and isinstance(args[2], (bool, int, float)):
+            depth = "scalar_setitem"  # on CUDA the number is written by a fill kernel (capturable)
+        if depth is None:
+            return func(*args, **(kwargs or {}))
+        setattr(self.recorder, depth, getattr(self.recorder, depth) + 1)
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            setattr(self.recorder, depth, getattr(self.recorder, depth) - 1)
+
+
+@contextmanager
+def _refused_calls() -> Iterator[None]:
+    """The generator-state calls, ``torch.cuda.synchronize`` and ``torch.from_numpy`` raise inside."""
+    saved: list[tuple[Any, str, Any]] = []
+    originals: dict[str, Any] = {}
+
+    def refusing(qualname: str, what: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            _refuse(f"{what} ({qualname})")
+            return originals[qualname](*args, **kwargs)  # surveying: go on
+
+        return call
+
+    calls = [(m, a, "a random-number-generator state read or set") for m, a in rules.RNG_STATE_CALLS]
+    calls.append(("torch", "from_numpy", "a host-to-device copy of host data"))
+    try:
+        for module_name, attr, what in calls:
+            module = importlib.import_module(module_name)
+            if hasattr(module, attr):
+                saved.append((module, attr, getattr(module, attr)))
+                originals[f"{module_name}.{attr}"] = getattr(module, attr)
+                if module_name == "torch.cuda" and attr == "synchronize":
+                    what = "a host synchronisation"
+                setattr(module, attr, refusing(f"{module_name}.{attr}", what))
+        yield
+    finally:
+        for module, attr, original in reversed(saved):
+            setattr(module, attr, original)
+
+
+# -- outputs: tensors in nested dicts / lists / tuples / dataclasses ----------------------------------
+
+
+def _flatten(obj: Any) -> tuple[list[torch.Tensor], Callable[[list[torch.Tensor]], Any]]:
+    tensors: list[torch.Tensor] = []
+
+    def walk(x: Any) -> Callable[[Iterator[torch.Tensor]], Any]:
+        if isinstance(x, torch.Tensor):
+            tensors.append(x)
+            return lambda it: next(it)
+        if isinstance(x, dict):
+            parts = {k: walk(v) for k, v in x.items()}
+            return lambda it: {k: build(it) for k, build in parts.items()}
+        if isinstance(x, (list, tuple)):
+            items = [walk(v) for v in x]
+            kind = type(x)
+            return lambda it: kind(build(it) for build in items)
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            fields = {f.name: walk(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init}
+            return lambda it: dataclasses.replace(x, **{k: build(it) for k, build in fields.items()})
+        return lambda it: x
+
+    builder = walk(obj)
+    return tensors, lambda values: builder(iter(values))
+
+
+class EmulatedGraph:
+    """A recorded function: :meth:`replay` runs its operators again, no Python of the function."""
+
+    def __init__(self, recorder: _Recorder, output: Any) -> None:
+        self.nodes = recorder.nodes
+        out_tensors, self._rebuild = _flatten(output)
+        self._out_slots = [recorder.slots.get(_signature(t)) for t in out_tensors]
+        self.static_outputs = [t.detach() for t in out_tensors]  # overwritten by each replay
+        self.output = self._rebuild(self.static_outputs)
+        self.num_slots = len(recorder.values)
+        self._free_after = self._last_uses()
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def _last_uses(self) -> list[list[int]]:
+        """Per node, the slots whose last reader it is (freed after it runs); the outputs are kept."""
+        last: dict[int, int] = {}
+        for i, (_, _, subs, outs) in enumerate(self.nodes):
+            for sub in subs:
+                last[sub[2]] = i
+            for s in outs if isinstance(outs, list) else (outs,):
+                if s is not None:
+                    last.setdefault(s, i)
+        keep = {s for s in self._out_slots if s is not None}
+        free: list[list[int]] = [[] for _ in self.nodes]
+        for slot, i in last.items():
+            if slot not in keep:
+                free[i].append(slot)
+        return free
+
+    def replay(self) -> Any:
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return self._replay()
+        finally:
+            if collecting:
+                gc.enable()
+
+    @torch.no_grad()
+    def _replay(self) -> Any:
+        env: list[Any] = [None] * self.num_slots
+        for (func, (args, kwargs), subs, outs), free in zip(self.nodes, self._free_after):
+            if subs:
+                call = (list(args), dict(kwargs))
+                for sub in subs:
+                    if len(sub) == 3:
+                        call[sub[0]][sub[1]] = env[sub[2]]
+                    else:
+                        _fill(call[sub[0]], sub[1], sub[3:], env[sub[2]])
+                args, kwargs = call
+            out = func(*args, **kwargs)
+            if func.namespace == "c10d":  # a collective: stream-ordered on NCCL, so its result is ready here
+                _wait(out)
+            if outs.__class__ is int:
+                env[outs] = out
+            elif outs is not None:
+                for slot, y in zip(outs, out):
+                    if slot is not None:
+                        env[slot] = y
+            for slot in free:
+                env[slot] = None
+        for static, slot in zip(self.static_outputs, self._out_slots):
+            if slot is not None and env[slot] is not None and env[slot] is not static:
+                static.copy_(env[slot])
+        return self.output
+
+
+def _fill(container: Any, key: Any, path: tuple, value: torch.Tensor) -> None:
+    """``container[key][path...] = value``, copying the (nested) lists on the way (the template is shared)."""
+    if not path:
+        container[key] = value
+        return
+    inner = list(container[key])
+    container[key] = inner
+    _fill(inner, path[0], path[1:], value)
+
+
+def _wait(out: Any) -> None:
+    """Wait on the ``Work`` a c10d operator returned (gloo's are asynchronous; a replay has no Python to wait)."""
+    for x in out if isinstance(out, (tuple, list)) else (out,):
+        if hasattr(x, "wait") and not isinstance(x, torch.Tensor):
+            x.wait()
+
+
+def record(fn: Callable[..., Any], *args: Any, survey: list[tuple[str, str]] | None = None) -> EmulatedGraph:
+    """Run ``fn(*args)`` once, recording it (refusing what a capture refuses): the :class:`EmulatedGraph`.
+    ``survey``: list every refused operation there as ``(what, where)`` and go on instead of raising (a
+    tool's view of all that a step would have to change; the graph is then not a faithful one)."""
+    recorder = _Recorder()
+    if survey is not None:
+        _survey.append(survey)
+    collecting = gc.isenabled()
+    gc.disable()  # tens of thousands of recorded operators: the cyclic collector would rescan them all, often
+    try:
+        with _refused_calls(), _HostCalls(recorder), recorder:
+            output = fn(*args)
+        return EmulatedGraph(recorder, output)
+    finally:
+        if collecting:
+            gc.enable()
+        if survey is not None:
+            _survey.pop()
+
+
+class EmulatedGraphBackend:
+    """The :class:`~scalefold.compilation.cuda_graphs.GraphBackend` of ``--cuda-graphs step`` on a CPU: the
+    capture bookkeeping (static buffers, warm-up, undo, per-count graphs, fallback) runs unchanged on top
+    of it. ``warmup_iters`` eager calls before the recording (as the real backend's side stream)."""
+
+    device_type = "cpu"
+    emulated = True
+
+    def __init__(self, warmup_iters: int = 1) -> None:
+        self.warmup_iters = warmup_iters
+        self.graphs: list[EmulatedGraph] = []
+
+    def is_available(self) -> bool:
+        return True
+
+    def capture(self, fn: Callable[..., Any], static_args: tuple) -> Callable[[], Any]:
+        for _ in range(self.warmup_iters):
+            fn(*static_args)
+        graph = record(fn, *static_args)
+        self.graphs.append(graph)
+        return graph.replay
+
+    def capture_with_grad(self, module: torch.nn.Module, example_args: tuple) -> Callable[..., Any]:
+        raise NotImplementedError("the emulated capture records no-grad regions and whole steps, not "
+                                  "make_graphed_callables' forward/backward pairs")  # fmt: skip
+
+
+__all__ = ["CaptureRefused", "EmulatedGraph", "EmulatedGraphBackend", "record"]
