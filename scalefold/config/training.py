@@ -39,6 +39,9 @@ PRECISIONS = ("fp32", "tf32", "bf16", "fp64")
 #: --cuda-graphs: auto (the widest that works), off, recycling (the no-grad recycling passes; ``on`` is its old
 #: name), step (the whole step: passes, grad pass, loss, backward, clipping, update)
 CUDA_GRAPHS_MODES = ("auto", "off", "recycling", "step", "on")
+#: --grad-reduce: ddp (DDP's bucket all-reduce, the reference), flat (the optimizer's flat gradient buffers,
+#: scalefold.optim.flat_reduce), auto (flat where it is as fast or graphed, else ddp)
+GRAD_REDUCE_MODES = ("ddp", "flat", "auto")
 PRESET_NAMES = ("demo", "demo-scratch", "mlperf", "tiny")  # the PRESETS below
 
 
@@ -159,6 +162,10 @@ class TrainConfig:
                               "run_start: recycling (the no-grad recycling passes; 'on' is the same), step (the whole "
                               "step, one graph per recycling count) -- both refused where unusable --, auto (the widest "
                               "that works: step, else recycling, eager elsewhere; default), off")
+    grad_reduce: str = option("ddp", cli=True, choices=GRAD_REDUCE_MODES, help="data-parallel gradient reduction: "
+                              "ddp (DistributedDataParallel's buckets; default), flat (bucketed all-reduce of the "
+                              "optimizer's flat gradient buffers, DAP/BP factors fused, capturable), auto (flat where "
+                              "it is as fast as DDP or the step is graphed, else ddp)")
     # MLPerf log: submission_org, and the platform logged as "{nodes}x{platform}" ("": the device type)
     submission_org: str = option("ScaleFold", slurm="SUBMISSION_ORG", help="MLPerf submitter")
     submission_platform: str = option("", slurm="SUBMISSION_PLATFORM", help="MLPerf platform (default: device type)")
@@ -217,6 +224,8 @@ class TrainConfig:
         parse_checkpointing(self.activation_checkpointing)
         if self.cuda_graphs not in CUDA_GRAPHS_MODES:
             raise ValueError(f"unknown cuda_graphs mode {self.cuda_graphs!r}; expected one of {CUDA_GRAPHS_MODES}")
+        if self.grad_reduce not in GRAD_REDUCE_MODES:
+            raise ValueError(f"unknown grad_reduce mode {self.grad_reduce!r}; expected one of {GRAD_REDUCE_MODES}")
         if self.keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {self.keep_last}")
         regions = [r.strip() for r in self.compile_regions.split(",") if r.strip()]

@@ -132,6 +132,13 @@ class ParallelContext:
         self.hooks = hooks if grad_hooks else self.hooks
         return model
 
+    def grad_scales(self, model: nn.Module) -> dict[nn.Parameter, float]:
+        """``{param: factor}`` of ``model``'s DAP-sharded / branch-owned parameters (factor not 1): what a
+        reduction applies itself when the model was wrapped without the factor hooks."""
+        from scalefold.distributed.parallelize import parallel_stacks
+
+        return grad_sync.grad_scales(parallel_stacks(model), self.layout.dap, self.layout.bp)
+
     def sync_grads(self, model: nn.Module) -> None:
         """Mean over all training ranks of the (scaled) gradients: the true DP-averaged gradient."""
         if not self.hooks and (self.layout.dap > 1 or self.layout.bp > 1):

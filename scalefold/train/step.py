@@ -140,8 +140,10 @@ class TrainingStep:
     device: torch.device
     #: what computes the outputs from a batch: the model (default), DDP's wrapper, a graphed forward
     forward: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
-    #: gradients are all-reduced by DDP, whose communication hook accumulates the clipping norm
-    ddp: bool = False
+    #: the data-parallel reduction after backward, returning the clip result: DDP's (its communication hook
+    #: accumulated the norm: ``GradClipper.compute``) or the flat buffers' (``FlatGradReducer.reduce_and_clip``);
+    #: ``None``: one rank, the norm of the local flat buffers
+    reduce: Callable[[], Any] | None = None
     #: the cross-rank agreement: the training ranks' group and their number
     group: Any = None
     world_size: int = 1
@@ -254,8 +256,9 @@ class TrainingStep:
         loss.backward()
 
     def clip(self) -> Any:
-        """The step's global gradient norm and clip scale: from DDP's buckets, else the flat buffer."""
-        return self.clipper.compute() if self.ddp else self.clipper.clip_flat_(self.opt.grad_buffers())
+        """The step's global gradient norm and clip scale: after the data-parallel :attr:`reduce`, else of the
+        local flat buffer."""
+        return self.reduce() if self.reduce is not None else self.clipper.clip_flat_(self.opt.grad_buffers())
 
     # -- the tools' step --------------------------------------------------------------------------------
 

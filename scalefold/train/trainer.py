@@ -37,6 +37,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,7 @@ from scalefold.model import AlphaFold, AlphaFoldConfig
 from scalefold.model.factory import build_model, build_model_config
 from scalefold.model.precision import deterministic_environment, keep_fp32_regions, setup_precision
 from scalefold.optim.clipping import GradClipper
+from scalefold.optim.flat_reduce import FlatGradReducer, resolve_grad_reduce
 from scalefold.optim.lr_schedule import WarmupConstantLR
 from scalefold.train.curves import read_metrics
 from scalefold.train.reporting import (
@@ -258,7 +260,10 @@ class Trainer:
         if main and cfg.memory_check and self.device.type == "cuda" and self.hooks.memory_check is not None:
             self._check_memory()
         # model, loss, optimizer (flat buffers built before the DDP wrap)
-        self.model = self.parallel.wrap(build_model(cfg, self.model_cfg, self.device, self.dtype))  # DAP/BP + grad factors
+        # --grad-reduce: DDP (the factor hooks on the model) or the flat buffers' reducer (the factors fused into it)
+        self.grad_reduce = resolve_grad_reduce(cfg.grad_reduce, self.ddp_world)
+        self.model = self.parallel.wrap(build_model(cfg, self.model_cfg, self.device, self.dtype),
+                                        grad_hooks=self.grad_reduce != "flat")  # DAP/BP (+ grad factors)
         self.eval_model = build_model(cfg, self.model_cfg, self.device, self.dtype, training=False) if main else None
         self.loss_fn = AlphaFoldLoss(self.model_cfg.loss_config)
         self.opt = make_optimizer(cfg, self.model)
@@ -336,7 +341,14 @@ class Trainer:
         # data parallelism: DDP averages gradients, its comm hook accumulates the clipping norm
         self.clipper = GradClipper(max_norm=cfg.clip_grad_max_norm, process_group=self.parallel.train_group)
         self.net: torch.nn.Module = model
-        if self.ddp_world > 1:
+        reduce = self.clipper.compute if self.ddp_world > 1 else None
+        if self.grad_reduce == "flat":  # the same average on the optimizer's flat buffers, no DDP
+            self.reducer = FlatGradReducer(self.opt, self.parallel.train_group, self.parallel.grad_scales(model))
+            self.reducer.broadcast_parameters()  # rank 0's weights everywhere, as DDP's construction
+            reduce = partial(self.reducer.reduce_and_clip, self.clipper)
+            if self.main:
+                print(f"gradient reduction: {self.reducer.describe()}", flush=True)
+        elif self.ddp_world > 1:
             # gradient_as_bucket_view=False: DDP copies reduced buckets into .grad, which stays a view of
             # the optimizer's flat gradient buffer (bucket views would replace it).
             self.net = torch.nn.parallel.DistributedDataParallel(
@@ -356,7 +368,7 @@ class Trainer:
         # the step the memory model and the step benchmark take too (scalefold.train.step)
         self.step = TrainingStep(model=self.net, loss_fn=self.loss_fn, opt=self.opt, clipper=self.clipper, batch={},
                                  num_ensembles=self.features.num_ensembles, autocast=self.autocast, device=self.device,
-                                 forward=self.forward, ddp=self.ddp_world > 1, group=self.parallel.train_group,
+                                 forward=self.forward, reduce=reduce, group=self.parallel.train_group,
                                  world_size=self.ddp_world, dtype=self.dtype,
                                  broadcast=lambda b: self.parallel.broadcast_batch(b, self.device))  # fmt: skip
         self.step_graphs = None
