@@ -526,13 +526,16 @@ WHOLE_STEP_BP = ("branch parallelism reseeds the generator per branch on the hos
 
 def resolve_step_mode(mode: str, device_type: str, model_parallel: int = 1, world_size: int = 1,
                       backend_available: bool = True, graph_device_type: str = "cuda",
-                      unsupported: str | None = None, bp: int = 1) -> tuple[bool, str]:  # fmt: skip
+                      unsupported: str | None = None, bp: int = 1, flat_reduce: bool = False) -> tuple[bool, str]:  # fmt: skip
     """``(whole-step graphs wanted, why)`` for ``--cuda-graphs mode``: ``step`` and ``auto`` want them where
     the recycling graphs can run and the run has one data-parallel rank (:data:`WHOLE_STEP_DDP`); ``step``
     is refused (:class:`CudaGraphsUnavailable`) elsewhere, ``auto`` then falls back quietly. ``step`` also
     takes DAP (``model_parallel`` = DAP x ``bp``): its all-to-all / all-gather are tensor collectives on
     preallocated buffers, captured inside the graph (NCCL; gloo under the CPU emulation), every rank of a
-    group capturing the same sequence and agreeing on the verdict; not branch parallelism (:data:`WHOLE_STEP_BP`)."""
+    group capturing the same sequence and agreeing on the verdict; not branch parallelism (:data:`WHOLE_STEP_BP`).
+    Several training ranks (``world_size`` > 1) need ``flat_reduce``: the gradient all-reduce of the
+    optimizer's flat buffers (:mod:`scalefold.optim.flat_reduce`, ``--grad-reduce flat|auto``), tensor
+    collectives inside the graph, not DDP's host-side reducer (:data:`WHOLE_STEP_DDP`)."""
     if mode not in ("step", "auto"):
         return False, f"--cuda-graphs {mode}"
     emulated = emulated_capture(mode, device_type)
@@ -541,13 +544,16 @@ def resolve_step_mode(mode: str, device_type: str, model_parallel: int = 1, worl
                                 graph_device_type, unsupported)  # fmt: skip
     if not enabled:
         return False, why
-    if world_size > 1:
+    if world_size > 1 and not flat_reduce:
         if mode == "step":
-            raise CudaGraphsUnavailable(f"--cuda-graphs step is not supported with {world_size} data-parallel ranks "
-                                        f"({WHOLE_STEP_DDP}); use --cuda-graphs recycling or auto")  # fmt: skip
+            raise CudaGraphsUnavailable(f"--cuda-graphs step with {world_size} training ranks needs --grad-reduce flat "
+                                        f"or auto ({WHOLE_STEP_DDP}); or use --cuda-graphs recycling or auto")  # fmt: skip
         return False, WHOLE_STEP_DDP
     where = "emulated on the CPU" if emulated else "CUDA"
     ranks = f"DAP {model_parallel} (its collectives inside the graph)" if dap_inside else "one rank"
+    if world_size > 1:
+        layout = ranks if dap_inside else "data parallel"
+        ranks = f"{world_size} training ranks, {layout}, the flat gradient all-reduce inside"
     return True, f"--cuda-graphs {mode}: the whole step, {where}, {ranks}"
 
 
@@ -894,19 +900,23 @@ def setup_step_graphs(
     backend: GraphBackend | None = None,
     bp: int = 1,
     group: Any = None,
+    flat_reduce: bool = False,
+    before_capture: Callable[[], None] | None = None,
 ) -> WholeStepGraphs:
     """Whole-step graphs for ``--cuda-graphs mode`` over ``step`` (a
     :class:`~scalefold.train.step.TrainingStep`), captured and checked on a synthetic batch of the training
     shapes (before ``run_start``). Off where :func:`resolve_step_mode` says so (``step`` is refused there)."""
     backend, available, graph_device = step_graph_backend(mode, device.type, backend)
     enabled, reason = resolve_step_mode(mode, device.type, model_parallel, world_size, available, graph_device,
-                                        unsupported=uncapturable_reason(model), bp=bp)  # fmt: skip
+                                        unsupported=uncapturable_reason(model), bp=bp, flat_reduce=flat_reduce)  # fmt: skip
     log = (lambda line: print(line, flush=True)) if verbose else None
     graphs = WholeStepGraphs(step, backend=backend, enabled=enabled, reason=reason, log=log, rank=rank, group=group)
     if graphs.active:
         if log is not None and graphs.emulated:
             log("cuda graphs: --cuda-graphs step on a CPU runs the emulated capture (each recycling count's step "
                 "recorded once and replayed without its Python, refusing what a CUDA capture refuses)")  # fmt: skip
+        if before_capture is not None:
+            before_capture()
         second = synthetic_step_batch(features, model, device, dtype, seed=1)
         graphs.warm_up(synthetic_step_batch(features, model, device, dtype), second=second)
     return graphs

@@ -169,8 +169,10 @@ def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
         if cfg.cuda_graphs != "step":  # the recycling passes' graphs (step: the whole step's, below)
             resolve_graph_mode(cfg.cuda_graphs, runtime.device.type, model_parallel=parallel.layout.model_parallel,
                                unsupported=unsupported)  # fmt: skip
-        resolve_step_mode(cfg.cuda_graphs, runtime.device.type, parallel.layout.model_parallel,
-                          parallel.num_train_ranks if runtime.distributed else 1, unsupported=unsupported, bp=cfg.bp)  # fmt: skip
+        train_ranks = parallel.num_train_ranks if runtime.distributed else 1
+        flat = resolve_grad_reduce(cfg.grad_reduce, train_ranks, graphed=cfg.cuda_graphs == "step") == "flat"
+        resolve_step_mode(cfg.cuda_graphs, runtime.device.type, parallel.layout.model_parallel, train_ranks,
+                          unsupported=unsupported, bp=cfg.bp, flat_reduce=flat)  # fmt: skip
         with StopRequest() as stop_request:
             if parallel.is_eval_rank:  # asynchronous evaluation ranks: serve evaluations until training ends
                 result = _evaluation_rank(cfg, runtime, stop_request, model_cfg, features)
@@ -261,7 +263,7 @@ class Trainer:
             self._check_memory()
         # model, loss, optimizer (flat buffers built before the DDP wrap)
         # --grad-reduce: DDP (the factor hooks on the model) or the flat buffers' reducer (the factors fused into it)
-        self.grad_reduce = resolve_grad_reduce(cfg.grad_reduce, self.ddp_world)
+        self.grad_reduce = resolve_grad_reduce(cfg.grad_reduce, self.ddp_world, graphed=cfg.cuda_graphs == "step")
         self.model = self.parallel.wrap(build_model(cfg, self.model_cfg, self.device, self.dtype),
                                         grad_hooks=self.grad_reduce != "flat")  # DAP/BP (+ grad factors)
         self.eval_model = build_model(cfg, self.model_cfg, self.device, self.dtype, training=False) if main else None
@@ -361,7 +363,8 @@ class Trainer:
         # forward(batch) is net(batch) where the recycling graphs are off
         model_parallel = self.parallel.layout.model_parallel
         whole, _ = resolve_step_mode(cfg.cuda_graphs, self.device.type, model_parallel, self.ddp_world,
-                                     torch.cuda.is_available(), unsupported=uncapturable_reason(model), bp=cfg.bp)  # fmt: skip
+                                     torch.cuda.is_available(), unsupported=uncapturable_reason(model), bp=cfg.bp,
+                                     flat_reduce=self.grad_reduce == "flat")  # fmt: skip
         self.forward = setup_graphed_step("off" if whole else cfg.cuda_graphs, model, self.net, self.features,
                                           self.device, self.dtype, self.autocast, model_parallel=model_parallel,
                                           rank=self.runtime.rank, verbose=self.main)  # fmt: skip
@@ -381,15 +384,25 @@ class Trainer:
         cfg = self.cfg
         graphs = setup_step_graphs(cfg.cuda_graphs, self.step, model, self.features, self.device, self.dtype,
                                    world_size=self.ddp_world, model_parallel=model_parallel, rank=self.runtime.rank,
-                                   verbose=self.main, bp=cfg.bp)  # fmt: skip
+                                   verbose=self.main, bp=cfg.bp, flat_reduce=self.grad_reduce == "flat",
+                                   group=self.parallel.train_group if self.ddp_world > 1 else None,
+                                   before_capture=self._reduce_after_backward)  # fmt: skip
         self.step_graphs = graphs
         if graphs.active:
             self.step.graphs = graphs
+        elif getattr(self, "reducer", None) is not None:
+            self.reducer.set_overlap(True)  # eager steps: buckets out as backward fills them
         elif cfg.cuda_graphs == "auto":
             self.forward = setup_graphed_step("auto", model, self.net, self.features, self.device, self.dtype,
                                               self.autocast, model_parallel=model_parallel, rank=self.runtime.rank,
                                               verbose=self.main)  # fmt: skip
             self.step.forward = self.forward
+
+    def _reduce_after_backward(self) -> None:
+        """Before a whole-step capture: the flat reducer issues its buckets after backward (a replay runs no
+        gradient-ready hook; the captured collectives keep one order on every rank)."""
+        if getattr(self, "reducer", None) is not None:
+            self.reducer.set_overlap(False)
 
     # -- start: run_start, then the timed dataset work ----------------------------------------------
 
