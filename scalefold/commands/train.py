@@ -120,4 +120,5 @@ def _run_train(args: argparse.Namespace) -> int:
         return EXIT_ABORTED
     if result.out is not None:
         print_run_files(result.out, cfg.store)
+        print("\n".join(result.time_account), flush=True)  # the last lines: where the time to train went
     return 0

@@ -1,7 +1,8 @@
 """Evaluation of the SWA weights at the end of each train-eval cycle, synchronous (on the main training rank).
 
-The :class:`~scalefold.train.trainer.Trainer` holds one of two components with the same three calls
-(``prepare`` after ``run_start``, ``after_cycle`` at the end of each cycle, ``close`` at the end):
+The :class:`~scalefold.train.trainer.Trainer` holds one of two components with the same calls
+(``prepare`` after ``run_start``, ``score_start`` for the starting point, ``after_cycle`` at the end of
+each cycle, ``close`` at the end; ``target_step`` / ``run_stop_at`` for the run's time account):
 
 * :class:`SyncEvaluation` -- the main training rank scores the validation batches it keeps in host
   DRAM (:class:`~scalefold.evaluation.cache.EvalCache`) and broadcasts the score, so every training rank
@@ -53,19 +54,21 @@ class SyncEvaluation:
         self.collective = runtime.distributed and runtime.parallel.num_train_ranks > 1
         self.cache: EvalCache | None = None
 
-    def prepare(self, baseline: bool, what: str = "untrained model") -> None:
-        """Build the validation cache (after run_start: timed) and, with ``baseline``, score the starting
-        weights (``what``: the untrained model or the initial checkpoint; step 0, for the curves and the
-        lDDT-Cα before training, not in the MLPerf log)."""
+    def prepare(self) -> None:
+        """Build the validation cache (after run_start: timed)."""
+        if self.main and self.enabled:
+            self.cache = self.make_cache()
+
+    def score_start(self, what: str = "untrained model") -> None:
+        """Score the starting weights (``what``: the untrained model or the initial checkpoint; step 0, for
+        the curves and the lDDT-Cα before training, not in the MLPerf log)."""
         if not (self.main and self.enabled):
             return
-        self.cache = self.make_cache()
-        if baseline:
-            score = self._score()
-            self.ctx.metrics.write({"step": 0, "eval_lddt_ca": score, "epoch_num": 0})
-            self.ctx.metrics.flush()
-            self.ctx.result.eval_history.append((0, score))
-            print(f"step 0: eval lDDT-Cα {score:.4f} ({what}; not in the MLPerf log)", flush=True)
+        score = self._score()
+        self.ctx.metrics.write({"step": 0, "eval_lddt_ca": score, "epoch_num": 0})
+        self.ctx.metrics.flush()
+        self.ctx.result.eval_history.insert(0, (0, score))
+        print(f"step 0: eval lDDT-Cα {score:.4f} ({what}; not in the MLPerf log)", flush=True)
 
     def _score(self) -> float:
         return score_batches(self.eval_model, self.cache.batches(self.ctx.device, self.ctx.dtype), self.ctx.autocast)
@@ -100,6 +103,9 @@ class SyncEvaluation:
     def run_stop_logged(self) -> bool:
         """Training logs ``run_stop`` itself (its own evaluation decides the status)."""
         return False
+
+    #: logged by training itself: no step or wall time of another process's ``run_stop``
+    target_step = run_stop_at = None
 
 
 __all__ = ["EvalContext", "SyncEvaluation"]

@@ -57,6 +57,7 @@ class TrainResult:
     time_to_train_s: float | None = None  # run_start to run_stop, summed over resumed segments
     throughput: list[tuple[float, float | None]] = field(default_factory=list)  # (tflops, mfu) of each step
     device_name: str | None = None  # the GPU the mfu figures refer to
+    time_account: list[str] = field(default_factory=list)  # the time account's summary (time_account.json)
 
 
 class MetricsLog:
@@ -188,7 +189,7 @@ def print_run_files(out: Path, store: str, file: Any = None) -> None:
     logs = sorted(out.glob("mlperf*.log"))
     lines = [f"run directory: {out}"]
     for label, path in (("curves", out / "curves.png"), ("Cα trace", out / "trace.png"),
-                        ("metrics", out / "metrics.jsonl")):  # fmt: skip
+                        ("metrics", out / "metrics.jsonl"), ("time account", out / "time_account.png")):  # fmt: skip
         if path.exists():
             lines.append(f"  {label + ':':<12s} {path}")
     if logs:
