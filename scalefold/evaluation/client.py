@@ -314,6 +314,9 @@ class AsyncEvaluation:
     def prepare(self) -> None:
         """Nothing to build here: the evaluation ranks cache their share of the validation set."""
 
+    def keep_start(self) -> None:
+        """Nothing kept: see :meth:`score_start`."""
+
     def score_start(self, what: str = "") -> None:
         """Not scored: the starting weights are not sent to the evaluation ranks (``eval_baseline`` is for
         synchronous evaluation)."""

@@ -1,8 +1,9 @@
 """Evaluation of the SWA weights at the end of each train-eval cycle, synchronous (on the main training rank).
 
 The :class:`~scalefold.train.trainer.Trainer` holds one of two components with the same calls
-(``prepare`` after ``run_start``, ``score_start`` for the starting point, ``after_cycle`` at the end of
-each cycle, ``close`` at the end; ``target_step`` / ``run_stop_at`` for the run's time account):
+(``keep_start`` before ``run_start``, ``prepare`` after it, ``after_cycle`` at the end of each cycle,
+``close`` at the end, ``score_start`` for the starting point after ``run_stop``; ``target_step`` /
+``run_stop_at`` for the run's time account):
 
 * :class:`SyncEvaluation` -- the main training rank scores the validation batches it keeps in host
   DRAM (:class:`~scalefold.evaluation.cache.EvalCache`) and broadcasts the score, so every training rank
@@ -53,22 +54,40 @@ class SyncEvaluation:
         self.src, self.group = runtime.parallel.main_train_rank, runtime.parallel.train_group
         self.collective = runtime.distributed and runtime.parallel.num_train_ranks > 1
         self.cache: EvalCache | None = None
+        self._start: list[torch.Tensor] | None = None  # the starting weights (keep_start), scored after run_stop
 
     def prepare(self) -> None:
         """Build the validation cache (after run_start: timed)."""
         if self.main and self.enabled:
             self.cache = self.make_cache()
 
+    def keep_start(self) -> None:
+        """Keep a copy of the starting weights (the evaluation model's: the SWA weights before the first
+        step) for :meth:`score_start` after the run (before ``run_start``; one copy of the parameters)."""
+        if self.main and self.enabled and self.eval_model is not None:
+            self._start = [p.detach().clone() for p in self.eval_model.parameters()]
+
     def score_start(self, what: str = "untrained model") -> None:
         """Score the starting weights (``what``: the untrained model or the initial checkpoint; step 0, for
-        the curves and the lDDT-Cα before training, not in the MLPerf log)."""
-        if not (self.main and self.enabled):
+        the curves and the lDDT-Cα before training, not in the MLPerf log): those :meth:`keep_start` kept,
+        swapped in for the scoring and out again (after ``run_stop``: untimed), else the current ones.
+        The record goes first in ``metrics.jsonl`` and in the history (step order)."""
+        if not (self.main and self.enabled and self.cache is not None):
             return
-        score = self._score()
-        self.ctx.metrics.write({"step": 0, "eval_lddt_ca": score, "epoch_num": 0})
-        self.ctx.metrics.flush()
+        params = list(self.eval_model.parameters()) if self._start is not None else []
+        now = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p, start in zip(params, self._start or []):
+                p.copy_(start)
+            try:
+                score = self._score()
+            finally:
+                for p, current in zip(params, now):
+                    p.copy_(current)
+        self.ctx.metrics.write_first({"step": 0, "eval_lddt_ca": score, "epoch_num": 0})
         self.ctx.result.eval_history.insert(0, (0, score))
-        print(f"step 0: eval lDDT-Cα {score:.4f} ({what}; not in the MLPerf log)", flush=True)
+        print(f"step 0: eval lDDT-Cα {score:.4f} ({what}; scored after run_stop, untimed; not in the MLPerf log)",
+              flush=True)  # fmt: skip
 
     def _score(self) -> float:
         return score_batches(self.eval_model, self.cache.batches(self.ctx.device, self.ctx.dtype), self.ctx.autocast)

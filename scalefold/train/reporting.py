@@ -75,6 +75,18 @@ class MetricsLog:
         if self._file is not None:
             self._file.flush()
 
+    def write_first(self, record: dict[str, Any]) -> None:
+        """``record`` before every other line (the starting point's score, taken after the run: the file
+        stays in step order); the file is rewritten (atomic replace) and appended to afterwards."""
+        if self._file is None:
+            return
+        self._file.close()
+        old = self.path.read_text() if self.path.exists() else ""
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(_json_safe(record), allow_nan=False) + "\n" + old)
+        tmp.replace(self.path)
+        self._file = self.path.open("a")
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()

@@ -398,6 +398,11 @@ class Trainer:
                           self.autocast, cfg.target_lddt)  # fmt: skip
         self.evaluation = (AsyncEvaluation(ctx, self.runtime, self.opt, cfg.eval_timeout_s) if self.parallel.async_eval
                            else SyncEvaluation(ctx, self.runtime, self.eval_model, self._eval_cache, bool(cfg.eval_every)))  # fmt: skip
+        # the starting point's score (step 0, for the curves; not MLPerf's) is taken after run_stop, untimed:
+        # its weights are kept now
+        self.baseline = cfg.eval_baseline and self.start_step == 0
+        if self.baseline:
+            self.evaluation.keep_start()
         self.mllog.log_init_block(run_info(
             cfg, self.runtime, self.features, eval_every=self.eval_every, num_params=self.opt.num_params,
             init_sha=self.init_sha, train_max_pdb_release_date=day_before(cfg.val_min_date),
@@ -421,9 +426,6 @@ class Trainer:
         t_val = time.perf_counter()
         with self.account.phase("eval_cache"):
             self.evaluation.prepare()
-        with self.account.phase("eval_baseline"):
-            if cfg.eval_baseline and self.start_step == 0:
-                self.evaluation.score_start("initial checkpoint" if cfg.init_from else "untrained model")
         self.timings["eval"] += time.perf_counter() - t_val
 
     def _eval_cache(self):
@@ -574,6 +576,9 @@ class Trainer:
                                     f"written to {ckpt_path} before aborting (continue with --resume)")  # fmt: skip
             raise TrainingAborted(str(exc)) from exc
         self.timings["eval"] += time.perf_counter() - t_eval
+        if done and not self.evaluation.run_stop_logged:  # the target: run_stop now; checkpoint, loader after it
+            self.mllog.run_stop(mll.STATUS_SUCCESS)
+            self._account_run_stop()
         self.account.switch("host")
         return done
 
@@ -600,12 +605,15 @@ class Trainer:
         with self.account.phase("eval_final"):
             eval_failure = self.evaluation.close()  # asynchronous: pending evaluations finish first (in order)
         self.timings["eval"] += time.perf_counter() - t_close
-        self.metrics.close()
         self.cycles.close()  # the run ended inside a cycle: close it (samples seen so far)
         if not self.evaluation.run_stop_logged:  # the main evaluation rank logs run_stop success itself
             mllog.run_stop(mll.STATUS_ABORTED if eval_failure is not None else result.status)
         self._account_run_stop()
         mllog.close()
+        if self.baseline and not aborted and eval_failure is None:  # after run_stop: untimed
+            with self.account.phase("eval_baseline"):
+                self.evaluation.score_start("initial checkpoint" if self.cfg.init_from else "untrained model")
+        self.metrics.close()
         if self.clock.running:
             result.time_to_train_s = self.clock.total_s()
             if self.main:
