@@ -314,6 +314,9 @@ class AsyncEvaluation:
     def prepare(self) -> None:
         """Nothing to build here: the evaluation ranks cache their share of the validation set."""
 
+    def ready(self) -> None:
+        """Nothing to wait for: the evaluation ranks hold the validation set."""
+
     def keep_start(self) -> None:
         """Nothing kept: see :meth:`score_start`."""
 

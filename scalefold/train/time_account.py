@@ -37,6 +37,7 @@ onto this rank's clock (same node: the same wall clock; across nodes: NTP, as ML
 from __future__ import annotations
 
 import json
+import sys
 import time
 from array import array
 from collections.abc import Callable, Iterator
@@ -75,18 +76,17 @@ _INDEX = {name: i for i, name in enumerate(_NAMES)}
 def compile_seconds() -> float:
     """Seconds this process spent compiling so far: ``torch.compile`` (dynamo's frame and backward
     compiles, inductor included) and Triton autotuning (:func:`scalefold.kernels.autotune.tuning_seconds`).
-    Read before and after a step, the difference is the compilation inside it."""
+    Read before and after a step, the difference is the compilation inside it. Neither module is
+    imported here (importing dynamo takes seconds): one that was never imported compiled nothing."""
     total = 0.0
-    try:
-        from torch._dynamo.utils import cumulative_time_spent_ns
-
-        total += (cumulative_time_spent_ns.get("entire_frame_compile", 0.0)
-                  + cumulative_time_spent_ns.get("entire_backward_compile", 0.0)) / 1e9  # fmt: skip
-    except ImportError:  # a torch without dynamo's counters: nothing is compiled by it either
-        pass
-    from scalefold.kernels.autotune import tuning_seconds
-
-    return total + tuning_seconds()
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    spent = getattr(dynamo, "cumulative_time_spent_ns", None)  # absent in a torch without the counters
+    if spent is not None:
+        total += (spent.get("entire_frame_compile", 0.0) + spent.get("entire_backward_compile", 0.0)) / 1e9
+    autotune = sys.modules.get("scalefold.kernels.autotune")
+    if autotune is not None:
+        total += autotune.tuning_seconds()
+    return total
 
 
 def process_age_s() -> float | None:

@@ -92,13 +92,13 @@ from scalefold.train.run_checkpoints import (
 )
 from scalefold.train.run_directory import check_out, check_starting_point, check_store, clear_previous_run, ensure_store
 from scalefold.train.step import TrainingStep, forward_seed, make_optimizer, recycling_count
-from scalefold.train.time_account import TimeAccount, summary_lines, write_account
 from scalefold.train.stopping import (
     NonFiniteGuard,
     StopRequest,
     TrainingAborted,
     start_multiprocessing_helpers_ignoring_stop_signals,
 )
+from scalefold.train.time_account import TimeAccount, summary_lines, write_account
 from scalefold.train.training_data import TrainingData, day_before, split_chains, validation_chain_ids
 
 
@@ -429,8 +429,9 @@ class Trainer:
         self.timings["eval"] += time.perf_counter() - t_val
 
     def _eval_cache(self):
-        """Synchronous evaluation's validation batches, built once and kept in host DRAM (pinned on CUDA)."""
-        cache = validation_cache(str(Path(self.cfg.store)), self.val_ids, self.features,
+        """Synchronous evaluation's validation batches, built once (in a background thread, by ``num_workers``
+        loader workers) and kept in host DRAM (pinned on CUDA)."""
+        cache = validation_cache(str(Path(self.cfg.store)), self.val_ids, self.features, num_workers=self.cfg.num_workers,
                                  pin_memory=self.device.type == "cuda")  # fmt: skip
         cache.fill()
         return cache
@@ -563,6 +564,8 @@ class Trainer:
         """The end of a train-eval cycle: the SWA weights are evaluated; ``True`` when the run is done."""
         t_eval = time.perf_counter()
         self.account.evaluated(step)
+        self.account.switch("eval_cache")
+        self.evaluation.ready()  # the validation cache, built in the background since run_start
         self.account.switch("eval_cycle")
         epoch = self.cycles.end(step)
         try:
@@ -576,8 +579,11 @@ class Trainer:
                                     f"written to {ckpt_path} before aborting (continue with --resume)")  # fmt: skip
             raise TrainingAborted(str(exc)) from exc
         self.timings["eval"] += time.perf_counter() - t_eval
-        if done and not self.evaluation.run_stop_logged:  # the target: run_stop now; checkpoint, loader after it
-            self.mllog.run_stop(mll.STATUS_SUCCESS)
+        # the run's last evaluation (the target, or synchronous at max_steps): run_stop now; the checkpoint and
+        # closing the loader after it
+        final = done or (step >= self.cfg.max_steps and not self.parallel.async_eval)
+        if final and not self.evaluation.run_stop_logged:
+            self.mllog.run_stop(self.result.status)
             self._account_run_stop()
         self.account.switch("host")
         return done
