@@ -181,6 +181,44 @@ def test_the_compile_probe_counts_a_real_compile_and_the_reply_carries_run_stops
     assert reply_time(reply) == 1796189303.663
 
 
+_PRELOAD_SCRIPT = """
+import sys
+
+
+def sample(index, seed):  # what a loader worker has imported before its first sample
+    return sorted(m for m in ("torch", "scalefold.data.dataset") if m in sys.modules)
+
+
+if __name__ == "__main__":
+    from scalefold.data.loader import PriorityQueueLoader
+    from scalefold.train import stopping
+
+    if sys.argv[1] == "plain":
+        stopping.WORKER_PRELOAD = ()
+    stopping.start_multiprocessing_helpers_ignoring_stop_signals()
+    with PriorityQueueLoader(sample, [(0, 0)], num_workers=1, mp_context="forkserver") as loader:
+        print(next(iter(loader))[1])
+"""
+
+
+@pytest.mark.parametrize("mode", ["preload", "plain"])
+def test_loader_workers_start_with_the_pipeline_imported(tmp_path, mode):
+    """The forkserver (started before run_start) imports the workers' modules once: a worker it forks has
+    torch and the feature pipeline before its first sample, so the first batch after run_start does not wait
+    for a worker's imports (without the preload it has neither)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "probe.py"
+    script.write_text(_PRELOAD_SCRIPT)
+    root = Path(__file__).resolve().parents[2]
+    env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    expected = "['scalefold.data.dataset', 'torch']" if mode == "preload" else "[]"
+    assert proc.stdout.strip().splitlines()[-1] == expected
+
+
 # ---------------------------------------------------------------------------------------------
 # Real runs of the tiny preset
 # ---------------------------------------------------------------------------------------------
