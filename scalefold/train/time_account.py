@@ -50,7 +50,7 @@ PHASES: dict[str, str] = {
     "init_process": "init", "init_setup": "init", "init_build": "init", "init_warm_up": "init", "init_other": "init",
     "step": "step", "compile": "compile", "data_wait": "data_wait", "data_setup": "data_wait", "host": "host",
     "checkpoint": "checkpoint", "eval_cache": "evaluation", "eval_baseline": "evaluation", "eval_cycle": "evaluation",
-    "eval_final": "evaluation", "close": "other", "other": "other", "after": "after",
+    "eval_final": "evaluation", "close": "other", "report": "other", "other": "other", "after": "after",
 }  # fmt: skip
 #: the parts of run_start .. run_stop, in the order they are printed and drawn
 RUN_PARTS = ("step", "data_wait", "host", "compile", "checkpoint", "evaluation", "to_run_stop", "other")
@@ -59,7 +59,7 @@ LABELS = {
     "checkpoint": "checkpoints", "evaluation": "evaluation", "to_run_stop": "to run_stop", "other": "other",
     "init_process": "process start", "init_setup": "set-up", "init_build": "build", "init_warm_up": "warm-up",
     "init_other": "other", "eval_cache": "validation cache", "eval_baseline": "step-0 score", "eval_cycle": "cycles",
-    "eval_final": "final wait", "data_setup": "loader start", "close": "closing", "after": "after run_stop",
+    "eval_final": "final wait", "data_setup": "loader start", "close": "closing", "report": "reports", "after": "after run_stop",
 }  # fmt: skip
 #: what a phase is called in the breakdown of ``to_run_stop``
 TO_RUN_STOP_LABELS = {**LABELS, "eval_cycle": "evaluation", "eval_final": "waiting for evaluations",

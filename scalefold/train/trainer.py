@@ -470,6 +470,7 @@ class Trainer:
         finally:
             gc.enable()
             eval_failure = self.finish(aborted)
+        self.account.switch("report")  # the summary, curves.png, trace.png (after run_stop)
         if eval_failure is not None:
             raise TrainingAborted(str(eval_failure)) from eval_failure
         announce(f"scalefold train: rank {self.runtime.rank} finished at step {self.result.steps} "
@@ -633,6 +634,7 @@ class Trainer:
         if getattr(self, "compiled", None) is not None:  # graph breaks / recompilations of the compiled regions
             result.notes.append(self.compiled.summary())
         if self.main and (aborted or eval_failure is not None):  # an aborted run gets its curves and breakdown too
+            self.account.switch("report")
             self._report(result)
             print("\n".join(self._write_time_account()), flush=True)
         return eval_failure

@@ -270,7 +270,7 @@ def test_after_the_target_nothing_waits_before_run_stop(reached):
     assert info["detail_s"]["to_run_stop"]["eval_cycle"] > 0
     assert "eval_baseline" not in info["detail_s"]["evaluation"] and info["parts_s"]["checkpoint"] == 0
     after = info["after_run_stop_s"]["parts"]
-    assert after["checkpoint"] > 0 and after["eval_baseline"] > 0 and after["close"] > 0
+    assert after["checkpoint"] > 0 and after["eval_baseline"] > 0 and after["close"] > 0 and after["report"] > 0
     assert (out / "checkpoints" / "checkpoint_00000002.pt").exists()
     events = _mllog(out / "mlperf.log")
     assert events[-1]["key"] == "run_stop" and events[-1]["metadata"]["status"] == "success"
