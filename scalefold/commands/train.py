@@ -103,9 +103,12 @@ def _run_train(args: argparse.Namespace) -> int:
     """Every mistake in the input (configuration, store, layout, launch, checkpoint) is a ``UserError`` of the
     unit that finds it, reported by :mod:`scalefold.cli`; an aborted run is not the user's: its own status."""
     from scalefold.train.reporting import print_run_files
-    from scalefold.train.stopping import TrainingAborted
+    from scalefold.train.stopping import TrainingAborted, start_multiprocessing_helpers_ignoring_stop_signals
     from scalefold.train.trainer import train
 
+    # the forkserver first: it imports the loader workers' modules while the options are read and the FLOPs
+    # counted, so that the first batch after run_start does not wait for it (train() would start it later)
+    start_multiprocessing_helpers_ignoring_stop_signals()
     overrides = overrides_from_args(args, TrainConfig)
     overrides.pop("preset")  # chosen first, below
     preset = args.preset or preset_from_env()
@@ -120,4 +123,5 @@ def _run_train(args: argparse.Namespace) -> int:
         return EXIT_ABORTED
     if result.out is not None:
         print_run_files(result.out, cfg.store)
+        print("\n".join(result.time_account), flush=True)  # the last lines: where the time to train went
     return 0

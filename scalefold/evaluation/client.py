@@ -8,6 +8,7 @@ of :mod:`scalefold.evaluation.protocol`, from a sender thread, and listens for r
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -36,6 +37,7 @@ from scalefold.evaluation.protocol import (
     _header,
     decode_reply,
     encode_reply,
+    reply_time,
     swa_flat_buffer,
 )
 from scalefold.evaluation.sync import EvalContext
@@ -294,7 +296,7 @@ class AsyncEvalClient:
                 if self._due:
                     self._due.popleft()
                 if kind == RESULT:
-                    self.results.append(EvalResult(step, epoch, score, stop))
+                    self.results.append(EvalResult(step, epoch, score, stop, reply_time(reply)))
                     self._stop = self._stop or stop
             if kind == DONE:
                 self._done.set()
@@ -309,8 +311,18 @@ class AsyncEvaluation:
         self.swa_flat = swa_flat_buffer(opt)  # sent as is: the evaluation model's layout
         self.client = AsyncEvalClient(runtime, self.swa_flat.numel(), self.swa_flat.dtype, timeout_s=timeout_s)
 
-    def prepare(self, baseline: bool, what: str = "") -> None:
+    def prepare(self) -> None:
         """Nothing to build here: the evaluation ranks cache their share of the validation set."""
+
+    def ready(self) -> None:
+        """Nothing to wait for: the evaluation ranks hold the validation set."""
+
+    def keep_start(self) -> None:
+        """Nothing kept: see :meth:`score_start`."""
+
+    def score_start(self, what: str = "") -> None:
+        """Not scored: the starting weights are not sent to the evaluation ranks (``eval_baseline`` is for
+        synchronous evaluation)."""
 
     def after_cycle(self, step: int, epoch: int) -> bool:
         """Submit ``step``'s weights; ``True`` when an earlier evaluation reached the target. Raises
@@ -341,6 +353,17 @@ class AsyncEvaluation:
     def run_stop_logged(self) -> bool:
         """The main evaluation rank logged ``run_stop success`` (training does not log run_stop then)."""
         return self.client.target_reached
+
+    @property
+    def target_step(self) -> int | None:
+        """The step whose evaluation reached the target (main training rank; None: none did)."""
+        return next((r.step for r in self.client.results if r.target_reached), None)
+
+    @property
+    def run_stop_at(self) -> float | None:
+        """The wall time the first evaluation rank logged ``run_stop`` at (None: unknown)."""
+        at = next((r.at for r in self.client.results if r.target_reached), math.nan)
+        return None if math.isnan(at) else at
 
     def close(self) -> RuntimeError | None:
         """Wait for the pending evaluations (in order) and record them; returns a failure, if any."""

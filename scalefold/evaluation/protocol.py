@@ -23,8 +23,8 @@ Protocol over the bridge (strict request / reply, FIFO per tag)::
 
     training -> eval   header  int64[5] = (kind SUBMIT|SENTINEL, step, epoch_num, numel, dtype code)
     training -> eval   payload the flat SWA weights (SUBMIT only)
-    eval -> training   reply   uint8[REPLY_BYTES] = float64 (kind, step, epoch_num, score, stop)
-                               + a UTF-8 message (FAILED)
+    eval -> training   reply   uint8[REPLY_BYTES] = float64 (kind, step, epoch_num, score, stop, time)
+                               + a UTF-8 message (FAILED); time: the wall time of a RESULT (run_stop's)
 
 Each header gets exactly one reply: SUBMIT -> RESULT (or SKIPPED once the target was reached:
 later submissions are received and dropped, so no ``eval_*`` line follows ``run_stop``) or FAILED;
@@ -68,7 +68,7 @@ RESULT, SKIPPED, FAILED, DONE = 1, 2, 3, 4
 _CONTINUE, _STOP = 0, 1
 
 _TAG_HEADER, _TAG_PAYLOAD, _TAG_REPLY = 71, 72, 73
-_REPLY_FIELDS = 5  # float64 kind, step, epoch, score, stop
+_REPLY_FIELDS = 6  # float64 kind, step, epoch, score, stop, time
 _REPLY_HEAD = struct.calcsize(f"<{_REPLY_FIELDS}d")
 REPLY_BYTES = 4096
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -88,6 +88,7 @@ class EvalResult:
     epoch: int
     score: float  # mean lDDT-Cα over all validation targets
     target_reached: bool
+    at: float = math.nan  # wall time (time.time()) of the reply: when run_stop was logged, if target_reached
 
 
 # ----------------------------------------------------------------------------------------------
@@ -142,9 +143,10 @@ def bind_flat_parameters(module: nn.Module, align_numel: int = DEFAULT_ALIGN_NUM
 
 
 def encode_reply(kind: int, step: int = 0, epoch: int = 0, score: float = math.nan, stop: bool = False,
-                 message: str = "") -> torch.Tensor:  # fmt: skip
-    """A reply / stop-flag message: ``uint8[REPLY_BYTES]`` (five float64 fields, then UTF-8 text)."""
-    head = struct.pack(f"<{_REPLY_FIELDS}d", kind, step, epoch, score, float(stop))
+                 message: str = "", at: float = math.nan) -> torch.Tensor:  # fmt: skip
+    """A reply / stop-flag message: ``uint8[REPLY_BYTES]`` (six float64 fields, then UTF-8 text);
+    ``at``: a wall time (a RESULT's: when it was logged, ``run_stop`` included)."""
+    head = struct.pack(f"<{_REPLY_FIELDS}d", kind, step, epoch, score, float(stop), at)
     text = message.encode("utf-8")[: REPLY_BYTES - _REPLY_HEAD]
     raw = head + text + b"\0" * (REPLY_BYTES - _REPLY_HEAD - len(text))
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone()
@@ -153,9 +155,14 @@ def encode_reply(kind: int, step: int = 0, epoch: int = 0, score: float = math.n
 def decode_reply(t: torch.Tensor) -> tuple[int, int, int, float, bool, str]:
     """``(kind, step, epoch, score, stop, message)`` of :func:`encode_reply`'s tensor."""
     raw = bytes(t.cpu().numpy().tobytes())
-    kind, step, epoch, score, stop = struct.unpack(f"<{_REPLY_FIELDS}d", raw[:_REPLY_HEAD])
+    kind, step, epoch, score, stop, _ = struct.unpack(f"<{_REPLY_FIELDS}d", raw[:_REPLY_HEAD])
     message = raw[_REPLY_HEAD:].rstrip(b"\0").decode("utf-8", errors="replace")
     return int(kind), int(step), int(epoch), score, bool(stop), message
+
+
+def reply_time(t: torch.Tensor) -> float:
+    """The wall time ``at`` of :func:`encode_reply`'s tensor (NaN: none)."""
+    return struct.unpack(f"<{_REPLY_FIELDS}d", bytes(t.cpu().numpy().tobytes())[:_REPLY_HEAD])[-1]
 
 
 def _header(
@@ -166,5 +173,5 @@ def _header(
 
 __all__ = [
     "DONE", "FAILED", "REPLY_BYTES", "RESULT", "SENTINEL", "SKIPPED", "SUBMIT", "EvalResult",
-    "bind_flat_parameters", "decode_reply", "encode_reply", "swa_flat_buffer",
+    "bind_flat_parameters", "decode_reply", "encode_reply", "reply_time", "swa_flat_buffer",
 ]  # fmt: skip

@@ -219,14 +219,16 @@ class _Submission:
         if runtime.parallel.is_main_eval_rank:
             _say(f"scalefold: evaluated the SWA weights of step {step}: lDDT-Cα {score:.4f} in "
                  f"{time.perf_counter() - t0:.2f} s" + (f" (target {self.target:g} reached)" if stopped else ""))  # fmt: skip
+        at = time.time()  # the reply's wall time: run_stop's, when the target is reached (the run's time account)
         if inbox is not None:
             if mllog is not None:
                 mllog.eval_accuracy(score, epoch)
                 mllog.eval_stop(epoch)
                 if stopped:
                     mllog.run_stop(mll.STATUS_SUCCESS)
-            inbox.reply(encode_reply(RESULT, step, epoch, score, stopped))
-        return EvalResult(step, epoch, score, stopped)
+                    at = time.time()
+            inbox.reply(encode_reply(RESULT, step, epoch, score, stopped, at=at))
+        return EvalResult(step, epoch, score, stopped, at)
 
 
 class _GroupFailure(Exception):

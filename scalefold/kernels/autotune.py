@@ -65,6 +65,7 @@ _lock = threading.Lock()
 _tuners: dict[str, Tuner] = {}
 _received: dict[str, dict] = {}  # tables broadcast for kernels this rank has not used yet
 _reported_first = False  # the first tuning report names the cache and the switch
+_tuning_s = 0.0  # seconds this process spent timing candidates (SCALEFOLD_AUTOTUNE=1): tuning_seconds()
 
 
 def interpreting() -> bool:
@@ -284,13 +285,21 @@ def _report(name: str, key: str, candidates: int, seconds: float, best: dict, pa
     """One line on stderr per tuning (a new kernel x shape class, ``SCALEFOLD_AUTOTUNE=1``): the first
     steps of such a run spend their time here (each candidate compiled and timed; the first GPU
     session's demo run did not reach step 1 in 70 s), so say so; the result is cached in ``path``."""
-    global _reported_first
+    global _reported_first, _tuning_s
+    _tuning_s += seconds
     hint = ""
     if not _reported_first:
         _reported_first = True
         hint = f" [results cached in {path.parent}; without {ENABLE_ENV}=1 the shipped launch-config table is used]"
     print(f"autotune: {name} {key}: {candidates} configs timed in {seconds:.1f} s -> {best}{hint}",
           file=sys.stderr, flush=True)  # fmt: skip
+
+
+def tuning_seconds() -> float:
+    """Seconds this process has spent autotuning so far (each new kernel x shape class with
+    ``SCALEFOLD_AUTOTUNE=1``): a run's time account counts them as compilation
+    (:mod:`scalefold.train.time_account`)."""
+    return _tuning_s
 
 
 def _capability() -> int:

@@ -16,6 +16,7 @@ class RunClock:
     def __init__(self) -> None:
         self.before_s, self.segments_before, self.resumed_step = 0.0, 0, 0
         self._t0: float | None = None
+        self._t1: float | None = None  # run_stop (None: still running)
 
     def carry(self, ckpt: dict[str, Any], step: int) -> None:
         """Continue the clock of the checkpoint ``ckpt`` (of step ``step``) a resumed run loaded."""
@@ -28,12 +29,19 @@ class RunClock:
     def start(self) -> None:
         self._t0 = time.time()
 
+    def stop(self, at: float | None = None) -> None:
+        """``run_stop`` was logged (now, or at wall time ``at`` by another process); the first call counts."""
+        if self._t0 is not None and self._t1 is None:
+            self._t1 = time.time() if at is None else at
+
     @property
     def running(self) -> bool:
         return self._t0 is not None
 
     def segment_s(self) -> float:
-        return time.time() - self._t0 if self._t0 is not None else 0.0
+        if self._t0 is None:
+            return 0.0
+        return (self._t1 if self._t1 is not None else time.time()) - self._t0
 
     def total_s(self) -> float:
         return self.before_s + self.segment_s()

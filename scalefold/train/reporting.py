@@ -57,6 +57,7 @@ class TrainResult:
     time_to_train_s: float | None = None  # run_start to run_stop, summed over resumed segments
     throughput: list[tuple[float, float | None]] = field(default_factory=list)  # (tflops, mfu) of each step
     device_name: str | None = None  # the GPU the mfu figures refer to
+    time_account: list[str] = field(default_factory=list)  # the time account's summary (time_account.json)
 
 
 class MetricsLog:
@@ -73,6 +74,18 @@ class MetricsLog:
     def flush(self) -> None:
         if self._file is not None:
             self._file.flush()
+
+    def write_first(self, record: dict[str, Any]) -> None:
+        """``record`` before every other line (the starting point's score, taken after the run: the file
+        stays in step order); the file is rewritten (atomic replace) and appended to afterwards."""
+        if self._file is None:
+            return
+        self._file.close()
+        old = self.path.read_text() if self.path.exists() else ""
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(_json_safe(record), allow_nan=False) + "\n" + old)
+        tmp.replace(self.path)
+        self._file = self.path.open("a")
 
     def close(self) -> None:
         if self._file is not None:
@@ -188,7 +201,7 @@ def print_run_files(out: Path, store: str, file: Any = None) -> None:
     logs = sorted(out.glob("mlperf*.log"))
     lines = [f"run directory: {out}"]
     for label, path in (("curves", out / "curves.png"), ("Cα trace", out / "trace.png"),
-                        ("metrics", out / "metrics.jsonl")):  # fmt: skip
+                        ("metrics", out / "metrics.jsonl"), ("time account", out / "time_account.png")):  # fmt: skip
         if path.exists():
             lines.append(f"  {label + ':':<12s} {path}")
     if logs:

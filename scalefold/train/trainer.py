@@ -100,6 +100,7 @@ from scalefold.train.stopping import (
     TrainingAborted,
     start_multiprocessing_helpers_ignoring_stop_signals,
 )
+from scalefold.train.time_account import TimeAccount, summary_lines, write_account
 from scalefold.train.training_data import TrainingData, day_before, split_chains, validation_chain_ids
 
 
@@ -132,6 +133,7 @@ def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
     :class:`~.run_directory.StoreNotFoundError` when the store is missing and may not be synthesised,
     :class:`~scalefold.distributed.layout.LayoutError` when the rank layout does not fit the launch.
     """
+    account = TimeAccount()  # where the run's seconds go (time_account.json): from here on
     check_store(cfg)  # every rank, before anything is logged: a missing store is a configuration error
     check_out(cfg)  # nor may a previous run in --out be replaced without --resume / --overwrite
     check_starting_point(cfg)  # a shipped --init-from is intact, and the target is not met before training
@@ -177,7 +179,7 @@ def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
             if parallel.is_eval_rank:  # asynchronous evaluation ranks: serve evaluations until training ends
                 result = _evaluation_rank(cfg, runtime, stop_request, model_cfg, features)
             else:
-                result = Trainer(cfg, runtime, stop_request, model_cfg, features, hooks).run()
+                result = Trainer(cfg, runtime, stop_request, model_cfg, features, hooks, account).run()
         finished = True
         return result
     finally:  # process-wide switches go back to what the caller had
@@ -222,8 +224,9 @@ class Trainer:
     evaluation), :meth:`fit` (the step loop), :meth:`finish` (loader, evaluations, logs, report)."""
 
     def __init__(self, cfg: TrainConfig, runtime: Runtime, stop_request: StopRequest, model_cfg: AlphaFoldConfig,
-                 features: FeatureConfig, hooks: RunHooks | None = None) -> None:  # fmt: skip
+                 features: FeatureConfig, hooks: RunHooks | None = None, account: TimeAccount | None = None) -> None:  # fmt: skip
         self.cfg, self.runtime, self.stop_request = cfg, runtime, stop_request
+        self.account = account or TimeAccount()  # the run's phases (scalefold.train.time_account)
         self.hooks = hooks or RunHooks()
         self.model_cfg, self.features = model_cfg, features
         self.parallel = runtime.parallel
@@ -238,8 +241,11 @@ class Trainer:
         self.clock = RunClock()  # time to train, carried across --resume
 
     def run(self) -> TrainResult:
+        self.account.switch("init_build")
         self.build()
+        self.account.switch("init_warm_up")
         self.warm_up()
+        self.account.switch("init_other")
         self.start()
         return self.fit()
 
@@ -418,6 +424,11 @@ class Trainer:
                           self.autocast, cfg.target_lddt)  # fmt: skip
         self.evaluation = (AsyncEvaluation(ctx, self.runtime, self.opt, cfg.eval_timeout_s) if self.parallel.async_eval
                            else SyncEvaluation(ctx, self.runtime, self.eval_model, self._eval_cache, bool(cfg.eval_every)))  # fmt: skip
+        # the starting point's score (step 0, for the curves; not MLPerf's) is taken after run_stop, untimed:
+        # its weights are kept now
+        self.baseline = cfg.eval_baseline and self.start_step == 0
+        if self.baseline:
+            self.evaluation.keep_start()
         self.mllog.log_init_block(run_info(
             cfg, self.runtime, self.features, eval_every=self.eval_every, num_params=self.opt.num_params,
             init_sha=self.init_sha, train_max_pdb_release_date=day_before(cfg.val_min_date),
@@ -425,6 +436,7 @@ class Trainer:
         if self.runtime.distributed:  # every rank is ready: the clock starts (evaluation ranks wait for it too)
             dist.barrier()
         self.mllog.init_stop_run_start()
+        self.account.run_start()
         self.clock.start()  # time to train (MLPerf): run_start to run_stop
         self.cycles = MLPerfCycles(self.mllog, self.eval_every, self.parallel.dp_size, self.start_step)
         with Store.open(Path(cfg.store)) as store:
@@ -432,18 +444,20 @@ class Trainer:
         if main:
             print(f"data: {len(self.train_ids)} training / {len(self.val_ids)} validation chains in {Path(cfg.store)}",
                   flush=True)  # fmt: skip
-        self.data = TrainingData(cfg, self.parallel, self.runtime.rank, self.features, self.train_ids, weights,
-                                 self.start_step)  # fmt: skip
+        with self.account.phase("data_setup"):
+            self.data = TrainingData(cfg, self.parallel, self.runtime.rank, self.features, self.train_ids, weights,
+                                     self.start_step)  # fmt: skip
         # the compliance checker accepts the reference loaders' names only (PT: in order, PQ: priority queue)
         self.mllog.dataset_info(len(self.train_ids), len(self.val_ids), dataloader_type="InitialTrainingDataloaderPQ")
         t_val = time.perf_counter()
-        self.evaluation.prepare(baseline=cfg.eval_baseline and self.start_step == 0,
-                                what="initial checkpoint" if cfg.init_from else "untrained model")
+        with self.account.phase("eval_cache"):
+            self.evaluation.prepare()
         self.timings["eval"] += time.perf_counter() - t_val
 
     def _eval_cache(self):
-        """Synchronous evaluation's validation batches, built once and kept in host DRAM (pinned on CUDA)."""
-        cache = validation_cache(str(Path(self.cfg.store)), self.val_ids, self.features,
+        """Synchronous evaluation's validation batches, built once (in a background thread, by ``num_workers``
+        loader workers) and kept in host DRAM (pinned on CUDA)."""
+        cache = validation_cache(str(Path(self.cfg.store)), self.val_ids, self.features, num_workers=self.cfg.num_workers,
                                  pin_memory=self.device.type == "cuda")  # fmt: skip
         cache.fill()
         return cache
@@ -456,10 +470,10 @@ class Trainer:
         gc.disable()
         try:
             with self.stop_request:  # installed by train(): a signal during the setup counts too
-                step, t_wait = self.start_step, time.perf_counter()
-                for _, batch in self.data:
+                step, t_wait = self.start_step, self.account.switch("data_wait")
+                for _, batch in self.data:  # the loader's get: data wait
                     step += 1
-                    self.timings["data_wait"] += time.perf_counter() - t_wait
+                    self.timings["data_wait"] += self.account.switch("host") - t_wait
                     new_skips = self.data.report_skips(step)
                     self.cycles.step(step)
                     stop = self.train_step(step, batch, new_skips)
@@ -468,19 +482,21 @@ class Trainer:
                     done = self.after_cycle(step, stop) if due_eval else False
                     self.metrics.flush()
                     if self.checkpoints.due(step, stop, last or done):  # the trained model is kept
-                        self.checkpoints.save(self.model, self.opt, step, self.timings, self.clock)
+                        with self.account.phase("checkpoint"):
+                            self.checkpoints.save(self.model, self.opt, step, self.timings, self.clock)
                     if stop:
                         self._stopped_by_signal(step)
                         break
                     if done:
                         break
-                    t_wait = time.perf_counter()
+                    t_wait = self.account.switch("data_wait")
         except BaseException:
             aborted = True
             raise
         finally:
             gc.enable()
             eval_failure = self.finish(aborted)
+        self.account.switch("report")  # the summary, curves.png, trace.png (after run_stop)
         if eval_failure is not None:
             raise TrainingAborted(str(eval_failure)) from eval_failure
         announce(f"scalefold train: rank {self.runtime.rank} finished at step {self.result.steps} "
@@ -489,6 +505,7 @@ class Trainer:
             self._report(self.result)
             if self.cfg.trace_plot and self.hooks.trace_picture is not None:
                 self._trace_picture()
+            self._write_time_account()  # the command prints its summary last
         return self.result
 
     def _report(self, result: TrainResult) -> None:
@@ -517,7 +534,7 @@ class Trainer:
         SWA or the skip, all on the device), then its results read once; writes the step's record.
         Returns whether any rank asked to stop."""
         cfg, timings, result = self.cfg, self.timings, self.result
-        t0 = time.perf_counter()
+        t0 = self.account.step_started()
         n = recycling_count(cfg.seed, step, self.features.num_ensembles)
         lr = self.lr_schedule(step)  # written into the optimizer's device tensor (no host read)
         marks: list[tuple[str, float]] = [("forward", t0)]  # host time per phase (on a GPU: the launches)
@@ -525,7 +542,7 @@ class Trainer:
                               stop=self.stop_request.requested, count=len(self.data.skipped),
                               phase=lambda name: marks.append((name, time.perf_counter())))  # fmt: skip
         got = out.read(self.ddp_world)  # the step's one host read (waits for the device): loss, verdict, norm, terms
-        t1 = time.perf_counter()
+        t1 = self.account.step_read(step)  # the step ends at its host read; host work follows
         marks.append(("end", t1))
         for (name, a), (_, b) in zip(marks, marks[1:]):  # the loss counts with the forward, as before
             timings["forward" if name == "loss" else name] += b - a
@@ -573,6 +590,10 @@ class Trainer:
     def after_cycle(self, step: int, stop: bool) -> bool:
         """The end of a train-eval cycle: the SWA weights are evaluated; ``True`` when the run is done."""
         t_eval = time.perf_counter()
+        self.account.evaluated(step)
+        self.account.switch("eval_cache")
+        self.evaluation.ready()  # the validation cache, built in the background since run_start
+        self.account.switch("eval_cycle")
         epoch = self.cycles.end(step)
         try:
             done = self.evaluation.after_cycle(step, epoch)
@@ -585,6 +606,13 @@ class Trainer:
                                     f"written to {ckpt_path} before aborting (continue with --resume)")  # fmt: skip
             raise TrainingAborted(str(exc)) from exc
         self.timings["eval"] += time.perf_counter() - t_eval
+        # the run's last evaluation (the target, or synchronous at max_steps): run_stop now; the checkpoint and
+        # closing the loader after it
+        final = done or (step >= self.cfg.max_steps and not self.parallel.async_eval)
+        if final and not self.evaluation.run_stop_logged:
+            self.mllog.run_stop(self.result.status)
+            self._account_run_stop()
+        self.account.switch("host")
         return done
 
     def _stopped_by_signal(self, step: int) -> None:
@@ -599,19 +627,26 @@ class Trainer:
         """Close the loader, wait for pending evaluations, close the logs (``run_stop``); returns an
         evaluation failure that surfaced while closing (the run then aborts)."""
         result, mllog = self.result, self.mllog
+        self.account.switch("close")
         self.progress.close()
         self.data.close(result.steps)
         result.skipped_samples = self.data.skipped
         if self.evaluation.failed:  # logged first: the evaluation ranks exit once close() releases them
             mllog.run_stop(mll.STATUS_ABORTED)
+            self.account.run_stop()
         t_close = time.perf_counter()
-        eval_failure = self.evaluation.close()  # asynchronous: pending evaluations finish first (in order)
+        with self.account.phase("eval_final"):
+            eval_failure = self.evaluation.close()  # asynchronous: pending evaluations finish first (in order)
         self.timings["eval"] += time.perf_counter() - t_close
-        self.metrics.close()
         self.cycles.close()  # the run ended inside a cycle: close it (samples seen so far)
         if not self.evaluation.run_stop_logged:  # the main evaluation rank logs run_stop success itself
             mllog.run_stop(mll.STATUS_ABORTED if eval_failure is not None else result.status)
+        self._account_run_stop()
         mllog.close()
+        if self.baseline and not aborted and eval_failure is None:  # after run_stop: untimed
+            with self.account.phase("eval_baseline"):
+                self.evaluation.score_start("initial checkpoint" if self.cfg.init_from else "untrained model")
+        self.metrics.close()
         if self.clock.running:
             result.time_to_train_s = self.clock.total_s()
             if self.main:
@@ -625,8 +660,37 @@ class Trainer:
         if getattr(self, "compiled", None) is not None:  # graph breaks / recompilations of the compiled regions
             result.notes.append(self.compiled.summary())
         if self.main and (aborted or eval_failure is not None):  # an aborted run gets its curves and breakdown too
+            self.account.switch("report")
             self._report(result)
+            print("\n".join(self._write_time_account()), flush=True)
         return eval_failure
+
+    def _account_run_stop(self) -> None:
+        """The time account's ``run_stop``: now (logged by this rank), or when the first evaluation rank
+        logged it (asynchronous evaluation: the wall time its reply carries)."""
+        evaluation = self.evaluation
+        if evaluation.run_stop_logged:
+            self.account.run_stop(target_step=evaluation.target_step, wall=evaluation.run_stop_at)
+            self.clock.stop(at=evaluation.run_stop_at)
+        else:
+            success = self.result.status == mll.STATUS_SUCCESS and self.result.eval_history
+            self.account.run_stop(target_step=self.result.eval_history[-1][0] if success else None)
+            self.clock.stop()
+
+    def _write_time_account(self) -> list[str]:
+        """``time_account.json`` / ``.png`` in the run directory (main training rank); the summary lines."""
+        if not self.main:
+            return []
+        cfg, result = self.cfg, self.result
+        info = self.account.report({
+            "title": f"scalefold train --preset {cfg.preset}", "status": result.status,
+            "time_to_train_s": result.time_to_train_s, "segment_from_step": result.start_step,
+            "evaluation": f"asynchronous ({cfg.num_async_eval_ranks} ranks)" if self.parallel.async_eval else "synchronous",
+            "eval_every": self.eval_every, "device": str(self.device),
+        })  # fmt: skip
+        path, _ = write_account(info, self.out)
+        result.time_account = summary_lines(info, where=str(path))
+        return result.time_account
 
 
 __all__ = ["RunHooks", "Trainer", "prepare_run", "train"]
