@@ -81,8 +81,11 @@ def test_resolve_step_mode():
     assert resolve_step_mode("auto", "cuda", world_size=2) == (False, WHOLE_STEP_DDP)
     with pytest.raises(CudaGraphsUnavailable, match="needs a CUDA device"):
         resolve_mode("recycling", "cpu")  # the recycling graphs have no CPU emulation
-    with pytest.raises(CudaGraphsUnavailable, match="2 data-parallel ranks"):
+    with pytest.raises(CudaGraphsUnavailable, match="2 training ranks needs --grad-reduce flat or auto"):
         resolve_step_mode("step", "cuda", world_size=2)
+    assert resolve_step_mode("step", "cpu", world_size=2, flat_reduce=True)[1] == (
+        "--cuda-graphs step: the whole step, emulated on the CPU, 2 training ranks, data parallel, the flat gradient "
+        "all-reduce inside")
     # DAP's collectives are tensor collectives: captured inside the graph; branch parallelism is not
     assert resolve_step_mode("step", "cuda", model_parallel=2)[1] == \
         "--cuda-graphs step: the whole step, CUDA, DAP 2 (its collectives inside the graph)"

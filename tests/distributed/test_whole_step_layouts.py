@@ -51,7 +51,7 @@ def test_whole_step_graphs_at_dp2_equal_eager(tmp_path):
     _assert_same_run(tmp_path)
 
 
-@pytest.mark.parametrize("nproc", [2, 4], ids=["dap2", "dap2xdp2"])
+@pytest.mark.parametrize("nproc", [4], ids=["dap2xdp2"])  # DAP-2 alone (2 ranks) measured the same: RESULTS
 def test_whole_step_graphs_at_dap_layouts_never_change_the_numbers(tmp_path, nproc):
     """DAP-2 and DAP-2 x DP-2: the DAP collectives are recorded inside the graph, and every rank agrees on the
     verdict. Today the warm-up check finds the replay's backward a last bit off eager's (grad norm 3.6e-6,
@@ -72,12 +72,3 @@ def _assert_same_run(root) -> None:
     a = load_checkpoint(root / "off" / ckpt)["alphafold_state_dict"]
     b = load_checkpoint(root / "step" / ckpt)["alphafold_state_dict"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_step_with_ddp_at_several_ranks_is_refused_naming_the_option(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SCALEFOLD_", "RANK", "WORLD_SIZE"))}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "-m", "scalefold", "train", "--preset", "tiny", "--out", str(tmp_path / "r"), "--store",
-           str(tmp_path / "s.h5"), "--cuda-graphs", "step", "--grad-reduce", "ddp", "--no-progress"]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert proc.returncode != 0 and "needs --grad-reduce flat or auto" in proc.stdout + proc.stderr
