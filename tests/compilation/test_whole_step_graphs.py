@@ -137,15 +137,7 @@ def test_the_demo_step_with_dropout_and_checkpointing_replays_bit_identically():
     graphs = graphed.use_whole_step_graphs(log=lambda line: None)
     assert graphs.active, graphs.reason
     counts = [0] + [n for _ in range(2) for n in range(graphed.num_ensembles)]
-    for i, n in enumerate(counts):
-        live = perturbed_batch(eager.batch, seed=i)
-        live = {k: v[..., : n + 1] for k, v in live.items()}
-        outcomes = []
-        for step in (graphed, eager):
-            step.opt.set_lr(1e-3 * (0.7**i))
-            result = step.train(live, n, seed=1000 + i)
-            outcomes.append(result.read(1))
-            step.settle(outcomes[-1])
+    for i, n, outcomes in _paired_steps(graphed, eager, counts, seed=1000):
         assert outcomes[0] == outcomes[1], (i, n)
         for a, b in zip(_state(graphed), _state(eager)):
             assert torch.equal(a, b), (i, n)
@@ -259,6 +251,19 @@ def test_the_trainer_replays_whole_step_graphs_with_the_same_numbers(tmp_path, c
     assert _tensors(load_checkpoint(a)) == _tensors(load_checkpoint(b))
 
 
+def _paired_steps(graphed: TrainingStep, eager: TrainingStep, counts: list[int], seed: int):
+    """Each step ``i`` of recycling count ``n`` on both steps -- its own perturbed batch, learning rate and
+    seed --, read and settled: yields ``(i, n, (graphed outcome, eager outcome))``."""
+    for i, n in enumerate(counts):
+        live = {k: v[..., : n + 1] for k, v in perturbed_batch(eager.batch, seed=i).items()}
+        outcomes = []
+        for step in (graphed, eager):
+            step.opt.set_lr(1e-3 * (0.7**i))
+            outcomes.append(step.train(live, n, seed=seed + i).read(1))
+            step.settle(outcomes[-1])
+        yield i, n, outcomes
+
+
 def _tensors(obj, prefix=""):
     """Every tensor of a nested checkpoint as ``{path: (dtype, values)}`` (comparable bit for bit)."""
     if isinstance(obj, torch.Tensor):
@@ -281,14 +286,7 @@ def test_real_whole_step_graphs_match_eager(precision):
     assert graphs.active, graphs.reason  # e.g. a refused operation in the step, or a disagreeing replay
     tol = dict(rtol=2e-2, atol=2e-3) if precision == "bf16" else dict(rtol=1e-4, atol=1e-6)
     counts = [0] + [n for _ in range(2) for n in range(graphed.num_ensembles)]
-    for i, n in enumerate(counts):
-        live = {k: v[..., : n + 1] for k, v in perturbed_batch(eager.batch, seed=i).items()}
-        outs = []
-        for step in (graphed, eager):
-            step.opt.set_lr(1e-3 * (0.7**i))
-            result = step.train(live, n, seed=100 + i)
-            outs.append(result.read(1))
-            step.settle(outs[-1])
+    for _, _, outs in _paired_steps(graphed, eager, counts, seed=100):
         assert outs[0].skipped == outs[1].skipped
         torch.testing.assert_close(outs[0].mean_loss, outs[1].mean_loss, **tol)
         torch.testing.assert_close(outs[0].grad_norm, outs[1].grad_norm, **tol)
