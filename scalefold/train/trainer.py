@@ -58,7 +58,7 @@ from scalefold.compilation.regions import compile_blocks, warm_up
 from scalefold.config.training import TrainConfig
 from scalefold.data.pipeline import FeatureConfig
 from scalefold.data.store import Store
-from scalefold.distributed.runtime import Runtime, init_distributed, shutdown
+from scalefold.distributed.runtime import Runtime, init_distributed, resume_command, shutdown
 from scalefold.evaluation.cache import validation_cache
 from scalefold.evaluation.client import AsyncEvaluation, EvaluationRanksFailed
 from scalefold.evaluation.server import serve_evaluations
@@ -84,8 +84,10 @@ from scalefold.train.reporting import (
     truncate_metrics,
 )
 from scalefold.train.run_checkpoints import (
+    CheckpointNotWritten,
     CheckpointPolicy,
     choose_resume_checkpoint,
+    resume_args,
     init_from_checkpoint,
     resume_from_checkpoint,
     save_checkpoint,
@@ -140,6 +142,8 @@ def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
     runtime = init_distributed(
         cfg.num_async_eval_ranks, timeout_s=cfg.process_group_timeout_s, dap=cfg.dap, bp=cfg.bp,
         parallel_evoformer=cfg.parallel_evoformer, crop_size=features.train_sequence_crop_size,
+        stall_timeout_s=cfg.stall_timeout_s, dead_peer_timeout_s=cfg.dead_peer_timeout_s,
+        fault_dir=Path(cfg.out) / "faults", resume=resume_command(default_args=resume_args(cfg)),
     )  # fmt: skip
     parallel = runtime.parallel
     # inductor's and Triton's caches in --compile-cache (a subfolder per torch/Triton/GPU), before anything
@@ -174,13 +178,21 @@ def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
             else:
                 result = Trainer(cfg, runtime, stop_request, model_cfg, features, hooks).run()
         finished = True
-        return result
+    except Exception as exc:  # a peer's fault (a dead or stalled rank): one line naming it, not the transport's traceback
+        failure = runtime.heartbeat.explain(exc)
+        if failure is not None:
+            raise failure from exc
+        raise
     finally:  # process-wide switches go back to what the caller had
         if cfg.compile:
             elementwise.disable()  # the compiled elementwise chains (compile_blocks' default region)
         torch.use_deterministic_algorithms(numerics[0])
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = numerics[1:]
         shutdown(runtime, clean=finished)
+    if result.unsaved_checkpoint is not None:  # a full disk took the last checkpoint: the run fails, after its peers
+        raise CheckpointNotWritten(f"the run's last {result.unsaved_checkpoint}; after freeing space, continue "
+                                   f"from it with: {resume_command(default_args=resume_args(cfg))}")  # fmt: skip
+    return result
 
 
 def prepare_run(cfg: TrainConfig, runtime: Runtime, checkpoints: CheckpointManager) -> tuple[Path | None, dict | None]:
@@ -251,6 +263,7 @@ class Trainer:
             self.runtime.rank, (self.parallel.main_train_rank,), None, instance=mll.throughput_instance(), deferred=True
         )  # fmt: skip
         self.mllog.init_start()
+        self.runtime.heartbeat.on_fatal.append(self._log_abort)  # a rank ended by its heartbeat: run_stop first
         self.checkpoints = CheckpointPolicy(cfg, self.runtime, self.out)
         resume_path, resume_ckpt = prepare_run(cfg, self.runtime, self.checkpoints.manager)
         self.mllog.open_file(mlperf_log_path(cfg, resume_path))
@@ -274,6 +287,14 @@ class Trainer:
                   f"{self.parallel.num_train_ranks} training rank(s)", flush=True)  # fmt: skip
         self.init_sha = self._init_from() if cfg.init_from else None
         self.start_step = self._resume(resume_path, resume_ckpt)
+
+    def _log_abort(self) -> None:
+        """The MLPerf log's ``run_stop aborted`` and the metrics so far, from the heartbeat's thread (the main
+        thread is blocked by a stalled peer)."""
+        self.mllog.run_stop(mll.STATUS_ABORTED)
+        self.mllog.close()
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.flush()
 
     def _check_memory(self) -> None:
         """Predict the step's peak memory per rank (fake tensors, ``scalefold estimate-memory``); warn, naming
@@ -433,13 +454,15 @@ class Trainer:
                 step, t_wait = self.start_step, time.perf_counter()
                 for _, batch in self.data:
                     step += 1
+                    self.runtime.heartbeat.mark(step)  # progress, for the stalled-rank watch
                     self.timings["data_wait"] += time.perf_counter() - t_wait
                     new_skips = self.data.report_skips(step)
                     self.cycles.step(step)
                     stop = self.train_step(step, batch, new_skips)
                     last = step >= self.cfg.max_steps  # a finished run ends evaluated and checkpointed
                     due_eval = self.cfg.eval_every and (step % self.eval_every == 0 or last)
-                    done = self.after_cycle(step, stop) if due_eval else False
+                    with self.runtime.heartbeat.busy("evaluation"):  # long on one rank by design
+                        done = self.after_cycle(step, stop) if due_eval else False
                     self.metrics.flush()
                     if self.checkpoints.due(step, stop, last or done):  # the trained model is kept
                         self.checkpoints.save(self.model, self.opt, step, self.timings, self.clock)
@@ -448,12 +471,14 @@ class Trainer:
                         break
                     if done:
                         break
+                    self.runtime.heartbeat.mark(step, waiting=True)
                     t_wait = time.perf_counter()
         except BaseException:
             aborted = True
             raise
         finally:
             gc.enable()
+            self.runtime.heartbeat.idle()
             eval_failure = self.finish(aborted)
         if eval_failure is not None:
             raise TrainingAborted(str(eval_failure)) from eval_failure
@@ -592,6 +617,7 @@ class Trainer:
                 print(time_to_train_line(self.clock, result), flush=True)
         result.timings = dict(self.timings)
         result.device_name = self.hooks.device_name
+        result.unsaved_checkpoint = self.checkpoints.unsaved
         if self.device.type == "cuda":  # graphed / eager step counts (on CPU the forward is always eager)
             result.notes.append(self.forward.summary())
             if getattr(self, "step_graphs", None) is not None:
