@@ -241,7 +241,9 @@ class Heartbeat:
             self.store.set(f"gone/{self.rank}", "peer")
         fault = known or self._identify(exc)
         detail = self._write_detail(fault, exc)
-        return RankFailed(self.line(fault, detail), fault, detail)
+        line = self.line(fault, detail)
+        _tell_launcher(line)
+        return RankFailed(line, fault, detail)
 
     def line(self, fault: Fault, detail: str | None) -> str:
         """The one line this rank prints for ``fault``."""
@@ -424,7 +426,9 @@ class Heartbeat:
         if fault.rank in self.eval_ranks and self.role == "train" and moving:
             return  # training goes on to the end of its cycle, where the lost evaluation ends it (one line)
         detail = self._write_detail(fault, None)
-        _say(self.line(fault, detail) + f" [its main thread was still blocked after {self.dead_peer_timeout_s:g} s]")
+        line = self.line(fault, detail) + f" [its main thread was still blocked after {self.dead_peer_timeout_s:g} s]"
+        _tell_launcher(line)
+        _say(line)
         for hook in self.on_fatal:
             with contextlib.suppress(Exception):
                 hook()
@@ -481,6 +485,19 @@ def _say(line: str) -> None:
         os.write(sys.stderr.fileno(), (line + "\n").encode("utf-8", errors="replace"))
     except (AttributeError, OSError, ValueError):
         print(line, file=sys.stderr, flush=True)
+
+
+def _tell_launcher(line: str) -> None:
+    """torchrun's error file (``TORCHELASTIC_ERROR_FILE``), where it has one: its failure summary then shows
+    ``line`` -- the rank at fault -- for this rank, rather than "To enable traceback see ..." (a stalled rank
+    never exits: the first survivor is torchrun's "first observed failure", and its message names the rank)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    with contextlib.suppress(OSError):
+        with open(path, "w") as f:
+            json.dump(data, f)
 
 
 def connect_store(host: str, port: int, timeout_s: float) -> dist.Store:
