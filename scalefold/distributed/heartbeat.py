@@ -40,6 +40,7 @@ import contextlib
 import faulthandler
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -62,7 +63,7 @@ DEFAULT_DEAD_PEER_TIMEOUT_S = 20.0
 QUIET_BEATS = 3
 #: words in a transport error (gloo's, NCCL's, the store's) that say "a peer is gone", besides DistError
 _TRANSPORT_WORDS = ("gloo", "nccl", "connection reset", "connection closed", "connection refused", "broken pipe",
-                    "timed out", "socket", "peer")  # fmt: skip
+                    "timed out", "socket")  # fmt: skip
 
 
 def heartbeat_interval(stall_timeout_s: float) -> float:
@@ -116,7 +117,8 @@ class RankFailed(RuntimeError):
 
 
 def _pid_state(pid: int) -> str | None:
-    """``None``: gone; else the state letter of ``/proc/<pid>/stat`` (``T``: stopped), ``"?"`` if unknown."""
+    """``None``: gone (or a zombie); else the state letter of ``/proc/<pid>/stat`` (``T``: stopped), ``"?"``
+    if unknown."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -124,9 +126,10 @@ def _pid_state(pid: int) -> str | None:
     except PermissionError:
         return "?"
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return "?"
+    return None if state in ("Z", "X") else state  # a zombie is dead, its parent has not reaped it yet
 
 
 class _Beats:
@@ -225,20 +228,23 @@ class Heartbeat:
             self._fault = Fault.decode(self.store.get("fault"))
         return self._fault
 
-    def explain(self, exc: BaseException) -> RankFailed | None:
+    def explain(self, exc: BaseException, claim: bool = True) -> RankFailed | None:
         """This rank's main thread failed with ``exc``: a :class:`RankFailed` naming the rank at fault when
         ``exc`` is a peer's failure (waits up to ``dead_peer_timeout_s`` to identify it), ``None`` when the
-        error is this rank's own (reported to the peers as ``gone/<rank>``; its traceback is the report)."""
+        error is this rank's own (with ``claim``, reported to the peers as the fault; its traceback is the
+        report; without, e.g. an orderly abort, nothing is reported)."""
         self._handled = True
         try:
             known = self.fault()
         except Exception:  # noqa: BLE001 -- the store is gone: the fault is where it lived
             known = None
         if known is None and not is_transport_error(exc):
-            self._own_failure(exc)
+            if claim:
+                self._own_failure(exc)
             return None
         with contextlib.suppress(Exception):
             self.store.set(f"gone/{self.rank}", "peer")
+        _ignore_stop_signals()  # the launcher's SIGTERM to the survivors: this rank ends anyway, with its line
         fault = known or self._identify(exc)
         detail = self._write_detail(fault, exc)
         line = self.line(fault, detail)
@@ -475,7 +481,7 @@ class NoHeartbeat:
     def stop(self, reason: str | None = "done") -> None:
         pass
 
-    def explain(self, exc: BaseException) -> RankFailed | None:
+    def explain(self, exc: BaseException, claim: bool = True) -> RankFailed | None:
         return None
 
 
@@ -485,6 +491,14 @@ def _say(line: str) -> None:
         os.write(sys.stderr.fileno(), (line + "\n").encode("utf-8", errors="replace"))
     except (AttributeError, OSError, ValueError):
         print(line, file=sys.stderr, flush=True)
+
+
+def _ignore_stop_signals() -> None:
+    """SIGTERM ignored from here to the exit of a rank that ends for a peer's fault: torchrun sends it to every
+    survivor as soon as one worker died, and a survivor ended by it would say nothing (torchrun's SIGKILL
+    follows 30 s later; ``dead_peer_timeout_s`` bounds this rank's end before that). Main thread only."""
+    with contextlib.suppress(ValueError):  # not the main thread
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _tell_launcher(line: str) -> None:

@@ -178,6 +178,11 @@ def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
             else:
                 result = Trainer(cfg, runtime, stop_request, model_cfg, features, hooks).run()
         finished = True
+    except TrainingAborted as exc:  # an orderly abort (its own exit status), unless a lost peer (an evaluation rank) caused it
+        failure = runtime.heartbeat.explain(exc, claim=False)
+        if failure is not None:
+            raise failure from exc
+        raise
     except Exception as exc:  # a peer's fault (a dead or stalled rank): one line naming it, not the transport's traceback
         failure = runtime.heartbeat.explain(exc)
         if failure is not None:
