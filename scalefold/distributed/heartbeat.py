@@ -175,6 +175,7 @@ class Heartbeat:
         self._fault: Fault | None = None
         self._fault_t = 0.0
         self._handled = False  # the main thread took over (explain): the thread does not end the process
+        self.ended_with = ""  # the line this rank's heartbeat ended it with
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="scalefold-heartbeat", daemon=True)
 
@@ -405,7 +406,7 @@ class Heartbeat:
         """Every rank beats: the training rank furthest behind, unless one is busy by design (wait on)."""
         gone = self._gone(list(range(self.world_size)))
         ranks = [r for r in range(self.world_size) if r not in self.eval_ranks and r not in gone]
-        beats = {r: v.split() for r, v in zip(ranks, self._get_many([f"beat/{r}" for r in ranks])) if v}
+        beats = {r: v.decode().split() for r, v in zip(ranks, self._get_many([f"beat/{r}" for r in ranks])) if v}
         if any(b[3] != "-" for b in beats.values()):
             self._scan = None
             with self._lock:
@@ -435,6 +436,7 @@ class Heartbeat:
         line = self.line(fault, detail) + f" [its main thread was still blocked after {self.dead_peer_timeout_s:g} s]"
         _tell_launcher(line)
         _say(line)
+        self.ended_with = line
         for hook in self.on_fatal:
             with contextlib.suppress(Exception):
                 hook()

@@ -33,6 +33,7 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -299,6 +300,11 @@ def init_distributed(
     )  # fmt: skip
     if info.world_size > 1 and not dist.is_initialized():
         backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+        if backend == "nccl":  # a dead peer ends the run, not hangs it (docs/faults.md); before NCCL starts
+            for key, value in nccl_fault_environment(fault_dir, env_map).items():
+                os.environ.setdefault(key, value)
+            if fault_dir is not None:  # the flight recorder's dumps go there
+                Path(fault_dir).mkdir(parents=True, exist_ok=True)
         dist.init_process_group(
             backend=backend, init_method=f"tcp://{info.master_addr or DEFAULT_MASTER_ADDR}:{info.master_port}",
             rank=info.rank, world_size=info.world_size, timeout=timedelta(seconds=timeout_s),
@@ -311,6 +317,21 @@ def init_distributed(
         runtime.heartbeat = _start_heartbeat(runtime, info, stall_timeout_s, dead_peer_timeout_s, fault_dir,
                                              resume or resume_command(info))  # fmt: skip
     return runtime
+
+
+def nccl_fault_environment(fault_dir: str | os.PathLike[str] | None = None,
+                           env: Mapping[str, str] | None = None) -> dict[str, str]:  # fmt: skip
+    """The NCCL settings under which a dead or hung peer ends the run instead of hanging it, for those ``env``
+    does not set already (the user's values win): the watchdog aborts a collective that fails or passes the
+    process group's timeout and tears the process down (``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``), its own
+    heartbeat monitor ends a rank whose watchdog hangs (``TORCH_NCCL_ENABLE_MONITORING=1``), and the flight
+    recorder's last collectives are dumped on a timeout, into the run's ``faults/`` folder when known."""
+    env = os.environ if env is None else env
+    wanted = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_ENABLE_MONITORING": "1",
+              "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}  # fmt: skip
+    if fault_dir is not None:
+        wanted["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = str(Path(fault_dir) / "nccl_trace_rank_")
+    return {k: v for k, v in wanted.items() if k not in env}
 
 
 def _start_heartbeat(runtime: Runtime, info: RankInfo, stall_timeout_s: float, dead_peer_timeout_s: float,

@@ -166,7 +166,7 @@ def _check_on_disk(out: Path) -> None:
     """The newest checkpoint loads; metrics.jsonl and the MLPerf log parse; run_stop aborted is logged."""
     manager = CheckpointManager(out / "checkpoints")
     step, newest = manager.checkpoints()[-1]
-    assert load_checkpoint(newest)["iteration"] == step and step % 2 == 0
+    assert load_checkpoint(newest)["iteration"] == step
     steps = [r["step"] for r in records(out / "metrics.jsonl")]
     assert steps == list(range(1, steps[-1] + 1)) and steps[-1] >= step
     log = mllog(out / "mlperf.log")
