@@ -38,11 +38,11 @@ pytestmark = pytest.mark.distributed
 TIMEOUT_S = 420  # generous: four processes on a busy 2-core machine; the assertions are on behaviour
 STALL_S, DEAD_PEER_S = 6, 10
 FAULT_ARGS = ("--stall-timeout", str(STALL_S), "--dead-peer-timeout", str(DEAD_PEER_S))
-#: the compliance rules a tiny asynchronous-evaluation run cannot meet (tests/evaluation/test_async_eval.py)
-TINY_ASYNC_RUN_FAILURES = [
+#: the compliance rules a tiny run cannot meet (tests/test_slurm_submission.py's SMALL_RUN_FAILURES)
+SMALL_RUN_FAILURES = [
     "eval_accuracy", "eval_samples", "init_checkpoint_sha256sum", "max_extra_msa", "max_msa_clusters",
-    "max_templates", "model_parameters_count", "num_recycling_iters", "target_avg_lddt_ca_value", "train_samples",
-    "train_sequence_crop_size", "val_every_iters",
+    "max_templates", "model_parameters_count", "num_recycling_iters", "train_samples", "train_sequence_crop_size",
+    "val_every_iters",
 ]  # fmt: skip
 
 
@@ -167,7 +167,7 @@ def _check_on_disk(out: Path) -> None:
     manager = CheckpointManager(out / "checkpoints")
     step, newest = manager.checkpoints()[-1]
     assert load_checkpoint(newest)["iteration"] == step
-    steps = [r["step"] for r in records(out / "metrics.jsonl")]
+    steps = [r["step"] for r in records(out / "metrics.jsonl") if "loss" in r]  # (evaluations have records too)
     assert steps == list(range(1, steps[-1] + 1)) and steps[-1] >= step
     log = mllog(out / "mlperf.log")
     assert log[-1]["key"] == "run_stop" and log[-1]["metadata"]["status"] == "aborted"
@@ -184,7 +184,7 @@ def _resume(command: str, out: Path) -> None:
     rc = launch.finish()
     assert rc == 0, launch.text[-6000:]
     assert f"resumed from step {saved}" in launch.text
-    assert [r["step"] for r in records(out / "metrics.jsonl")] == list(range(1, saved + 3))
+    assert [r["step"] for r in records(out / "metrics.jsonl") if "loss" in r] == list(range(1, saved + 3))
 
 
 def test_a_killed_evaluation_rank_ends_the_run_with_its_name(tmp_path, tiny_store):
@@ -209,6 +209,8 @@ def test_a_killed_evaluation_rank_ends_the_run_with_its_name(tmp_path, tiny_stor
     _check_on_disk(out)
     events = mllog(out / "mlperf.log")
     keys = [e["key"] for e in events]
-    assert keys.count("eval_start") == keys.count("eval_stop") >= 1 and keys[-1] == "run_stop"
+    # the evaluation the kill cut short has its eval_start only; the official checker accepts that
+    assert keys.count("eval_stop") >= 1 and keys.count("eval_start") - keys.count("eval_stop") in (0, 1)
+    assert keys[-1] == "run_stop" and keys.count("run_stop") == 1
     report = check_log(out / "mlperf.log")
-    assert report.failed_rules == TINY_ASYNC_RUN_FAILURES, report.output[-4000:]
+    assert report.failed_rules == SMALL_RUN_FAILURES and report.warnings == [], report.output[-4000:]
