@@ -228,12 +228,15 @@ class CheckpointPolicy:
         self.heartbeat = runtime.heartbeat
         self.manager = CheckpointManager(out / "checkpoints", keep_last=cfg.keep_last)
         self.failed_step: int | None = None  # the last due checkpoint failed (None: written, or none due yet)
+        self._final = False
         self.failure: str = ""
 
     def due(self, step: int, stop: bool, last: bool = False) -> bool:
         """Every ``checkpoint_every`` steps and at the run's last step (when checkpointing is on), and
         at a requested stop."""
-        return bool(self.every and (step % self.every == 0 or last)) or stop
+        due = bool(self.every and (step % self.every == 0 or last)) or stop
+        self._final = due and (last or stop)  # the run's last checkpoint: no later one retries it
+        return due
 
     def save(self, model: AlphaFold, opt: FlatAdamSWA, step: int, timings: dict[str, float],
              run_clock: RunClock | None = None) -> Path | None:  # fmt: skip
@@ -261,12 +264,17 @@ class CheckpointPolicy:
 
     def _failed(self, step: int, exc: OSError) -> None:
         newest = self.manager.latest()
-        nxt = f"retried at step {step + self.every - step % self.every}" if self.every else "retried at the next stop"
+        if self._final:
+            nxt = f"the run's last checkpoint: it ends with exit status {EXIT_CHECKPOINT_NOT_WRITTEN}"
+        elif self.every:
+            nxt = f"training goes on, retried at step {step + self.every - step % self.every}"
+        else:
+            nxt = "training goes on, retried at the next stop"
         self.failed_step = step
         self.failure = (f"checkpoint of step {step} not written to {self.manager.path_for(step)}: "
                         f"{write_failure(self.manager.directory, exc)}; newest good checkpoint: "
                         f"{newest if newest is not None else 'none'}")  # fmt: skip
-        _say(f"scalefold train: {self.failure}; training goes on ({nxt})")
+        _say(f"scalefold train: {self.failure} ({nxt})")
 
     @property
     def unsaved(self) -> str | None:
