@@ -229,6 +229,7 @@ class CheckpointPolicy:
         self.manager = CheckpointManager(out / "checkpoints", keep_last=cfg.keep_last)
         self.failed_step: int | None = None  # the last due checkpoint failed (None: written, or none due yet)
         self._final = False
+        self.episode_start = 0  # the first failed step of the current episode
         self.failure: str = ""
 
     def due(self, step: int, stop: bool, last: bool = False) -> bool:
@@ -257,12 +258,16 @@ class CheckpointPolicy:
             self._failed(step, exc)
             return None
         if self.failed_step is not None:
-            _say(f"scalefold train: checkpoint of step {step} written ({path}); the failed one of step "
-                 f"{self.failed_step} is superseded")  # fmt: skip
+            _say(f"scalefold train: checkpoint of step {step} written ({path}); the failed one(s) since step "
+                 f"{self.episode_start} are superseded")  # fmt: skip
         self.failed_step = None
         return path
 
     def _failed(self, step: int, exc: OSError) -> None:
+        """Record the failure; one line for the first of an episode (and for the run's last checkpoint)."""
+        first = self.failed_step is None
+        if first:
+            self.episode_start = step
         newest = self.manager.latest()
         if self._final:
             nxt = f"the run's last checkpoint: it ends with exit status {EXIT_CHECKPOINT_NOT_WRITTEN}"
@@ -274,7 +279,8 @@ class CheckpointPolicy:
         self.failure = (f"checkpoint of step {step} not written to {self.manager.path_for(step)}: "
                         f"{write_failure(self.manager.directory, exc)}; newest good checkpoint: "
                         f"{newest if newest is not None else 'none'}")  # fmt: skip
-        _say(f"scalefold train: {self.failure} ({nxt})")
+        if first or self._final:
+            _say(f"scalefold train: {self.failure} ({nxt})")
 
     @property
     def unsaved(self) -> str | None:

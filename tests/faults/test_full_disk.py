@@ -75,11 +75,13 @@ class _Output:
             with self._lock:
                 self.text += line
 
-    def wait_for(self, proc: subprocess.Popen, *needles: str) -> None:
+    def wait_for(self, proc: subprocess.Popen, *needles: str, meanwhile=None) -> None:
         deadline = time.monotonic() + TIMEOUT_S
         while not all(n in self.text for n in needles):
             assert proc.poll() is None, f"the run ended (status {proc.returncode}) before {needles}:\n{self.text[-4000:]}"
             assert time.monotonic() < deadline, f"no {needles} within {TIMEOUT_S} s:\n{self.text[-4000:]}"
+            if meanwhile is not None:
+                meanwhile()
             time.sleep(0.1)
 
 
@@ -102,13 +104,16 @@ def test_disk_fills_mid_run_training_goes_on_and_nothing_is_lost(small_disk, tin
         while not (metrics.exists() and len(records(metrics)) >= 2):
             assert proc.poll() is None and time.monotonic() < deadline, output.text[-4000:]
             time.sleep(0.1)
-        filler = fill(disk)
-        output.wait_for(proc, "not written to", f"cannot write {metrics}")
-        failed = [ln for ln in output.text.splitlines() if "not written to" in ln][0]
+        # filled, and kept full: space a failed checkpoint's temporary file gives back is taken again
+        output.wait_for(proc, "not written to", f"cannot write {metrics}", meanwhile=lambda: fill(disk))
+        filler = disk / "filler.bin"
+        failed = [ln for ln in output.text.splitlines() if "not written to" in ln]
+        assert len(failed) == 1, failed  # one line per episode, not one per failed checkpoint
+        failed = failed[0]
         assert "no space left on the device (" in failed and "free of" in failed and "training goes on" in failed
         assert "newest good checkpoint: " + str(out / "checkpoints") in failed
         filler.unlink()
-        output.wait_for(proc, "is superseded", f"{metrics} written again")
+        output.wait_for(proc, "are superseded", f"{metrics} written again")
         proc.send_signal(signal.SIGTERM)  # a clean stop: the step's checkpoint, exit 0
         proc.wait(timeout=TIMEOUT_S)
     finally:
