@@ -181,7 +181,8 @@ def save_atomic(obj: Any, path: PathLike) -> Path:
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        if exc.filename is None or str(exc.filename) == str(tmp):  # the user knows the target, not our temporary
+        ours = exc.filename is None or os.fspath(exc.filename) == str(tmp)
+        if exc.errno is not None and ours:  # the user knows the target, not our temporary
             raise OSError(exc.errno, exc.strerror, str(path)) from exc
         raise
     except BaseException:

@@ -176,6 +176,7 @@ class Heartbeat:
         self._fault_t = 0.0
         self._handled = False  # the main thread took over (explain): the thread does not end the process
         self.ended_with = ""  # the line this rank's heartbeat ended it with
+        self._infos: dict[int, dict] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="scalefold-heartbeat", daemon=True)
 
@@ -347,8 +348,13 @@ class Heartbeat:
         return {r: v.decode() for r, v in zip(ranks, values) if v is not None}
 
     def _info(self, rank: int) -> dict:
-        value = self._get_many([f"info/{rank}"])[0]
-        return json.loads(value) if value else {}
+        """Host, pid and role of ``rank`` (read once: they do not change)."""
+        if rank not in self._infos:
+            value = self._get_many([f"info/{rank}"])[0]
+            if not value:
+                return {}
+            self._infos[rank] = json.loads(value)
+        return self._infos[rank]
 
     # -- the heartbeat thread --------------------------------------------------------------------------
 
