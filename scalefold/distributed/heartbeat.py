@@ -244,6 +244,8 @@ class Heartbeat:
             if claim:
                 self._own_failure(exc)
             return None
+        if not claim and known is not None and known.what.startswith("failed"):
+            return None  # an orderly abort for a peer that reported its own error: the abort's message says it
         with contextlib.suppress(Exception):
             self.store.set(f"gone/{self.rank}", "peer")
         _ignore_stop_signals()  # the launcher's SIGTERM to the survivors: this rank ends anyway, with its line

@@ -593,9 +593,12 @@ class Trainer:
 
     def _stopped_by_signal(self, step: int) -> None:
         self.result.stopped_by_signal = self.stop_request.signum or -1
-        if self.main:
+        if self.main and self.checkpoints.unsaved is None:
             self.progress.write(f"scalefold train: stop requested (signal); checkpoint of step {step} written "
                                 f"to {self.checkpoints.manager.path_for(step)}; exiting (continue with --resume)")  # fmt: skip
+        elif self.main:  # a full disk took it: the run ends with CheckpointNotWritten's line and status
+            self.progress.write(f"scalefold train: stop requested (signal); the checkpoint of step {step} could not "
+                                "be written; exiting")  # fmt: skip
 
     # -- finish -------------------------------------------------------------------------------------
 
