@@ -87,8 +87,8 @@ from scalefold.train.run_checkpoints import (
     CheckpointNotWritten,
     CheckpointPolicy,
     choose_resume_checkpoint,
-    resume_args,
     init_from_checkpoint,
+    resume_args,
     resume_from_checkpoint,
     save_checkpoint,
 )
@@ -178,12 +178,12 @@ def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
             else:
                 result = Trainer(cfg, runtime, stop_request, model_cfg, features, hooks).run()
         finished = True
-    except TrainingAborted as exc:  # an orderly abort (its own exit status), unless a lost peer (an evaluation rank) caused it
+    except TrainingAborted as exc:  # an orderly abort (its own status), unless a lost peer (an evaluation rank) caused it
         failure = runtime.heartbeat.explain(exc, claim=False)
         if failure is not None:
             raise failure from exc
         raise
-    except Exception as exc:  # a peer's fault (a dead or stalled rank): one line naming it, not the transport's traceback
+    except Exception as exc:  # a dead or stalled peer: one line naming it, not the transport's traceback
         failure = runtime.heartbeat.explain(exc)
         if failure is not None:
             raise failure from exc
