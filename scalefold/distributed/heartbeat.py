@@ -174,7 +174,8 @@ class Heartbeat:
         self._store_failing_since: float | None = None
         self._fault: Fault | None = None
         self._fault_t = 0.0
-        self._handled = False  # the main thread took over (explain): the thread does not end the process
+        self._handled = False  # the main thread took over (explain): the thread ends the process only if that hangs
+        self._handled_t = 0.0
         self.ended_with = ""  # the line this rank's heartbeat ended it with
         self._infos: dict[int, dict] = {}
         self._stop = threading.Event()
@@ -235,7 +236,7 @@ class Heartbeat:
         ``exc`` is a peer's failure (waits up to ``dead_peer_timeout_s`` to identify it), ``None`` when the
         error is this rank's own (with ``claim``, reported to the peers as the fault; its traceback is the
         report; without, e.g. an orderly abort, nothing is reported)."""
-        self._handled = True
+        self._handled, self._handled_t = True, time.monotonic()
         try:
             known = self.fault()
         except Exception:  # noqa: BLE001 -- the store is gone: the fault is where it lived
@@ -433,8 +434,10 @@ class Heartbeat:
         now = time.monotonic()
         if not self._fault_t:
             self._fault_t = now
-        if self._handled or now - self._fault_t < self.dead_peer_timeout_s:
+        if now - self._fault_t < self.dead_peer_timeout_s:
             return
+        if self._handled and now - self._handled_t < 2 * self.dead_peer_timeout_s:
+            return  # the main thread ends the rank itself (a safety net should its exit hang)
         fault = self._fault
         with self._lock:
             moving = now - self._progress_t < self.dead_peer_timeout_s or bool(self._busy)

@@ -610,6 +610,7 @@ class Trainer:
         self.data.close(result.steps)
         result.skipped_samples = self.data.skipped
         if self.evaluation.failed:  # logged first: the evaluation ranks exit once close() releases them
+            self.cycles.close()  # the cycle the run ended in, before run_stop (nothing follows run_stop)
             mllog.run_stop(mll.STATUS_ABORTED)
         t_close = time.perf_counter()
         eval_failure = self.evaluation.close()  # asynchronous: pending evaluations finish first (in order)
