@@ -154,14 +154,15 @@ class Heartbeat:
     def __init__(self, store: dist.Store, rank: int, world_size: int, *, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
                  dead_peer_timeout_s: float = DEFAULT_DEAD_PEER_TIMEOUT_S, interval_s: float | None = None,
                  eval_ranks: tuple[int, ...] = (), fault_dir: str | os.PathLike[str] | None = None,
-                 resume: str = "", store_host: str = "", exit_fn: Callable[[int], None] = os._exit) -> None:  # fmt: skip
+                 resume: str = "", store_host: str = "", hosts_store: bool = False,
+                 exit_fn: Callable[[int], None] = os._exit) -> None:  # fmt: skip
         self.store, self.rank, self.world_size = store, rank, world_size
         self.stall_timeout_s, self.dead_peer_timeout_s = stall_timeout_s, dead_peer_timeout_s
         self.interval_s = interval_s or heartbeat_interval(stall_timeout_s)
         self.eval_ranks = tuple(eval_ranks)
         self.role = "eval" if rank in self.eval_ranks else "train"
         self.fault_dir = Path(fault_dir) if fault_dir is not None else None
-        self.resume, self.store_host, self.exit_fn = resume, store_host, exit_fn
+        self.resume, self.store_host, self.hosts_store, self.exit_fn = resume, store_host, hosts_store, exit_fn
         self.host = socket.gethostname()
         self.on_fatal: list[Callable[[], None]] = []  # run before the heartbeat ends a blocked rank
         self._lock = threading.Lock()
@@ -219,11 +220,31 @@ class Heartbeat:
 
     def stop(self, reason: str | None = "done") -> None:
         """This rank leaves (``reason``: ``done``, ``peer``, ``failed: ...``; ``None``: as already told): peers
-        stop watching it."""
+        stop watching it. The rank whose process holds the store (``hosts_store``: rank 0 under srun / mpirun)
+        leaving after a fault first waits, up to ``dead_peer_timeout_s``, for every live rank to have left, so
+        that none of them loses the store before it could read the fault."""
         self._stop.set()
         if reason is not None:
             with contextlib.suppress(Exception):
                 self.store.set(f"gone/{self.rank}", reason)
+        if self.hosts_store and self._fault is not None:
+            self._linger()
+
+    def _linger(self) -> None:
+        deadline = time.monotonic() + self.dead_peer_timeout_s
+        others = [r for r in range(self.world_size) if r != self.rank]
+        with contextlib.suppress(Exception):
+            while time.monotonic() < deadline and any(self._still_here(r, self._gone(others)) for r in others):
+                time.sleep(self.interval_s)
+
+    def _still_here(self, rank: int, gone: dict[int, str]) -> bool:
+        """``rank`` has not said it left and, on this host, its process lives (elsewhere: unknown, so yes)."""
+        if rank in gone:
+            return False
+        info = self._info(rank)
+        if info.get("host") == self.host and info.get("pid"):
+            return _pid_state(info["pid"]) is not None
+        return True
 
     def fault(self) -> Fault | None:
         """The run's first fault, if any rank found one."""

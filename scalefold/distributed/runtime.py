@@ -343,7 +343,9 @@ def _start_heartbeat(runtime: Runtime, info: RankInfo, stall_timeout_s: float, d
         store = connect_store(host, port, timeout_s=max(5.0, min(30.0, stall_timeout_s)))
         return Heartbeat(store, runtime.rank, runtime.world_size, stall_timeout_s=stall_timeout_s,
                          dead_peer_timeout_s=dead_peer_timeout_s, eval_ranks=tuple(runtime.parallel.eval_ranks),
-                         fault_dir=fault_dir, resume=resume, store_host=f"{host}:{port}").start()  # fmt: skip
+                         fault_dir=fault_dir, resume=resume, store_host=f"{host}:{port}",
+                         hosts_store=runtime.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
+                         ).start()  # fmt: skip
     except (RuntimeError, OSError) as exc:
         print(f"scalefold: rank {runtime.rank}: no heartbeat (the store at {host}:{port}: {exception_summary(exc)}); "
               "a dead or stalled rank will not be named", file=sys.stderr, flush=True)  # fmt: skip

@@ -34,7 +34,8 @@ def _heartbeat(rank: int, world: int, out: Path) -> Heartbeat:
 
     store = connect_store("127.0.0.1", int(os.environ["MASTER_PORT"]), timeout_s=10)
     hb = Heartbeat(store, rank, world, stall_timeout_s=STALL_S, dead_peer_timeout_s=DEAD_PEER_S, interval_s=0.2,
-                   fault_dir=out / "faults", resume="scalefold train --resume", exit_fn=leave)  # fmt: skip
+                   fault_dir=out / "faults", resume="scalefold train --resume", hosts_store=rank == 0,
+                   exit_fn=leave)  # fmt: skip
     return hb.start()
 
 
@@ -54,6 +55,7 @@ def _raises(rank: int, world: int, out: str) -> None:
         failure = hb.explain(exc)
         (out / f"rank{rank}.json").write_text(json.dumps({"status": failure.exit_status, "line": failure.line,
                                                           "by": "main"}))  # fmt: skip
+    hb.stop(None)  # rank 0 holds the store (run_processes): it waits for its peers to have read the fault
     os._exit(0)
 
 
