@@ -274,7 +274,7 @@ class Heartbeat:
         fault = known or self._identify(exc)
         detail = self._write_detail(fault, exc)
         line = self.line(fault, detail)
-        _tell_launcher(line)
+        _tell_launcher(line, self.dead_peer_timeout_s + 1)
         return RankFailed(line, fault, detail)
 
     def line(self, fault: Fault, detail: str | None) -> str:
@@ -466,7 +466,7 @@ class Heartbeat:
             return  # training goes on to the end of its cycle, where the lost evaluation ends it (one line)
         detail = self._write_detail(fault, None)
         line = self.line(fault, detail) + f" [its main thread was still blocked after {self.dead_peer_timeout_s:g} s]"
-        _tell_launcher(line)
+        _tell_launcher(line, self.dead_peer_timeout_s + 1)
         _say(line)
         self.ended_with = line
         for hook in self.on_fatal:
@@ -535,14 +535,17 @@ def _ignore_stop_signals() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def _tell_launcher(line: str) -> None:
+def _tell_launcher(line: str, after_s: float = 0.0) -> None:
     """torchrun's error file (``TORCHELASTIC_ERROR_FILE``), where it has one: its failure summary then shows
-    ``line`` -- the rank at fault -- for this rank, rather than "To enable traceback see ..." (a stalled rank
-    never exits: the first survivor is torchrun's "first observed failure", and its message names the rank)."""
+    ``line`` -- the rank at fault -- for this rank, rather than "To enable traceback see ...". The file is dated
+    ``after_s`` seconds on: a survivor's failure is a consequence, so torchrun's "first observed failure" is
+    the rank at fault where it exited (killed), and otherwise (a stopped rank never exits) the first survivor,
+    whose message names it."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    stamp = str(int(time.time() + after_s))
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": stamp}}}
     with contextlib.suppress(OSError):
         with open(path, "w") as f:
             json.dump(data, f)

@@ -154,7 +154,10 @@ def test_a_killed_or_stopped_rank_is_named_by_every_survivor(tmp_path, tiny_stor
     assert not re.search(r"\[rank\d\]: Traceback|pair\.cc|GLHF", output), output[-6000:]  # the transport's text
     assert re.search(r"exitcode\s*: 4", output)  # survivors: exit status 4 in torchrun's summary
     root = output.split("Root Cause (first observed failure):", 1)[1]
-    assert (f"rank      : {victim}" in root and "SIGKILL" in root) if signame == "SIGKILL" else f"rank {victim} (host" in root
+    if signame == "SIGKILL":  # the killed rank's own entry
+        assert f"rank      : {victim}" in root and "SIGKILL" in root, root
+    else:  # the stopped rank's own entry (killed at last), or a survivor's, whose message names it
+        assert f"rank      : {victim}" in root or f"rank {victim} (host" in root, root
     if signame == "SIGKILL":  # the transport's traceback went to the file
         assert "Traceback" in (out / "faults" / "rank0.txt").read_text()
     _check_on_disk(out)
