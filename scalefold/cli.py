@@ -93,6 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if handler is None:
         parser.print_help()
         return 0 if args.command is None else 2
+    args.debug = debug  # a handler that reports a fault in one line shows the traceback too with --debug
     try:
         result = handler(args)
     except BrokenPipeError:  # the reader of our output went away (`scalefold model-info --names | head`)

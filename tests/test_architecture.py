@@ -23,7 +23,8 @@ ARCHITECTURE_PAGE = REPO_ROOT / "docs" / "architecture.md"
 #: unit (the prefix it belongs to) and any unit on a lower layer. Units on one layer are independent.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("scalefold.errors",),
-    ("scalefold.residue_constants", "scalefold.config", "scalefold.tested_versions", "scalefold.__init__"),
+    ("scalefold.residue_constants", "scalefold.config", "scalefold.tested_versions", "scalefold.diskspace",
+     "scalefold.__init__"),
     ("scalefold.distributed", "scalefold.kernels"),
     ("scalefold.model", "scalefold.lddt"),
     ("scalefold.losses", "scalefold.data"),

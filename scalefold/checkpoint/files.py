@@ -136,17 +136,55 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+class _WriteRecorder:
+    """A binary file for ``torch.save`` that remembers the ``OSError`` of a failed write: torch's archive
+    writer turns a full disk into ``RuntimeError: ... unexpected pos 704 vs 598``; :func:`save_atomic`
+    raises the file system's own error (``ENOSPC``, with the path) instead."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def fileno(self) -> int:
+        return self._f.fileno()
+
+
 def save_atomic(obj: Any, path: PathLike) -> Path:
-    """``torch.save(obj)`` to ``path`` via temp file + fsync + rename; the old file survives any failure."""
+    """``torch.save(obj)`` to ``path`` via temp file + fsync + rename; the old file survives any failure.
+
+    A write the file system refuses (a full disk, a quota) raises its ``OSError`` naming the target path
+    (``errno.ENOSPC``), the temporary file removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}{_TMP_MARKER}{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            torch.save(obj, f)
+            recorder = _WriteRecorder(f)
+            try:
+                torch.save(obj, recorder)
+            except RuntimeError as exc:  # the archive writer's wording of a failed write
+                if recorder.error is None:
+                    raise
+                raise OSError(recorder.error.errno, recorder.error.strerror, str(path)) from exc
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        ours = exc.filename is None or os.fspath(exc.filename) == str(tmp)
+        if exc.errno is not None and ours:  # the user knows the target, not our temporary
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 
 from scalefold.config.options import add_arguments, overrides_from_args
 from scalefold.config.training import PRESETS, TrainConfig, preset_from_env
 from scalefold.errors import UserError
 
 EXIT_ABORTED = 2  # the run aborted (too many non-finite steps): run_stop status=aborted was logged
+# 4: another rank died or stalled (scalefold.distributed.heartbeat.EXIT_RANK_FAILED); 5: the run's last checkpoint
+# could not be written (a full disk: scalefold.train.run_checkpoints.EXIT_CHECKPOINT_NOT_WRITTEN); docs/faults.md
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
@@ -102,7 +105,9 @@ def step_flops_hooks(cfg: TrainConfig) -> dict:
 def _run_train(args: argparse.Namespace) -> int:
     """Every mistake in the input (configuration, store, layout, launch, checkpoint) is a ``UserError`` of the
     unit that finds it, reported by :mod:`scalefold.cli`; an aborted run is not the user's: its own status."""
+    from scalefold.distributed.heartbeat import RankFailed
     from scalefold.train.reporting import print_run_files
+    from scalefold.train.run_checkpoints import CheckpointNotWritten
     from scalefold.train.stopping import TrainingAborted, start_multiprocessing_helpers_ignoring_stop_signals
     from scalefold.train.trainer import train
 
@@ -121,6 +126,11 @@ def _run_train(args: argparse.Namespace) -> int:
     except TrainingAborted as exc:
         print(f"scalefold train: aborted: {exc}", file=sys.stderr, flush=True)
         return EXIT_ABORTED
+    except (RankFailed, CheckpointNotWritten) as exc:  # a peer's fault, a full disk: one line, its own status
+        if getattr(args, "debug", False):
+            traceback.print_exception(exc)
+        print(exc.line if isinstance(exc, RankFailed) else f"scalefold train: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_status
     if result.out is not None:
         print_run_files(result.out, cfg.store)
         print("\n".join(result.time_account), flush=True)  # the last lines: where the time to train went

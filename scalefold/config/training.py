@@ -135,6 +135,12 @@ class TrainConfig:
                                    "ranks count as stuck (default 1800)")
     process_group_timeout_s: float = option(1800.0, cli=True, help="timeout of torch.distributed collectives "
                                             "(default 1800)")
+    # faults of a distributed run (scalefold.distributed.heartbeat, docs/faults.md)
+    stall_timeout_s: float = option(300.0, flag="--stall-timeout", help="seconds a rank may send no heartbeat, or "
+                                    "make no progress in the step loop while its peers wait for it, before the run ends "
+                                    "naming it (default 300: a few MLPerf steps)")
+    dead_peer_timeout_s: float = option(20.0, flag="--dead-peer-timeout", help="seconds a rank takes, once a peer "
+                                        "failed, to name it and end (its own collectives broken or not; default 20)")
     dap: int = option(1, cli=True, slurm="DAP_SIZE", slurm_omit_default=True, help="dynamic axial parallelism degree")
     bp: int = option(1, cli=True, choices=(1, 2), slurm="BP_SIZE", slurm_omit_default=True,
                      help="branch parallelism degree (2 needs --parallel-evoformer)")
@@ -233,7 +239,7 @@ class TrainConfig:
         if unknown or not regions:  # (elementwise:<chain> names are checked where the chains are known)
             raise ValueError(f"compile_regions {self.compile_regions!r}: unknown region(s) {unknown}; expected some of "
                              f"{', '.join(COMPILE_REGION_NAMES)} or elementwise:<chain>[+<chain>]")  # fmt: skip
-        for name in ("eval_timeout_s", "process_group_timeout_s"):
+        for name in ("eval_timeout_s", "process_group_timeout_s", "stall_timeout_s", "dead_peer_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
 

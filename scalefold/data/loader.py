@@ -127,7 +127,15 @@ class Sampler:
 
 
 def _worker_main(worker_id: int, conn, sample_fn: SampleFn, worker_init: Callable[[int], None] | None) -> None:
-    """Loop of one worker process: receive a task, build the sample, send it back."""
+    """Loop of one worker process: receive a task, build the sample, send it back. A parent that went away
+    (killed: a dead rank) ends the worker quietly -- no traceback of a broken pipe in the run's output."""
+    try:
+        _worker_loop(worker_id, conn, sample_fn, worker_init)
+    except (BrokenPipeError, ConnectionResetError):
+        return  # parent went away
+
+
+def _worker_loop(worker_id: int, conn, sample_fn: SampleFn, worker_init: Callable[[int], None] | None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
     if worker_init is not None:
         worker_init(worker_id)

@@ -15,7 +15,9 @@ Evoformer + Branch Parallelism (BP) and gradient sync.
 * ``data``            -- batch broadcast inside a model group;
 * ``context``         -- :class:`ParallelContext`, the one owner of every process group (training,
   evaluation, bridge, DAP, BP, model groups), built by :func:`build_parallel_context`;
-* ``launch``          -- local gloo processes for tests and CPU experiments.
+* ``launch``          -- local gloo processes for tests and CPU experiments;
+* ``heartbeat``       -- liveness of the ranks over the rendezvous store: the one line naming a dead or
+  stalled rank (``--stall-timeout``, ``--dead-peer-timeout``; docs/faults.md).
 """
 
 from scalefold.distributed.context import ParallelContext, build_parallel_context, setup_model_parallel

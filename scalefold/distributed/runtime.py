@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -32,11 +33,13 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from scalefold.distributed.context import ParallelContext, build_parallel_context
+from scalefold.distributed.heartbeat import DEFAULT_DEAD_PEER_TIMEOUT_S, Heartbeat, NoHeartbeat, connect_store
 from scalefold.distributed.launch import free_port
 from scalefold.distributed.layout import ParallelLayout
 from scalefold.errors import UserError, exception_summary
@@ -230,6 +233,8 @@ class Runtime:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: str | None = None  # None: torch.distributed not initialised (single process)
     parallel: ParallelContext = field(default_factory=lambda: ParallelContext(ParallelLayout(1), rank=0))
+    #: liveness of the ranks (:mod:`scalefold.distributed.heartbeat`; a no-op in a single process)
+    heartbeat: Heartbeat | NoHeartbeat = field(default_factory=NoHeartbeat)
 
     @property
     def distributed(self) -> bool:
@@ -267,11 +272,18 @@ def init_distributed(
     bp: int = 1,
     parallel_evoformer: bool = False,
     crop_size: int | None = None,
+    stall_timeout_s: float | None = None,
+    dead_peer_timeout_s: float = DEFAULT_DEAD_PEER_TIMEOUT_S,
+    fault_dir: str | os.PathLike[str] | None = None,
+    resume: str = "",
 ) -> Runtime:
     """Discover ranks, validate the layout (:class:`~scalefold.distributed.layout.LayoutError` before any
     process group exists), initialise ``torch.distributed`` when there is more than one rank, build the groups.
 
-    ``timeout_s``: timeout of the process group's collectives (``TrainConfig.process_group_timeout_s``)."""
+    ``timeout_s``: timeout of the process group's collectives (``TrainConfig.process_group_timeout_s``).
+    ``stall_timeout_s``: with several ranks, start the heartbeat (``Runtime.heartbeat``) that names a dead or
+    stalled rank (``dead_peer_timeout_s``, ``fault_dir``, ``resume``: the command its line names;
+    :class:`~scalefold.distributed.heartbeat.Heartbeat`)."""
     info = discover(env)
     if info.launcher == "mpi" and (info.master_addr is None or info.master_port is None or info.local_rank < 0):
         info = complete_with_mpi(info)
@@ -288,6 +300,11 @@ def init_distributed(
     )  # fmt: skip
     if info.world_size > 1 and not dist.is_initialized():
         backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+        if backend == "nccl":  # a dead peer ends the run, not hangs it (docs/faults.md); before NCCL starts
+            for key, value in nccl_fault_environment(fault_dir, env_map).items():
+                os.environ.setdefault(key, value)
+            if fault_dir is not None:  # the flight recorder's dumps go there
+                Path(fault_dir).mkdir(parents=True, exist_ok=True)
         dist.init_process_group(
             backend=backend, init_method=f"tcp://{info.master_addr or DEFAULT_MASTER_ADDR}:{info.master_port}",
             rank=info.rank, world_size=info.world_size, timeout=timedelta(seconds=timeout_s),
@@ -296,7 +313,68 @@ def init_distributed(
     elif dist.is_initialized():
         runtime.backend = dist.get_backend()
     runtime.parallel = build_parallel_context(layout, ranks_per_node=info.local_world_size)
+    if runtime.distributed and stall_timeout_s is not None:
+        runtime.heartbeat = _start_heartbeat(runtime, info, stall_timeout_s, dead_peer_timeout_s, fault_dir,
+                                             resume or resume_command(info))  # fmt: skip
     return runtime
+
+
+def nccl_fault_environment(fault_dir: str | os.PathLike[str] | None = None,
+                           env: Mapping[str, str] | None = None) -> dict[str, str]:  # fmt: skip
+    """The NCCL settings under which a dead or hung peer ends the run instead of hanging it, for those ``env``
+    does not set already (the user's values win): the watchdog aborts a collective that fails or passes the
+    process group's timeout and tears the process down (``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``), its own
+    heartbeat monitor ends a rank whose watchdog hangs (``TORCH_NCCL_ENABLE_MONITORING=1``), and the flight
+    recorder's last collectives are dumped on a timeout, into the run's ``faults/`` folder when known."""
+    env = os.environ if env is None else env
+    wanted = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_ENABLE_MONITORING": "1",
+              "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}  # fmt: skip
+    if fault_dir is not None:
+        wanted["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = str(Path(fault_dir) / "nccl_trace_rank_")
+    return {k: v for k, v in wanted.items() if k not in env}
+
+
+def _start_heartbeat(runtime: Runtime, info: RankInfo, stall_timeout_s: float, dead_peer_timeout_s: float,
+                     fault_dir: str | os.PathLike[str] | None, resume: str) -> Heartbeat | NoHeartbeat:  # fmt: skip
+    """The heartbeat over a client of the rendezvous store of its own; a store that cannot be reached costs
+    one line (the run goes on, its dead or stalled ranks unnamed)."""
+    host, port = info.master_addr or DEFAULT_MASTER_ADDR, int(info.master_port or DEFAULT_MASTER_PORT)
+    try:
+        store = connect_store(host, port, timeout_s=max(5.0, min(30.0, stall_timeout_s)))
+        return Heartbeat(store, runtime.rank, runtime.world_size, stall_timeout_s=stall_timeout_s,
+                         dead_peer_timeout_s=dead_peer_timeout_s, eval_ranks=tuple(runtime.parallel.eval_ranks),
+                         fault_dir=fault_dir, resume=resume, store_host=f"{host}:{port}",
+                         hosts_store=runtime.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
+                         ).start()  # fmt: skip
+    except (RuntimeError, OSError) as exc:
+        print(f"scalefold: rank {runtime.rank}: no heartbeat (the store at {host}:{port}: {exception_summary(exc)}); "
+              "a dead or stalled rank will not be named", file=sys.stderr, flush=True)  # fmt: skip
+        return NoHeartbeat()
+
+
+def resume_command(info: RankInfo | None = None, argv: list[str] | None = None,
+                   default_args: list[str] | None = None) -> str:  # fmt: skip
+    """The command that continues this run from its newest checkpoint: this process's ``scalefold train``
+    arguments (``argv``, default ``sys.argv[1:]``; ``default_args`` where they are not a ``train`` command
+    line: an in-process call) with ``--resume`` and without ``--overwrite``, behind the launcher that started
+    it (``info``)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "train" not in args[:2] and default_args is not None:
+        args = list(default_args)
+    args = [a for a in args if a != "--overwrite"]
+    if "--resume" not in args:
+        args.append("--resume")
+    info = info or discover()
+    if info.launcher == "torchrun":
+        nodes = f"--nnodes {info.num_nodes} (and the same rendezvous) " if info.num_nodes > 1 else ""
+        launch = f"torchrun {nodes}--nproc-per-node {info.local_world_size} -m scalefold"
+    elif info.launcher == "slurm":
+        launch = f"srun --ntasks {info.world_size} scalefold"
+    elif info.launcher == "mpi":
+        launch = f"mpirun -n {info.world_size} scalefold"
+    else:
+        launch = "scalefold"
+    return f"{launch} {shlex.join(args)}"
 
 
 #: seconds a cleanly finished rank waits at the exit barrier for its peers (gloo) before it leaves anyway
@@ -311,6 +389,7 @@ def shutdown(runtime: Runtime, clean: bool = True, barrier_timeout_s: float = SH
     failed cannot hang the exit; a barrier that fails is reported on stderr and the rank leaves anyway.
     NCCL groups are destroyed directly (no barrier with a timeout there); a rank leaving on an exception
     never waits."""
+    runtime.heartbeat.stop("done" if clean else None)  # a clean rank is not watched while it waits to leave
     if not (runtime.distributed and dist.is_initialized()):
         return
     try:

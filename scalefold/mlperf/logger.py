@@ -30,6 +30,8 @@ from typing import Any, Union
 
 from mlperf_logging.mllog.mllog import MLLogger as _MLLogger
 
+from scalefold.diskspace import LineAppender, describe_free
+
 BENCHMARK = "openfold"
 USAGE = "hpc"
 RULESET = "3.0.0"
@@ -37,6 +39,32 @@ STATUS_SUCCESS = "success"
 STATUS_ABORTED = "aborted"
 
 _logger_ids = itertools.count()
+
+
+class _LineFileHandler(logging.Handler):
+    """The log file, through a :class:`~scalefold.diskspace.LineAppender`: a full file system never tears a
+    line (the log stays parseable) and costs one line on standard error; the lines wait in memory and are
+    written in order once there is space. Lines still unwritten at :meth:`close` are printed on standard
+    output, where the Slurm log keeps them (MLPerf's own capture), after one line saying so."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.appender = LineAppender(path, label=f"the MLPerf log {path}")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.appender.write(self.format(record))
+
+    def flush(self) -> None:
+        self.appender.flush()
+
+    def close(self) -> None:
+        left = self.appender.close()
+        if left:
+            print(f"scalefold: {len(left)} line(s) of the MLPerf log {self.appender.path} could not be written "
+                  f"({describe_free(self.appender.path)}); they follow on standard output", file=sys.stderr, flush=True)  # fmt: skip
+            sys.stdout.write("".join(line + "\n" for line in left))
+            sys.stdout.flush()
+        super().close()
 
 
 class _BufferHandler(logging.Handler):
@@ -205,7 +233,7 @@ class MLPerfLogger:
         self._pylogger = pylogger
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            self._handlers.append(logging.FileHandler(self.log_path, mode="a"))
+            self._handlers.append(_LineFileHandler(self.log_path))
         if deferred:
             self._buffer = _BufferHandler()
             self._handlers.append(self._buffer)
@@ -225,7 +253,7 @@ class MLPerfLogger:
         if self._buffer is None or self._pylogger is None:
             return
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        handler = logging.FileHandler(self.log_path, mode="a")
+        handler = _LineFileHandler(self.log_path)
         handler.setLevel(logging.INFO)
         for record in self._buffer.records:
             handler.handle(record)

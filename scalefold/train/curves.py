@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Union
 
+from scalefold.diskspace import atomic_output
+
 PathLike = Union[str, Path]
 
 
@@ -73,8 +75,11 @@ def plot_metrics(
     fig.suptitle(title)
     fig.tight_layout()
     out_png = Path(out_png)
-    fig.savefig(out_png, dpi=100)
-    plt.close(fig)
+    try:
+        with atomic_output(out_png) as tmp:  # a full disk leaves the previous picture, never a torn one
+            fig.savefig(tmp, dpi=100, format=out_png.suffix.lstrip(".") or "png")
+    finally:
+        plt.close(fig)
     return out_png
 
 

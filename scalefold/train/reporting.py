@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scalefold.diskspace import LineAppender, atomic_output, describe_free, write_failure
 from scalefold.mlperf import logger as mll
 from scalefold.train.curves import plot_metrics
 
@@ -58,18 +59,24 @@ class TrainResult:
     throughput: list[tuple[float, float | None]] = field(default_factory=list)  # (tflops, mfu) of each step
     device_name: str | None = None  # the GPU the mfu figures refer to
     time_account: list[str] = field(default_factory=list)  # the time account's summary (time_account.json)
+    unsaved_checkpoint: str | None = None  # why the run's last due checkpoint is missing (a full disk), if it is
 
 
 class MetricsLog:
-    """``metrics.jsonl`` of the main training rank (other ranks: no-op)."""
+    """``metrics.jsonl`` of the main training rank (other ranks: no-op).
+
+    Written through a :class:`~scalefold.diskspace.LineAppender`: a full file system costs one line (the
+    path and the free space), the records wait in memory and are written, in order, once there is space;
+    the file always ends with a whole record. Records still unwritten when the run ends are named in one
+    line by :meth:`close`."""
 
     def __init__(self, path: Path, enabled: bool) -> None:
         self.path = path
-        self._file = path.open("a") if enabled else None
+        self._file = LineAppender(path, label=str(path)) if enabled else None
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:  # strict JSON: NaN / inf (a skipped step's loss) are written as null
-            self._file.write(json.dumps(_json_safe(record), allow_nan=False) + "\n")
+            self._file.append(json.dumps(_json_safe(record), allow_nan=False))
 
     def flush(self) -> None:
         if self._file is not None:
@@ -89,8 +96,13 @@ class MetricsLog:
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
+            left = self._file.close()
             self._file = None
+            if left:
+                steps = [json.loads(line).get("step") for line in left]
+                print(f"scalefold train: {len(left)} record(s) of steps {steps[0]}-{steps[-1]} could not be written "
+                      f"to {self.path} ({describe_free(self.path)}); --resume re-runs the steps after the newest "
+                      "checkpoint", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def _json_safe(value: Any) -> Any:
@@ -105,11 +117,25 @@ def _json_safe(value: Any) -> Any:
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop records after ``last_step`` (written after the checkpoint a resumed run restarts from)."""
+    """Drop records after ``last_step`` (written after the checkpoint a resumed run restarts from), and a
+    torn last line, if any (a writer killed in the middle of a line); replaced atomically."""
     if not path.exists():
         return
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= last_step]
-    path.write_text("".join(ln + "\n" for ln in lines))
+    lines = path.read_text().splitlines()
+    kept = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                continue  # the torn end of a killed writer
+            raise
+        if record["step"] <= last_step:
+            kept.append(line)
+    with atomic_output(path) as tmp:
+        tmp.write_text("".join(ln + "\n" for ln in kept))
 
 
 def progress_bar(total: int, start: int, enabled: bool):
@@ -175,6 +201,8 @@ def final_report(preset: str, out: Path, metrics_path: Path, result: TrainResult
         if metrics_path.exists():
             plot_metrics(metrics_path, out / "curves.png", title=f"scalefold train --preset {preset}",
                          target=target, start_label=start_label)  # fmt: skip
+    except OSError as exc:  # a full disk: curves.png keeps its previous picture (written atomically)
+        print(f"scalefold train: curves not written to {out / 'curves.png'}: {write_failure(out, exc)}", flush=True)
     except Exception as exc:  # noqa: BLE001 -- the breakdown still follows
         print(f"scalefold train: could not plot {metrics_path}: {type(exc).__name__}: {exc}", flush=True)
     print_breakdown(result)

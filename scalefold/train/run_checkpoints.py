@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from scalefold.checkpoint.files import (
     sha256sum,
 )
 from scalefold.config.training import TrainConfig
+from scalefold.diskspace import write_failure
 from scalefold.distributed.runtime import Runtime
 from scalefold.mlperf.clock import RunClock
 from scalefold.mlperf.cycles import mlperf_log_path
@@ -199,30 +201,110 @@ def choose_resume_checkpoint(cfg: TrainConfig, runtime: Runtime, checkpoints: Ch
     return path, ckpt
 
 
+#: exit status of a run whose last checkpoint could not be written (``scalefold train``)
+EXIT_CHECKPOINT_NOT_WRITTEN = 5
+
+
+class CheckpointNotWritten(RuntimeError):
+    """The run ended but its last checkpoint could not be written (a full disk): the steps after the newest
+    good checkpoint are not kept. ``scalefold train`` prints the message and exits with :attr:`exit_status`."""
+
+    exit_status = EXIT_CHECKPOINT_NOT_WRITTEN
+
+
 class CheckpointPolicy:
     """When the main training rank writes a checkpoint: every ``cfg.checkpoint_every`` steps, at the last
-    step and at a requested stop (pre-emption); the other ranks only take part in the timing."""
+    step and at a requested stop (pre-emption); the other ranks only take part in the timing.
+
+    A checkpoint the file system refuses (full, over quota, an I/O error) costs one line naming the path,
+    the free space and the newest good checkpoint; training goes on and the next due checkpoint is the
+    retry. The atomic write leaves the previous checkpoints as they were (none pruned), so the newest
+    file is always a complete one. :attr:`unsaved` says whether the last due checkpoint is missing."""
 
     def __init__(self, cfg: TrainConfig, runtime: Runtime, out: Path) -> None:
         self.every, self.model_preset = cfg.checkpoint_every, cfg.model_preset
         self.model_options = model_options(cfg)
         self.main = runtime.parallel.is_main_train_rank
+        self.heartbeat = runtime.heartbeat
         self.manager = CheckpointManager(out / "checkpoints", keep_last=cfg.keep_last)
+        self.failed_step: int | None = None  # the last due checkpoint failed (None: written, or none due yet)
+        self._final = False
+        self.episode_start = 0  # the first failed step of the current episode
+        self.failure: str = ""
 
     def due(self, step: int, stop: bool, last: bool = False) -> bool:
         """Every ``checkpoint_every`` steps and at the run's last step (when checkpointing is on), and
         at a requested stop."""
-        return bool(self.every and (step % self.every == 0 or last)) or stop
+        due = bool(self.every and (step % self.every == 0 or last)) or stop
+        self._final = due and (last or stop)  # the run's last checkpoint: no later one retries it
+        return due
 
     def save(self, model: AlphaFold, opt: FlatAdamSWA, step: int, timings: dict[str, float],
-             run_clock: RunClock | None = None) -> None:  # fmt: skip
+             run_clock: RunClock | None = None) -> Path | None:  # fmt: skip
+        """The checkpoint of ``step`` (main training rank); ``None`` elsewhere and when it could not be written."""
         t_ckpt = time.perf_counter()
+        path = None
         if self.main:
-            save_checkpoint(self.manager, model, opt, step, model_preset=self.model_preset, run_clock=run_clock,
-                            model_options=self.model_options)  # fmt: skip
+            with self.heartbeat.busy("checkpoint"):  # peers waiting meanwhile are not stalled
+                path = self._save(model, opt, step, run_clock)
         timings["checkpoint"] += time.perf_counter() - t_ckpt
+        return path
+
+    def _save(self, model: AlphaFold, opt: FlatAdamSWA, step: int, run_clock: RunClock | None) -> Path | None:
+        try:
+            path = save_checkpoint(self.manager, model, opt, step, model_preset=self.model_preset,
+                                   run_clock=run_clock, model_options=self.model_options)  # fmt: skip
+        except OSError as exc:
+            self._failed(step, exc)
+            return None
+        if self.failed_step is not None:
+            _say(f"scalefold train: checkpoint of step {step} written ({path}); the failed one(s) since step "
+                 f"{self.episode_start} are superseded")  # fmt: skip
+        self.failed_step = None
+        return path
+
+    def _failed(self, step: int, exc: OSError) -> None:
+        """Record the failure; one line for the first of an episode (and for the run's last checkpoint)."""
+        first = self.failed_step is None
+        if first:
+            self.episode_start = step
+        newest = self.manager.latest()
+        if self._final:
+            nxt = f"the run's last checkpoint: it ends with exit status {EXIT_CHECKPOINT_NOT_WRITTEN}"
+        elif self.every:
+            nxt = f"training goes on, retried at step {step + self.every - step % self.every}"
+        else:
+            nxt = "training goes on, retried at the next stop"
+        self.failed_step = step
+        self.failure = (f"checkpoint of step {step} not written to {self.manager.path_for(step)}: "
+                        f"{write_failure(self.manager.directory, exc)}; newest good checkpoint: "
+                        f"{newest if newest is not None else 'none'}")  # fmt: skip
+        if first or self._final:
+            _say(f"scalefold train: {self.failure} ({nxt})")
+
+    @property
+    def unsaved(self) -> str | None:
+        """Why the last due checkpoint is missing (``None``: it was written, or none was due)."""
+        return self.failure if self.failed_step is not None else None
+
+    def raise_if_unsaved(self, resume_hint: str = "") -> None:
+        """:class:`CheckpointNotWritten` when the run's last due checkpoint is missing (main training rank)."""
+        if self.unsaved is not None:
+            raise CheckpointNotWritten(f"the run's last {self.unsaved}. {resume_hint}".rstrip())
+
+
+def resume_args(cfg: TrainConfig) -> list[str]:
+    """``scalefold train`` arguments that resume ``cfg``'s run, for a run not started from the command line."""
+    return ["train", "--preset", cfg.preset, "--out", str(cfg.out), "--store", str(cfg.store), "--resume"]
+
+
+def _say(line: str) -> None:
+    """One line on standard error, in one write (ranks share the launcher's pipe)."""
+    sys.stderr.flush()
+    print(line, file=sys.stderr, flush=True)
 
 
 __all__ = [
-    "CheckpointPolicy", "choose_resume_checkpoint", "init_from_checkpoint", "resume_from_checkpoint", "save_checkpoint",
+    "EXIT_CHECKPOINT_NOT_WRITTEN", "CheckpointNotWritten", "CheckpointPolicy", "choose_resume_checkpoint",
+    "init_from_checkpoint", "resume_args", "resume_from_checkpoint", "save_checkpoint",
 ]  # fmt: skip

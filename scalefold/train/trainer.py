@@ -59,7 +59,7 @@ from scalefold.compilation.regions import compile_blocks, warm_up
 from scalefold.config.training import TrainConfig
 from scalefold.data.pipeline import FeatureConfig
 from scalefold.data.store import Store
-from scalefold.distributed.runtime import Runtime, init_distributed, shutdown
+from scalefold.distributed.runtime import Runtime, init_distributed, resume_command, shutdown
 from scalefold.evaluation.cache import validation_cache
 from scalefold.evaluation.client import AsyncEvaluation, EvaluationRanksFailed
 from scalefold.evaluation.server import serve_evaluations
@@ -86,9 +86,11 @@ from scalefold.train.reporting import (
     truncate_metrics,
 )
 from scalefold.train.run_checkpoints import (
+    CheckpointNotWritten,
     CheckpointPolicy,
     choose_resume_checkpoint,
     init_from_checkpoint,
+    resume_args,
     resume_from_checkpoint,
     save_checkpoint,
 )
@@ -144,6 +146,8 @@ def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
     runtime = init_distributed(
         cfg.num_async_eval_ranks, timeout_s=cfg.process_group_timeout_s, dap=cfg.dap, bp=cfg.bp,
         parallel_evoformer=cfg.parallel_evoformer, crop_size=features.train_sequence_crop_size,
+        stall_timeout_s=cfg.stall_timeout_s, dead_peer_timeout_s=cfg.dead_peer_timeout_s,
+        fault_dir=Path(cfg.out) / "faults", resume=resume_command(default_args=resume_args(cfg)),
     )  # fmt: skip
     parallel = runtime.parallel
     # inductor's and Triton's caches in --compile-cache (a subfolder per torch/Triton/GPU), before anything
@@ -181,13 +185,26 @@ def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
             else:
                 result = Trainer(cfg, runtime, stop_request, model_cfg, features, hooks, account).run()
         finished = True
-        return result
+    except TrainingAborted as exc:  # an orderly abort (its own status), unless a lost peer (an evaluation rank) caused it
+        failure = runtime.heartbeat.explain(exc, claim=False)
+        if failure is not None:
+            raise failure from exc
+        raise
+    except Exception as exc:  # a dead or stalled peer: one line naming it, not the transport's traceback
+        failure = runtime.heartbeat.explain(exc)
+        if failure is not None:
+            raise failure from exc
+        raise
     finally:  # process-wide switches go back to what the caller had
         if cfg.compile:
             elementwise.disable()  # the compiled elementwise chains (compile_blocks' default region)
         torch.use_deterministic_algorithms(numerics[0])
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = numerics[1:]
         shutdown(runtime, clean=finished)
+    if result.unsaved_checkpoint is not None:  # a full disk took the last checkpoint: the run fails, after its peers
+        raise CheckpointNotWritten(f"the run's last {result.unsaved_checkpoint}; after freeing space, continue "
+                                   f"from it with: {resume_command(default_args=resume_args(cfg))}")  # fmt: skip
+    return result
 
 
 def prepare_run(cfg: TrainConfig, runtime: Runtime, checkpoints: CheckpointManager) -> tuple[Path | None, dict | None]:
@@ -262,6 +279,7 @@ class Trainer:
             self.runtime.rank, (self.parallel.main_train_rank,), None, instance=mll.throughput_instance(), deferred=True
         )  # fmt: skip
         self.mllog.init_start()
+        self.runtime.heartbeat.on_fatal.append(self._log_abort)  # a rank ended by its heartbeat: run_stop first
         self.checkpoints = CheckpointPolicy(cfg, self.runtime, self.out)
         resume_path, resume_ckpt = prepare_run(cfg, self.runtime, self.checkpoints.manager)
         self.mllog.open_file(mlperf_log_path(cfg, resume_path))
@@ -288,6 +306,14 @@ class Trainer:
                   f"{self.parallel.num_train_ranks} training rank(s)", flush=True)  # fmt: skip
         self.init_sha = self._init_from() if cfg.init_from else None
         self.start_step = self._resume(resume_path, resume_ckpt)
+
+    def _log_abort(self) -> None:
+        """The MLPerf log's ``run_stop aborted`` and the metrics so far, from the heartbeat's thread (the main
+        thread is blocked by a stalled peer)."""
+        self.mllog.run_stop(mll.STATUS_ABORTED)
+        self.mllog.close()
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.flush()
 
     def _check_memory(self) -> None:
         """Predict the step's peak memory per rank (fake tensors, ``scalefold estimate-memory``); warn, naming
@@ -473,13 +499,15 @@ class Trainer:
                 step, t_wait = self.start_step, self.account.switch("data_wait")
                 for _, batch in self.data:  # the loader's get: data wait
                     step += 1
+                    self.runtime.heartbeat.mark(step)  # progress, for the stalled-rank watch
                     self.timings["data_wait"] += self.account.switch("host") - t_wait
                     new_skips = self.data.report_skips(step)
                     self.cycles.step(step)
                     stop = self.train_step(step, batch, new_skips)
                     last = step >= self.cfg.max_steps  # a finished run ends evaluated and checkpointed
                     due_eval = self.cfg.eval_every and (step % self.eval_every == 0 or last)
-                    done = self.after_cycle(step, stop) if due_eval else False
+                    with self.runtime.heartbeat.busy("evaluation"):  # long on one rank by design
+                        done = self.after_cycle(step, stop) if due_eval else False
                     self.metrics.flush()
                     if self.checkpoints.due(step, stop, last or done):  # the trained model is kept
                         with self.account.phase("checkpoint"):
@@ -489,12 +517,14 @@ class Trainer:
                         break
                     if done:
                         break
+                    self.runtime.heartbeat.mark(step, waiting=True)
                     t_wait = self.account.switch("data_wait")
         except BaseException:
             aborted = True
             raise
         finally:
             gc.enable()
+            self.runtime.heartbeat.idle()
             eval_failure = self.finish(aborted)
         self.account.switch("report")  # the summary, curves.png, trace.png (after run_stop)
         if eval_failure is not None:
@@ -617,9 +647,12 @@ class Trainer:
 
     def _stopped_by_signal(self, step: int) -> None:
         self.result.stopped_by_signal = self.stop_request.signum or -1
-        if self.main:
+        if self.main and self.checkpoints.unsaved is None:
             self.progress.write(f"scalefold train: stop requested (signal); checkpoint of step {step} written "
                                 f"to {self.checkpoints.manager.path_for(step)}; exiting (continue with --resume)")  # fmt: skip
+        elif self.main:  # a full disk took it: the run ends with CheckpointNotWritten's line and status
+            self.progress.write(f"scalefold train: stop requested (signal); the checkpoint of step {step} could not "
+                                "be written; exiting")  # fmt: skip
 
     # -- finish -------------------------------------------------------------------------------------
 
@@ -632,6 +665,7 @@ class Trainer:
         self.data.close(result.steps)
         result.skipped_samples = self.data.skipped
         if self.evaluation.failed:  # logged first: the evaluation ranks exit once close() releases them
+            self.cycles.close()  # the cycle the run ended in, before run_stop (nothing follows run_stop)
             mllog.run_stop(mll.STATUS_ABORTED)
             self.account.run_stop()
         t_close = time.perf_counter()
@@ -653,6 +687,7 @@ class Trainer:
                 print(time_to_train_line(self.clock, result), flush=True)
         result.timings = dict(self.timings)
         result.device_name = self.hooks.device_name
+        result.unsaved_checkpoint = self.checkpoints.unsaved
         if self.device.type == "cuda":  # graphed / eager step counts (on CPU the recycling passes are always eager)
             result.notes.append(self.forward.summary())
         if getattr(self, "step_graphs", None) is not None and (self.device.type == "cuda" or self.step_graphs.emulated):
