@@ -23,7 +23,10 @@ def device_table(name: str, device: torch.device, dtype: torch.dtype, build: Cal
     ``dtype``, built once per (name, device, dtype) and reused: a host-to-device copy of Python data inside
     the step is what a CUDA-graph capture refuses (:mod:`scalefold.compilation.capture_rules`), and one per
     step and table is wasted time. Built outside inference mode and grad (usable by any later step); a
-    table built under a fake-tensor mode (the memory model's step) is returned, not kept."""
+    table built under a fake-tensor mode (the memory model's step) is returned, not kept; under
+    ``torch.compile`` the table is a constant of the compiled graph."""
+    if torch.compiler.is_compiling():  # a constant of the compiled graph (built once, with it)
+        return torch.as_tensor(build(), dtype=dtype, device=device)
     key = (name, torch.device(device), dtype)
     table = _TABLES.get(key)
     if table is None:
