@@ -41,6 +41,7 @@ import dataclasses
 import gc
 import importlib
 import os
+import threading
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -120,10 +121,18 @@ class _Recorder(TorchDispatchMode):
         self.slots: dict[tuple, int] = {}
         self.values: list[torch.Tensor] = []  # every recorded output, alive until the capture ends
         self.cpu_only_depth = 0
+        self.thread = threading.get_ident()  # the step's thread: the only one recorded
+        self.in_wait = 0  # inside a collective's ``Work.wait()``: not recorded
         self.scalar_setitem = 0  # inside ``t[index] = number``: its 0-dim scalar is a fill on a device, not a copy
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
+        if self.in_wait or threading.get_ident() != self.thread:
+            # a collective's own completion (gloo's reduce-scatter copies this rank's chunk out of an internal
+            # buffer inside ``Work.wait()``; a future's callback on the backend's thread inherits this mode):
+            # part of the collective, which a replay runs again whole and waits on -- recorded, it would copy
+            # the capture's stale buffer over every replay's result
+            return func(*args, **kwargs)
         kind = rules.HOST_TO_DEVICE_OPS.get(func)
         if kind is not None and self.scalar_setitem and args and args[0].dim() == 0:
             kind = None
@@ -195,6 +204,32 @@ class _HostCalls(TorchFunctionMode):
             return func(*args, **(kwargs or {}))
         finally:
             setattr(self.recorder, depth, getattr(self.recorder, depth) - 1)
+
+
+@contextmanager
+def _unrecorded_waits(recorder: _Recorder) -> Iterator[None]:
+    """``Work.wait()`` runs unrecorded: what a backend does there finishes the collective (see
+    :meth:`_Recorder.__torch_dispatch__`); a replay waits on every collective it issues (:func:`_wait`)."""
+    import torch.distributed as dist
+
+    work = getattr(dist, "Work", None) if dist.is_available() else None
+    if work is None:
+        yield
+        return
+    original = work.wait
+
+    def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+        recorder.in_wait += 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            recorder.in_wait -= 1
+
+    work.wait = wait
+    try:
+        yield
+    finally:
+        work.wait = original
 
 
 @contextmanager
@@ -349,7 +384,7 @@ def record(fn: Callable[..., Any], *args: Any, survey: list[tuple[str, str]] | N
     collecting = gc.isenabled()
     gc.disable()  # tens of thousands of recorded operators: the cyclic collector would rescan them all, often
     try:
-        with _refused_calls(), _HostCalls(recorder), recorder:
+        with _refused_calls(), _unrecorded_waits(recorder), _HostCalls(recorder), recorder:
             output = fn(*args)
         return EmulatedGraph(recorder, output)
     finally:
