@@ -164,9 +164,15 @@ class CudaGraphBackend:
         # events under DDP, a pin-memory thread) do not invalidate it; "global" would forbid them
         self.capture_error_mode = capture_error_mode
         self.pool = pool if pool is not None else (torch.cuda.graph_pool_handle() if self.is_available() else None)
+        self.generators: list[torch.Generator] = []
 
     def is_available(self) -> bool:
         return torch.cuda.is_available()
+
+    def register_generators(self, generators: list[torch.Generator]) -> None:
+        """Generators besides the default one that captured kernels draw from (the Parallel Evoformer's
+        branches'): each capture registers its CUDA ones, so every replay advances their offsets as eager does."""
+        self.generators = [g for g in generators if g.device.type == "cuda"]
 
     def capture(self, fn: Callable[..., Any], static_args: tuple) -> Callable[[], Any]:
         device = _first_device(static_args) or torch.device("cuda", torch.cuda.current_device())
@@ -196,6 +202,11 @@ class CudaGraphBackend:
                         ).with_traceback(exc.__traceback__) from None
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
+            if self.generators and not hasattr(graph, "register_generator_state"):
+                raise RuntimeError(f"torch {torch.__version__} cannot register a generator with a CUDA graph "
+                                   "(CUDAGraph.register_generator_state): the branches' dropout would be frozen")  # fmt: skip
+            for generator in self.generators:
+                graph.register_generator_state(generator)
             previous = torch.cuda.current_stream()
             try:
                 with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=self.capture_error_mode):

@@ -172,18 +172,18 @@ def resolve_mode(mode: str, device_type: str, model_parallel: int = 1, backend_a
 
 
 def uncapturable_reason(model: torch.nn.Module) -> str | None:
-    """Why ``model``'s no-grad recycling passes cannot be captured, or ``None``.
+    """Why ``model``'s no-grad recycling passes cannot be captured by the recycling graphs, or ``None``.
 
-    The Parallel Evoformer (``--parallel-evoformer``) draws per-block branch seeds from the CPU generator
-    and reseeds the CUDA generator inside every block (``branch_seeds`` / ``branch_rng`` in
-    :mod:`scalefold.distributed.branch_parallel`): a graph would bake the seeds of its capture into every
-    replay (the same dropout masks each step) and the host RNG stream would no longer match eager.
+    The Parallel Evoformer's branches draw their dropout from their own generators
+    (:class:`~scalefold.distributed.branch_parallel.BranchGenerators`), which only the whole step's capture
+    registers and seeds before each step (``--cuda-graphs step``); a recycling graph would freeze their draws.
     """
     return PARALLEL_EVOFORMER_UNCAPTURABLE if getattr(model, "parallel_evoformer", False) else None
 
 
 PARALLEL_EVOFORMER_UNCAPTURABLE = (
-    "the Parallel Evoformer reseeds the RNG inside the recycling passes (branch_rng), which a CUDA graph would freeze"
+    "the Parallel Evoformer's branches draw from their own generators, which the recycling graphs do not register "
+    "(--cuda-graphs step does)"
 )
 
 
@@ -519,29 +519,27 @@ WHOLE_STEP_DDP = ("DDP's bucket all-reduce runs through its reducer's host-side 
                   "future callback, which a CUDA graph cannot hold")  # fmt: skip
 
 
-#: why whole-step graphs are not offered with branch parallelism
-WHOLE_STEP_BP = ("branch parallelism reseeds the generator per branch on the host (branch_rng), which a graph "
-                 "would freeze")  # fmt: skip
-
-
 def resolve_step_mode(mode: str, device_type: str, model_parallel: int = 1, world_size: int = 1,
                       backend_available: bool = True, graph_device_type: str = "cuda",
                       unsupported: str | None = None, bp: int = 1, flat_reduce: bool = False) -> tuple[bool, str]:  # fmt: skip
-    """``(whole-step graphs wanted, why)`` for ``--cuda-graphs mode``: ``step`` and ``auto`` want them where
-    the recycling graphs can run and the run has one data-parallel rank (:data:`WHOLE_STEP_DDP`); ``step``
-    is refused (:class:`CudaGraphsUnavailable`) elsewhere, ``auto`` then falls back quietly. ``step`` also
-    takes DAP (``model_parallel`` = DAP x ``bp``): its all-to-all / all-gather are tensor collectives on
-    preallocated buffers, captured inside the graph (NCCL; gloo under the CPU emulation), every rank of a
-    group capturing the same sequence and agreeing on the verdict; not branch parallelism (:data:`WHOLE_STEP_BP`).
-    Several training ranks (``world_size`` > 1) need ``flat_reduce``: the gradient all-reduce of the
-    optimizer's flat buffers (:mod:`scalefold.optim.flat_reduce`, ``--grad-reduce flat|auto``), tensor
-    collectives inside the graph, not DDP's host-side reducer (:data:`WHOLE_STEP_DDP`)."""
+    """``(whole-step graphs wanted, why)`` for ``--cuda-graphs mode``: ``step`` and ``auto`` want them on CUDA
+    (``step`` also on a CPU, emulated), at every layout: DAP and BP (``model_parallel`` = DAP x ``bp``), whose
+    all-to-all / all-gather / reduce-scatter / broadcast are tensor collectives on preallocated buffers captured
+    inside the graph (NCCL; gloo under the CPU emulation), every rank of a group capturing the same sequence
+    and agreeing on the verdict, the Parallel Evoformer's branches drawing from generators the capture registers
+    (:class:`~scalefold.distributed.branch_parallel.BranchGenerators`). Several training ranks
+    (``world_size`` > 1) need ``flat_reduce``: the gradient all-reduce of the optimizer's flat buffers
+    (:mod:`scalefold.optim.flat_reduce`, ``--grad-reduce flat|auto``), tensor collectives inside the graph,
+    not DDP's host-side reducer (:data:`WHOLE_STEP_DDP`); ``step`` is refused without it
+    (:class:`CudaGraphsUnavailable`), ``auto`` then falls back quietly, as it does off CUDA.
+    ``unsupported``: why the model cannot be captured at all (the recycling graphs' reason for the Parallel
+    Evoformer does not apply: the whole step registers its generators)."""
     if mode not in ("step", "auto"):
         return False, f"--cuda-graphs {mode}"
     emulated = emulated_capture(mode, device_type)
-    dap_inside = mode == "step" and model_parallel > 1 and bp == 1 and not unsupported
-    enabled, why = resolve_mode(mode, device_type, 1 if dap_inside else model_parallel, backend_available,
-                                graph_device_type, unsupported)  # fmt: skip
+    if unsupported == PARALLEL_EVOFORMER_UNCAPTURABLE:
+        unsupported = None
+    enabled, why = resolve_mode(mode, device_type, 1, backend_available, graph_device_type, unsupported)
     if not enabled:
         return False, why
     if world_size > 1 and not flat_reduce:
@@ -550,10 +548,11 @@ def resolve_step_mode(mode: str, device_type: str, model_parallel: int = 1, worl
                                         f"or auto ({WHOLE_STEP_DDP}); or use --cuda-graphs recycling or auto")  # fmt: skip
         return False, WHOLE_STEP_DDP
     where = "emulated on the CPU" if emulated else "CUDA"
-    ranks = f"DAP {model_parallel} (its collectives inside the graph)" if dap_inside else "one rank"
+    dap = model_parallel // max(bp, 1)
+    parts = ([f"DAP {dap}"] if dap > 1 else []) + ([f"BP {bp}"] if bp > 1 else [])
+    ranks = f"{' x '.join(parts)} (its collectives inside the graph)" if parts else "one rank"
     if world_size > 1:
-        layout = ranks if dap_inside else "data parallel"
-        ranks = f"{world_size} training ranks, {layout}, the flat gradient all-reduce inside"
+        ranks = f"{world_size} training ranks, {ranks if parts else 'data parallel'}, the flat gradient all-reduce inside"
     return True, f"--cuda-graphs {mode}: the whole step, {where}, {ranks}"
 
 
@@ -666,9 +665,14 @@ class WholeStepGraphs:
         rng_devices = [aatype.device] if aatype.device.type == "cuda" else []
         t0 = time.perf_counter()
         state = self._save()
+        branch_states = [g.get_state() for g in self._generators()]
         self._memory = _MemoryWatch(self.backend.device_type == "cuda" and torch.cuda.is_available())
         try:
             with torch.random.fork_rng(devices=rng_devices):
+                self._seed(_VALIDATION_SEED)  # the branches' generators step-seeded: no host reseeding inside the step
+                register = getattr(self.backend, "register_generators", None)
+                if register is not None:
+                    register(self._generators())
                 for n in counts:
                     static = {k: v[..., : n + 1].clone() for k, v in batch.items()}
                     batches = ({k: v.clone() for k, v in static.items()},
@@ -693,6 +697,8 @@ class WholeStepGraphs:
                         self._turn_off(problem)
         finally:
             self._restore(state, final=True)
+            for g, saved in zip(self._generators(), branch_states):
+                g.set_state(saved)
         if self.enabled and self.log is not None:
             how = " (emulated on the CPU: recorded once, replayed without the step's Python)" if self.emulated else ""
             self.log(f"cuda graphs: captured the whole step (recycling passes, grad pass, loss, backward, clipping, "
@@ -715,6 +721,16 @@ class WholeStepGraphs:
         flag = torch.tensor([1.0 if ok else 0.0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         return bool(flag.item() > 0)
+
+    def _generators(self) -> list[torch.Generator]:
+        """The step's generators besides the default ones (the Parallel Evoformer's branches'): registered with
+        each capture, their states compared after each warm-up step."""
+        generators = getattr(self.step, "generators", None)
+        return generators() if generators is not None else []
+
+    def _seed(self, seed: int) -> None:
+        seed_forward = getattr(self.step, "seed_forward", None)
+        (seed_forward or torch.manual_seed)(seed)
 
     def _compute(self, batch: Mapping[str, torch.Tensor]) -> Any:
         """The captured function: the step's compute, its verdict left unread (the warm-up is undone)."""
@@ -758,13 +774,14 @@ class WholeStepGraphs:
                     for key, t in batch.items():
                         static[key].copy_(t)
                 self.step.opt.set_lr(_VALIDATION_LRS[i % len(_VALIDATION_LRS)])
-                torch.manual_seed(_VALIDATION_SEED + i)
+                self._seed(_VALIDATION_SEED + i)
                 self.step.set_flags(False, 0)
                 out = run().clone()
                 self.step.opt.forget_pending()
                 opt = self.step.opt
                 rows.append((out, [t.detach().clone() for g in opt.groups for t in (g.grad, g.master, g.exp_avg)],
-                             _rng_states(static["aatype"].device)))  # fmt: skip
+                             _rng_states(static["aatype"].device)
+                             + [(f"branch {k}", g.get_state()) for k, g in enumerate(self._generators())]))  # fmt: skip
             runs[name] = rows
         for step, ((g, g_bufs, g_rng), (e, e_bufs, e_rng)) in enumerate(zip(runs["replay"], runs["eager"]), 1):
             problem = self._compare(g, e, g_bufs, e_bufs, g_rng, e_rng)
@@ -924,6 +941,7 @@ def setup_step_graphs(
 
 __all__ = [
     "MODES",
+    "PARALLEL_EVOFORMER_UNCAPTURABLE",
     "CudaGraphsUnavailable",
     "GraphedStep",
     "GraphedStepStats",

@@ -10,14 +10,20 @@ pair and the pair branch on the other:
 * :meth:`Branches.share` -- the owner's branch output is broadcast to the peer; backward keeps the
   owner's gradient (the consumers after the exchange are replicated, so the peer's is identical).
 
-Dropout masks: each branch draws from its own generator seeded from one draw of the global
-stream (:func:`branch_rng`), so the serial Parallel Evoformer and BP draw the same masks.
+Dropout masks: each branch draws from its own generator (:class:`BranchGenerators`, :func:`branch_generator`, one per branch
+and device, shared by the stack's blocks), so the serial Parallel Evoformer and BP draw the same masks
+whichever rank runs which branch. A training step seeds them with the forward seed **before** the step
+(:meth:`BranchGenerators.seed`, beside ``torch.manual_seed``; every rank of a BP pair and DAP group gets
+the same seed): inside it nothing touches a generator's state on the host, so the whole step can be
+captured, the generators registered with the graph (a replay advances them as eager does). Unseeded
+(a model called directly, in a test) each block reseeds them from two draws of the global stream, as
+before: eager only (a capture refuses the host read).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -96,16 +102,78 @@ def branch_seeds(active: bool) -> tuple[int, int] | None:
     return int(s[0]), int(s[1])
 
 
-@contextlib.contextmanager
-def branch_rng(seeds: tuple[int, int] | None, branch: int, device: torch.device) -> Iterator[None]:
-    """Run a branch under its own seeded generator (CPU and ``device``), restoring the global one."""
-    if seeds is None:
-        yield
-        return
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seeds[branch])
-        yield
+def _device_name(device: torch.device | str) -> str:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
 
 
-__all__ = ["MSA_BRANCH", "PAIR_BRANCH", "Branches", "branch_seeds", "branch_rng"]
+class BranchGenerators:
+    """The dropout generators of the Parallel Evoformer's two branches on each device (created on first use).
+
+    :meth:`seed` (the step's forward seed, on the host before the step) makes them *step-seeded*: a block then
+    draws from them with no host action (graph-safe). Until then a block reseeds them itself from the global
+    stream (:func:`branch_seeds`), eager only."""
+
+    def __init__(self) -> None:
+        self._generators: dict[tuple[str, int], torch.Generator] = {}
+        self.step_seeded = False
+
+    def get(self, device: torch.device, branch: int) -> torch.Generator:
+        key = (_device_name(device), branch)
+        if key not in self._generators:
+            self._generators[key] = torch.Generator(device=key[0])
+        return self._generators[key]
+
+    def seed(self, seed: int, device: torch.device) -> None:
+        """Both branches' generators on ``device`` (and the CPU) from the step's forward seed."""
+        for dev in {torch.device("cpu"), torch.device(device)}:
+            for branch in (MSA_BRANCH, PAIR_BRANCH):
+                self.get(dev, branch).manual_seed(random.Random(f"branch:{seed}:{branch}").randrange(2**63 - 1))
+        self.step_seeded = True
+
+    def generators(self, device: torch.device | None = None) -> list[torch.Generator]:
+        """Every generator made so far (on ``device`` only, if given): what a capture registers."""
+        name = None if device is None else _device_name(device)
+        return [g for (dev, _), g in sorted(self._generators.items()) if name is None or dev == name]
+
+    def block_seeds(self, training: bool) -> tuple[int, int] | None:
+        """A block's reseeding seeds: ``None`` when step-seeded (or not training), else two global draws."""
+        return None if self.step_seeded else branch_seeds(training)
+
+    def __deepcopy__(self, memo: dict) -> BranchGenerators:
+        copy = BranchGenerators()  # a copied model (an averaged copy, a reference run) seeds its own
+        memo[id(self)] = copy
+        return copy
+
+
+def branch_generator(generators: BranchGenerators, seeds: tuple[int, int] | None, branch: int,
+                     device: torch.device) -> torch.Generator:  # fmt: skip
+    """The generator a branch's dropout draws from (``scalefold.model.dropout.drawing_from``); ``seeds``
+    (unseeded, eager): reseeded first. The global generators are not touched."""
+    generator = generators.get(device, branch)
+    if seeds is not None:
+        generator.manual_seed(seeds[branch])
+    return generator
+
+
+def seed_forward(seed: int, device: torch.device, branch_generators: Sequence[BranchGenerators] = ()) -> None:
+    """A step's forward seed (on the host, before the step): the global generators and every branch's."""
+    torch.manual_seed(seed)
+    for generators in branch_generators:
+        generators.seed(seed, device)
+
+
+def model_branch_generators(model: torch.nn.Module) -> list[BranchGenerators]:
+    """The :class:`BranchGenerators` of ``model``'s Parallel Evoformer stacks (none without one)."""
+    found: dict[int, BranchGenerators] = {}
+    for module in model.modules():
+        generators = getattr(module, "branch_generators", None)
+        if isinstance(generators, BranchGenerators):
+            found[id(generators)] = generators
+    return list(found.values())
+
+
+__all__ = ["MSA_BRANCH", "PAIR_BRANCH", "BranchGenerators", "Branches", "branch_generator", "branch_seeds",
+           "model_branch_generators", "seed_forward"]

@@ -58,10 +58,30 @@ def shared_dropout_mask(
     mask_shape = list(shape)
     for d in share_dim:
         mask_shape[d] = 1
+    if _GENERATORS:  # a branch's own generator (Parallel Evoformer): F.dropout's CPU draw, on that generator
+        if p >= 1.0:
+            return torch.zeros(mask_shape, device=device, dtype=dtype)
+        return torch.empty(mask_shape, device=device, dtype=dtype).bernoulli_(1.0 - p, generator=_GENERATORS[-1]) \
+            .div_(1.0 - p)  # fmt: skip
     ones = torch.ones(mask_shape, device=device, dtype=dtype)
     if 0.0 < p < 1.0 and ones.numel() and device_path.cuda_path(ones):
         return torch.native_dropout(ones, p, True)[0]
     return F.dropout(ones, p=p, training=True)
+
+
+_GENERATORS: list[torch.Generator] = []  # the innermost drawing_from's generator last
+
+
+@contextmanager
+def drawing_from(generator: torch.Generator) -> Iterator[None]:
+    """Dropout masks drawn inside come from ``generator`` (a Bernoulli draw and a scale: on the CPU exactly
+    ``F.dropout``'s under that generator's state), not the global one; a graph holds the generator, as a
+    CUDA graph registers it, so replays advance it."""
+    _GENERATORS.append(generator)
+    try:
+        yield
+    finally:
+        _GENERATORS.pop()
 
 
 class MaskTape:
@@ -156,4 +176,4 @@ class DropoutColumnwise(SharedDropout):
         super().__init__(p, share_dim=COLUMN_SHARED_DIM)
 
 
-__all__ = ["MaskTape", "shared_dropout_mask", "SharedDropout", "DropoutRowwise", "DropoutColumnwise"]
+__all__ = ["MaskTape", "drawing_from", "shared_dropout_mask", "SharedDropout", "DropoutRowwise", "DropoutColumnwise"]

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 
 from scalefold.model.config import EvoformerStackConfig, ExtraMSAStackConfig
-from scalefold.model.dropout import DropoutColumnwise, DropoutRowwise
+from scalefold.model.dropout import DropoutColumnwise, DropoutRowwise, drawing_from
 from scalefold.model.memory import run_block
 from scalefold.model.msa_attention import MSAColumnAttention, MSARowAttentionWithPairBias
 from scalefold.model.outer_product_mean import OuterProductMean
@@ -46,8 +46,8 @@ from scalefold.model.parallel import (
     Branches,
     ParallelStack,
     Plane,
-    branch_rng,
-    branch_seeds,
+    BranchGenerators,
+    branch_generator,
     col_to_row,
     col_to_row_async,
     mask_cols,
@@ -186,6 +186,8 @@ class EvoformerBlock(MSABlock):
 
         super().__init__(cfg, cfg.c_m, column_attention)
         self.parallel = parallel
+        # the branches' dropout generators (a stack's blocks share its one): scalefold.distributed.branch_parallel
+        self.branch_generators = BranchGenerators() if parallel else None
 
     def forward(
         self,
@@ -216,16 +218,17 @@ class EvoformerBlock(MSABlock):
 
     def _forward_parallel(self, m, z, msa_mask, pair_mask, dap, branch):
         msa, pair = split_planes(dap)
-        seeds = branch_seeds(self.training)
+        generators = self.branch_generators
+        seeds = generators.block_seeds(self.training)
         if branch is not None:
             m, z = branch.enter(m, z)
         m_new = z_new = None
         if branch is None or branch.runs_msa:
-            with branch_rng(seeds, MSA_BRANCH, m.device):
+            with drawing_from(branch_generator(generators, seeds, MSA_BRANCH, m.device)):
                 m_new = self._msa_attention(m, z, msa_mask, dap)
                 m_new = m_new + self.core.msa_transition(m_new, mask=mask_cols(msa_mask, msa))
         if branch is None or branch.runs_pair:
-            with branch_rng(seeds, PAIR_BRANCH, z.device):
+            with drawing_from(branch_generator(generators, seeds, PAIR_BRANCH, z.device)):
                 z_new = self.core.pair_stack(z, pair_mask, pair)
         if branch is not None:
             m_shape = m.shape if msa is None else m.shape[:-3] + (msa.rows, msa.padded(msa.cols) // msa.size, m.shape[-1])
@@ -248,6 +251,9 @@ class EvoformerStack(ParallelStack):
     def __init__(self, cfg: EvoformerStackConfig, checkpointing: bool | int = False, parallel: bool = False) -> None:
         super().__init__((EvoformerBlock(cfg, parallel) for _ in range(cfg.num_blocks)), checkpointing)
         self.branch_parallel = parallel
+        self.branch_generators = BranchGenerators() if parallel else None  # one stream per branch for the stack
+        for block in self.blocks:
+            block.branch_generators = self.branch_generators
         self.linear = Linear(cfg.c_m, cfg.c_s, bias=True, init="default")
 
     def branch_parameters(self) -> list[nn.Parameter]:

@@ -38,7 +38,14 @@ from scalefold.distributed.axial import (
     planes,
     row_to_col,
 )
-from scalefold.distributed.branch_parallel import MSA_BRANCH, PAIR_BRANCH, Branches, branch_rng, branch_seeds
+from scalefold.distributed.branch_parallel import (
+    MSA_BRANCH,
+    PAIR_BRANCH,
+    BranchGenerators,
+    Branches,
+    branch_generator,
+    branch_seeds,
+)
 from scalefold.distributed.group import DAPGroup
 from scalefold.model.memory import blocks_to_recompute, use_checkpointing
 
@@ -122,7 +129,8 @@ __all__ = [
     "DAPGroup",
     "ParallelStack",
     "Plane",
-    "branch_rng",
+    "BranchGenerators",
+    "branch_generator",
     "branch_seeds",
     "col_to_row",
     "col_to_row_async",

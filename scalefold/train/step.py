@@ -38,6 +38,7 @@ from scalefold.config.training import TrainConfig
 from scalefold.data.batch import step_batch
 from scalefold.data.pipeline import FeatureConfig
 from scalefold.distributed.agreement import agree_on_device, read_agreement
+from scalefold.distributed.branch_parallel import model_branch_generators, seed_forward
 from scalefold.losses import AlphaFoldLoss
 from scalefold.model.factory import build_model, build_model_config
 from scalefold.model.precision import MASTER_DTYPES, float_outputs, keep_fp32_regions
@@ -160,6 +161,16 @@ class TrainingStep:
     def __post_init__(self) -> None:
         # [stop, count]: written before each step, read by the agreement (a graph reads it by address)
         self.flags = torch.zeros(2, dtype=torch.float64, device=self.device)
+        # the Parallel Evoformer's branch generators: seeded with the forward seed before each step
+        self.branch_generators = model_branch_generators(self.model)
+
+    def seed_forward(self, seed: int) -> None:
+        """The step's forward seed on the host, before the step: the global generators and the branches'."""
+        seed_forward(seed, self.device, self.branch_generators)
+
+    def generators(self) -> list[torch.Generator]:
+        """The generators a capture of the step registers besides the default one (the branches')."""
+        return [g for generators in self.branch_generators for g in generators.generators(self.device)]
 
     @classmethod
     def build(
@@ -198,7 +209,7 @@ class TrainingStep:
         self.model.train()
         sliced = step_batch(batch, n, self.device, self.dtype or torch.float32) if batch is not None else None
         batch = self.broadcast(sliced) if self.broadcast is not None else sliced
-        torch.manual_seed(seed)
+        self.seed_forward(seed)
         self.set_flags(stop, count)
         if self.graphs is not None:
             result = self.graphs(batch, n)

@@ -221,8 +221,8 @@ def test_capture_failure_names_the_model_line(tiny):
 
 
 def test_parallel_evoformer_is_not_captured():
-    """The Parallel Evoformer reseeds the RNG inside the recycling passes (a graph would freeze the seeds):
-    `auto` leaves graphs off without capturing, `on` is refused before training."""
+    """The Parallel Evoformer's branches draw from generators the recycling graphs do not register (a graph
+    would freeze their draws): `auto` leaves graphs off without capturing, `on` is refused before training."""
     cfg = AlphaFoldConfig.from_preset("tiny", overrides={"num_recycling_iters": 1})
     model = AlphaFold(cfg, activation_checkpointing=False, parallel_evoformer=True)
     features = FeatureConfig.from_reference_config(cfg.to_dict())

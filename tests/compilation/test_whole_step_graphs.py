@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from scalefold.compilation.graphed_step import (
+    PARALLEL_EVOFORMER_UNCAPTURABLE,
     WHOLE_STEP_DDP,
     CudaGraphsUnavailable,
     WholeStepGraphs,
@@ -86,12 +87,16 @@ def test_resolve_step_mode():
     assert resolve_step_mode("step", "cpu", world_size=2, flat_reduce=True)[1] == (
         "--cuda-graphs step: the whole step, emulated on the CPU, 2 training ranks, data parallel, the flat gradient "
         "all-reduce inside")
-    # DAP's collectives are tensor collectives: captured inside the graph; branch parallelism is not
+    # DAP's and BP's collectives are tensor collectives: captured inside the graph, by step and auto
     assert resolve_step_mode("step", "cuda", model_parallel=2)[1] == \
         "--cuda-graphs step: the whole step, CUDA, DAP 2 (its collectives inside the graph)"
-    with pytest.raises(CudaGraphsUnavailable, match="--dap/--bp"):
-        resolve_step_mode("step", "cuda", model_parallel=4, bp=2)
-    assert resolve_step_mode("auto", "cuda", model_parallel=2)[0] is False
+    assert resolve_step_mode("step", "cuda", model_parallel=4, bp=2, unsupported=PARALLEL_EVOFORMER_UNCAPTURABLE)[1] \
+        == "--cuda-graphs step: the whole step, CUDA, DAP 2 x BP 2 (its collectives inside the graph)"
+    assert resolve_step_mode("auto", "cuda", model_parallel=2)[0] is True
+    assert resolve_step_mode("auto", "cuda", model_parallel=2, world_size=4, flat_reduce=True)[1] == (
+        "--cuda-graphs auto: the whole step, CUDA, 4 training ranks, DAP 2 (its collectives inside the graph), the "
+        "flat gradient all-reduce inside")
+    assert resolve_step_mode("auto", "cuda", model_parallel=2, world_size=4) == (False, WHOLE_STEP_DDP)
 
 
 def test_warm_up_captures_every_count_leaves_no_trace_and_replays_match_eager():

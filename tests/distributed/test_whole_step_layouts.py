@@ -1,4 +1,4 @@
-"""Whole-step graphs where the users run (issue 39): ``--cuda-graphs step`` at DP-2, DAP-2 and DAP-2 x DP-2
+"""Whole-step graphs where the users run (issue 39): ``--cuda-graphs step`` at DP-2, DAP-2, DAP-2 x DP-2 and BP-2 x DAP-2
 under ``torch.distributed.run`` on gloo, over the CPU's emulated capture (replays run no Python; DAP's
 all-to-all / all-gather, the agreement's all-reduce and the flat gradient all-reduce recorded inside the
 graph, each rank's verdict agreed): every step's metrics and the final checkpoint's weights bit-identical to
@@ -61,6 +61,28 @@ def test_whole_step_graphs_at_dap_layouts_equal_eager(tmp_path, nproc):
     assert "DAP 2 (its collectives inside the graph)" in proc.stdout, proc.stdout[-2000:]
     assert f"cuda graphs (whole step): {STEPS - 1} step(s) graphed" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "whole-step graphs are off" not in proc.stderr, proc.stderr[-2000:]
+    _assert_same_run(tmp_path)
+
+
+def test_whole_step_graphs_at_bp2xdap2_equal_eager(tmp_path):
+    """BP-2 x DAP-2 (Parallel Evoformer): the branches draw dropout from their own generators, seeded before
+    the step and advanced by each replay (no host reseeding inside), the branch broadcast and gradient sum
+    inside the graph: replayed, bit-identical to eager."""
+    extra = ("--dap", "2", "--bp", "2", "--parallel-evoformer")
+    _train(tmp_path, "off", 4, *extra, "--cuda-graphs", "off")
+    proc = _train(tmp_path, "step", 4, *extra, "--cuda-graphs", "step")
+    assert "DAP 2 x BP 2 (its collectives inside the graph)" in proc.stdout, proc.stdout[-2000:]
+    assert f"cuda graphs (whole step): {STEPS - 1} step(s) graphed" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    _assert_same_run(tmp_path)
+
+
+def test_whole_step_graphs_at_bp2_on_the_demo_preset_with_dropout_equal_eager(tmp_path):
+    """BP-2 on demo (tiny has no dropout): the two branches' masks drawn inside the replay from their own
+    generators, bit-identical to eager."""
+    extra = ("--preset", "demo", "--bp", "2", "--parallel-evoformer")
+    _train(tmp_path, "off", 2, *extra, "--cuda-graphs", "off")
+    proc = _train(tmp_path, "step", 2, *extra, "--cuda-graphs", "step")
+    assert f"cuda graphs (whole step): {STEPS - 1} step(s) graphed" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
     _assert_same_run(tmp_path)
 
 

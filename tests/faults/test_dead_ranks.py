@@ -217,3 +217,33 @@ def test_a_killed_evaluation_rank_ends_the_run_with_its_name(tmp_path, tiny_stor
     assert keys[-1] == "run_stop" and keys.count("run_stop") == 1
     report = check_log(out / "mlperf.log")
     assert report.failed_rules == SMALL_RUN_FAILURES and report.warnings == [], report.output[-4000:]
+
+
+def test_a_rank_killed_during_the_whole_step_capture_is_named_by_every_survivor(tmp_path, tiny_store):
+    """``--cuda-graphs step`` at DAP-2 x DP-2 (the emulated capture over gloo): a rank killed while the ranks
+    record and check their whole-step graphs (their collectives inside) ends every survivor within the bound,
+    one line each naming it, never a hang (issue 39)."""
+    victim, out = 3, tmp_path / "run"
+    args = ("--preset", "tiny", "--dap", "2", "--out", str(out), "--store", str(tiny_store), "--max-steps", "100000",
+            "--eval-every", "0", "--checkpoint-every", "2", "--num-workers", "1", "--no-progress", "--cuda-graphs",
+            "step", "--grad-reduce", "flat", *FAULT_ARGS)  # fmt: skip
+    launch = _Launch(4, *args)
+    try:
+        launch.wait_until(lambda: "runs the emulated capture" in launch.text, "the capture")
+        pids = launch.ranks()
+        assert sorted(pids) == [0, 1, 2, 3], pids
+        t_signal = time.monotonic()
+        os.kill(pids[victim], signal.SIGKILL)
+        survivors = [pids[r] for r in (0, 1, 2)]
+        launch.wait_until(lambda: not any(_alive(p) for p in survivors), "the survivors' exit")
+        ended_s = time.monotonic() - t_signal
+    finally:
+        rc = launch.finish()
+    output = launch.text
+    assert "captured the whole step" not in output, "the kill came after the capture: " + output[-3000:]
+    assert ended_s < DEAD_PEER_S + 120, f"survivors took {ended_s:.0f} s"
+    assert rc == 1, output[-6000:]
+    lines = {int(m.group(5)): m for m in _line_re(victim).finditer(output)}
+    assert sorted(lines) == [0, 1, 2], output[-6000:]
+    assert all(int(m.group(2)) == pids[victim] and "died" in m.group(3) for m in lines.values()), output[-6000:]
+    assert not re.search(r"\[rank\d\]: Traceback|pair\.cc|GLHF", output), output[-6000:]
