@@ -103,6 +103,7 @@ def _cmd_bench_step(args: argparse.Namespace) -> int:
     )
 
     cfg, regions = _bench_step_config(args)
+    layout = _layout_config(cfg, args)  # refused before anything runs
     if args.cuda_graphs not in ("off", "auto", "step") and not torch.cuda.is_available():  # step: emulated on a CPU
         raise UserError(f"--cuda-graphs {args.cuda_graphs} needs a CUDA device")
     if args.threads:
@@ -117,9 +118,32 @@ def _cmd_bench_step(args: argparse.Namespace) -> int:
         if args.cuda_graphs != "off" and (args.cuda_graphs != "auto" or torch.cuda.is_available()):
             result["graphs"] = graphed_step_times(cfg, args.cuda_graphs, args.repeats, args.warmup)
         add_throughput(result, cfg)
-        result.update(step_host_syncs(cfg))
+        result.update(step_host_syncs(layout, dp=args.dp))
     print(json.dumps(result) if args.json else format_result(result), flush=True)
     return 0
+
+
+def _layout_config(cfg: Any, args: argparse.Namespace) -> Any:
+    """``cfg`` at ``--dap`` / ``--bp`` (the Parallel Evoformer with BP) for the host-sync count, or a
+    :class:`UserError` naming the flag."""
+    import dataclasses
+
+    if min(args.dap, args.bp, args.dp) < 1:
+        raise UserError("--dap, --bp and --dp must be >= 1")
+    if args.dap == args.bp == 1:
+        return cfg
+    try:
+        layout = dataclasses.replace(cfg, dap=args.dap, bp=args.bp, parallel_evoformer=cfg.parallel_evoformer or args.bp > 1)
+        from scalefold.distributed.layout import ParallelLayout
+        from scalefold.model.factory import build_model_config
+        from scalefold.data.pipeline import FeatureConfig
+
+        crop = FeatureConfig.from_reference_config(build_model_config(layout).to_dict()).train_sequence_crop_size
+        ParallelLayout(args.dap * args.bp * args.dp, dap=args.dap, bp=args.bp).validate(
+            parallel_evoformer=layout.parallel_evoformer, crop_size=crop)  # fmt: skip
+    except ValueError as exc:
+        raise UserError(f"--dap {args.dap} --bp {args.bp}: {exc}") from exc
+    return layout
 
 
 def _bench_step_config(args: argparse.Namespace):
@@ -190,6 +214,11 @@ def add_bench_step_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                    help="also time the step on the GPU with CUDA graphs: of the no-grad recycling passes, of the whole "
                    "step (one graph per recycling count), or the widest that captures (auto), each beside eager on the "
                    "GPU; not on a CPU (default off)")  # fmt: skip
+    for flag, what in (("--dap", "DAP size"), ("--bp", "branch parallelism (2: the Parallel Evoformer)"),
+                       ("--dp", "data-parallel ranks")):  # fmt: skip
+        p.add_argument(flag, type=int, default=1, help=f"{what} of the layout host_syncs_per_step is counted at (rank 0 "
+                       "on a fake process group: the layout's Python and reads, no-op collectives); the timings stay "
+                       "one rank's (default 1)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=_cmd_bench_step)
     return p

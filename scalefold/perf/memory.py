@@ -462,7 +462,7 @@ def estimate_memory(
     (default 1 where the run recycles: the no-grad passes are identical and free everything but the
     recycled outputs, so one stands for all; ``tests/perf/test_memory.py`` checks that two give the same
     peak within 1 %: 0.14 % on ``tiny``, the batch slices copied differ by one recycling slice). ``cuda_graphs``: add the graph pool (default: as
-    ``--cuda-graphs`` resolves on the target: CUDA without DAP/BP, unless ``cfg.cuda_graphs`` is off).
+    ``--cuda-graphs`` resolves on the target: CUDA, at DAP 1 or with ``step``, unless ``cfg.cuda_graphs`` is off).
     ``origins``: also report what was live at the peak by category, module and creating operator
     (``MemoryEstimate.origins``; debugging). ``sites``: also by allocating line, as a CUDA trace names them
     (:mod:`scalefold.perf.memory_sites`). ``observe(step, tracker)``: a context entered around the step
@@ -481,8 +481,8 @@ def estimate_memory(
         raise ValueError(f"kernels must be triton or torch, got {kernels!r}")
     if cfg.bp != 1:
         raise ValueError("estimate-memory models DAP; branch parallelism (--bp 2) is not modelled")
-    if cuda_graphs is None:
-        cuda_graphs = target == "cuda" and cfg.dap * cfg.bp == 1 and cfg.cuda_graphs != "off"
+    if cuda_graphs is None:  # the whole step's graphs at any DAP; the recycling graphs (and auto's count) at DAP 1
+        cuda_graphs = target == "cuda" and cfg.cuda_graphs != "off" and (cfg.dap == 1 or cfg.cuda_graphs == "step")
     t0 = time.perf_counter()
     model_cfg = build_model_config(cfg)
     model = training_model(cfg, model_cfg, "cpu")  # real (small) initialisation; then swapped for fakes
@@ -545,9 +545,9 @@ def _build_constant_tables() -> None:
 def _graph_peak(cfg: TrainConfig, target: str, cuda_graphs: bool, tracker: StorageTracker, batch: Any,
                 n: int) -> tuple[int, int, str | bool]:  # fmt: skip
     """(peak, graph pool, which graphs: ``step`` / ``recycling`` / ``False``) of the tracked step: whole-step
-    graphs where the run asks for them (``--cuda-graphs step`` on CUDA, DAP and BP 1), else the recycling
-    passes' graphs where they apply."""
-    if cuda_graphs and target == "cuda" and cfg.dap * cfg.bp == 1 and cfg.cuda_graphs == "step":
+    graphs where the run asks for them (``--cuda-graphs step`` on CUDA, at any DAP: its collectives are inside),
+    else the recycling passes' graphs where they apply."""
+    if cuda_graphs and target == "cuda" and cfg.cuda_graphs == "step":
         return (*_with_whole_step_pool(tracker, batch), "step")
     peak, pool = _with_graph_pool(tracker, bool(cuda_graphs and n > 0))
     return peak, pool, "recycling" if cuda_graphs else False

@@ -304,7 +304,8 @@ def format_result(r: dict[str, Any]) -> str:
                           for k in ("eager", "compiled") if r.get(f"{k}_tflops"))  # fmt: skip
         lines.append(f"  FLOPs     {r['flops_mean'] / 1e12:.4g} TFLOP per step (mean over the recycling counts): {rates}")
     if "host_syncs_per_step" in r:
-        lines.append(f"  host syncs inside the step: {r['host_syncs_per_step']:g} per step (reads made on the CPU only, "
+        at = f" at {r['host_syncs_layout']}" if r.get("host_syncs_layout") else ""
+        lines.append(f"  host syncs inside the step{at}: {r['host_syncs_per_step']:g} per step (reads made on the CPU only, "
                      f"not counted: {r['cpu_only_reads_per_step']:g}){' ' + str(r['host_syncs_where']) if r.get('host_syncs_where') else ''}")  # fmt: skip
     if r.get("graphs"):
         g = r["graphs"]
@@ -317,15 +318,53 @@ def format_result(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def step_host_syncs(cfg: TrainConfig) -> dict[str, Any]:
+def step_host_syncs(cfg: TrainConfig, dp: int = 1) -> dict[str, Any]:
     """``host_syncs_per_step``: the host reads inside the training step (``TrainingStep.compute``, its one
     read after the step excluded), counted by :class:`~scalefold.perf.host_syncs.HostSyncCounter` over one
     step per recycling count on the CPU; ``cpu_only_reads_per_step``: reads only a CPU makes (not counted);
-    ``host_syncs_where`` where any was counted."""
-    from scalefold.perf.host_syncs import HostSyncCounter
-    from scalefold.train.step import TrainingStep
+    ``host_syncs_where`` where any was counted.
 
-    step = TrainingStep.build(cfg)
+    At ``cfg.dap`` x ``cfg.bp`` x ``dp`` > 1 the step is rank 0's of that layout on a ``fake`` process group
+    (collectives are no-ops with real buffers: the numbers are not a real run's, the Python and its host reads
+    are): the model wrapped for DAP/BP as the training loop wraps it, the flat gradient all-reduce over the
+    training ranks (``--grad-reduce flat``), the cross-rank agreement over ``dp`` x DAP x BP ranks."""
+    from scalefold.perf.memory import fake_process_group
+
+    with fake_process_group(cfg.dap * cfg.bp * dp):
+        out = _count_host_syncs(_layout_step(cfg))
+    if cfg.dap * cfg.bp * dp > 1:
+        out["host_syncs_layout"] = f"DAP {cfg.dap} x BP {cfg.bp} x DP {dp} (rank 0, fake process group)"
+    return out
+
+
+def _layout_step(cfg: TrainConfig) -> Any:
+    """The training step of rank 0 of the initialised (fake) world's layout, or the one-rank step."""
+    import torch.distributed as dist
+    from functools import partial
+
+    from scalefold.data.pipeline import FeatureConfig
+    from scalefold.distributed import setup_model_parallel
+    from scalefold.model.factory import build_model_config
+    from scalefold.optim.flat_reduce import FlatGradReducer
+    from scalefold.train.step import TrainingStep, training_model
+
+    if not dist.is_initialized():
+        return TrainingStep.build(cfg)
+    model_cfg = build_model_config(cfg)
+    crop = FeatureConfig.from_reference_config(model_cfg.to_dict()).train_sequence_crop_size
+    ctx = setup_model_parallel(cfg.dap, cfg.bp, 0, cfg.parallel_evoformer, crop_size=crop)
+    model = training_model(cfg, model_cfg, "cpu")
+    ctx.wrap(model)
+    step = TrainingStep.build(cfg, model=model)
+    reducer = FlatGradReducer(step.opt, ctx.train_group, ctx.grad_scales(model))
+    step.reduce, step.group = partial(reducer.reduce_and_clip, step.clipper), ctx.train_group
+    step.world_size = dist.get_world_size(ctx.train_group)
+    return step
+
+
+def _count_host_syncs(step: Any) -> dict[str, Any]:
+    from scalefold.perf.host_syncs import HostSyncCounter
+
     counts = list(range(step.num_ensembles))
     step.run(counts[-1])  # lazy initialisation, SWA's first update
     total, cpu_only, where = 0, 0, {}

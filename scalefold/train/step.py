@@ -281,6 +281,9 @@ class TrainingStep:
         and the optimizer's settling (on fake tensors, nothing to read: settled as applied). Returns the
         detached loss. ``read=False`` leaves the result unread: call :meth:`finish` after."""
         self.model.train()
+        for generators in self.branch_generators:  # the tools' steps: the branches seeded once, outside the step
+            if not generators.step_seeded:
+                generators.seed(0, self.device)
         batch = self.sliced(n)
         replayed = self.graphs(batch, n) if self.graphs is not None and forward is None else None
         self.last = replayed if replayed is not None else self.compute(batch, phase=phase, forward=forward)

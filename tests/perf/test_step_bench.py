@@ -63,3 +63,20 @@ def test_bench_step_elementwise_paired_per_region_and_cache(capsys, tmp_path):
         elementwise.disable()
     again = json.loads(capsys.readouterr().out)
     assert again["compile_cache"]["warm"] is True and again["compile_s"] is not None and again["compiled_s"] is None
+
+
+def test_host_syncs_are_counted_at_cluster_layouts(capsys):
+    """``--dap 2 --dp 2`` and ``--dap 2 --bp 2``: rank 0's step of the layout (the DAP/BP wrap, the flat
+    gradient all-reduce, the agreement) reads nothing back inside the step -- the branches' generators are
+    seeded outside it (issue 39); a layout the crop does not split is refused naming the flags."""
+    from scalefold.config.training import TrainConfig
+    from scalefold.perf.step_bench import step_host_syncs
+
+    base = TrainConfig.from_preset("tiny", env={})
+    for overrides, dp in (({"dap": 2}, 2), ({"dap": 2, "bp": 2, "parallel_evoformer": True}, 1)):
+        out = step_host_syncs(TrainConfig.from_preset("tiny", env={}, overrides=overrides), dp=dp)
+        assert out["host_syncs_per_step"] == 0 and "host_syncs_where" not in out, out
+        assert out["host_syncs_layout"].startswith(f"DAP 2 x BP {overrides.get('bp', 1)} x DP {dp}")
+    assert "host_syncs_layout" not in step_host_syncs(base)
+    assert main(["bench", "step", "--preset", "tiny", "--dap", "5"]) == 3
+    assert "--dap 5" in capsys.readouterr().err

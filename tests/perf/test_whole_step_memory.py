@@ -24,3 +24,15 @@ def test_whole_step_graphs_count_the_pool_and_an_eager_step_beside_it():
     assert step.cuda_graph_pool_bytes > recycling.cuda_graph_pool_bytes
     assert step.peak_bytes == step.step_peak_bytes + step.cuda_graph_pool_bytes
     assert step.cuda_graph_pool_bytes < step.step_peak_bytes  # the state (weights, Adam, grads) is not in it
+
+
+def test_whole_step_graphs_at_dap2_count_their_pool_too():
+    """At DAP-2 the whole step is captured with its collectives inside: ``step`` holds its pool there as well."""
+    def est(mode):
+        cfg = TrainConfig.from_preset("tiny", env={}, overrides={"cuda_graphs": mode, "dap": 2})
+        return estimate_memory(cfg, target="cuda", kernels="torch")
+
+    step, off = est("step"), est("off")
+    assert step.settings["cuda_graphs"] == "step" and off.settings["cuda_graphs"] is False
+    assert 0 < step.cuda_graph_pool_bytes < step.step_peak_bytes == off.step_peak_bytes
+    assert step.peak_bytes == step.step_peak_bytes + step.cuda_graph_pool_bytes
