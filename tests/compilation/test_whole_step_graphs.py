@@ -147,6 +147,8 @@ def test_the_demo_step_with_dropout_and_checkpointing_replays_bit_identically():
         for a, b in zip(_state(graphed), _state(eager)):
             assert torch.equal(a, b), (i, n)
     assert graphs.stats.graphed == len(counts) - 1 and graphs.stats.eager_swa_copy == 1
+    if parallel_evoformer:
+        assert [g.device.type for g in graphed.generators()] == ["cuda", "cuda"]
 
 
 def test_uncaptured_shapes_run_eagerly_said_once():
@@ -279,12 +281,16 @@ def _tensors(obj, prefix=""):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_real_whole_step_graphs_match_eager(precision):
+@pytest.mark.parametrize("precision,parallel_evoformer", [("fp32", False), ("bf16", False), ("fp32", True)],
+                         ids=["fp32", "bf16", "fp32-parallel-evoformer"])  # fmt: skip
+def test_real_whole_step_graphs_match_eager(precision, parallel_evoformer):
     """On a GPU, at the settings that matter: the demo step (dropout and activation checkpointing on) captured
     whole per recycling count and replayed twice per count, each with another seed, learning rate and batch:
-    losses, norms and weights as the eager step's within rounding; the capture's own warm-up check passed."""
-    cfg = TrainConfig.from_preset("demo", overrides={"precision": precision, "activation_checkpointing": "on"}, env={})
+    losses, norms and weights as the eager step's within rounding; the capture's own warm-up check passed.
+    With the Parallel Evoformer its branches' CUDA generators are registered with each graph (a replay draws
+    new masks from them, as eager does)."""
+    overrides = {"precision": precision, "activation_checkpointing": "on", "parallel_evoformer": parallel_evoformer}
+    cfg = TrainConfig.from_preset("demo", overrides=overrides, env={})
     graphed, eager = TrainingStep.build(cfg, "cuda"), TrainingStep.build(cfg, "cuda")
     assert any(graphed.model.checkpointed_blocks().values())
     graphs = graphed.use_whole_step_graphs(log=print)
