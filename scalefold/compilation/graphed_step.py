@@ -7,14 +7,16 @@ passes, grad pass, loss, backward, clipping, the cross-rank agreement and the Ad
 or skipped on the device (:meth:`scalefold.train.step.TrainingStep.compute`, which reads nothing back to
 the host) -- from static batch buffers the loader's slices are copied into, all graphs in one memory
 pool, captured at warm-up before ``run_start``, each replay compared with an eager step from the same
-state and seed, every warm-up step undone (optimizer snapshot, model buffers, RNG). Not captured: runs
-with several data-parallel ranks (DDP's reducer and the clipping hook's future callback run on the host:
-:data:`WHOLE_STEP_DDP`; ``step`` is refused there, ``auto`` falls back), DAP/BP and the Parallel Evoformer
-(as for the recycling graphs), steps before SWA's first update (a host-decided copy; eager). ``auto``
-takes the widest that works: the whole step where it may be captured and its capture holds, else the
-recycling passes, else eager. Whole-step capture has not yet run on a GPU: activation checkpointing's
-RNG-state save inside a capture and the Triton / compiled kernels under capture are what the warm-up
-check will tell (a failure turns the graphs off with one line, and ``auto`` falls back).
+state and seed, every warm-up step undone (optimizer snapshot, model buffers, RNG). At every layout: DAP's
+and BP's collectives and the flat gradient all-reduce (``--grad-reduce flat``) are tensor collectives inside
+the graph, every rank of the training group capturing the same sequence and agreeing on each verdict; the
+Parallel Evoformer's branches draw from generators of their own, seeded before the step and registered with
+the capture. Not captured: runs whose gradients DDP's host-side reducer averages (:data:`WHOLE_STEP_DDP`;
+``step`` is refused there, ``auto`` falls back), steps before SWA's first update (a host-decided copy;
+eager). ``auto`` takes the widest that works: the whole step where it may be captured and its capture
+holds, else the recycling passes, else eager. On a CPU ``step`` runs the emulated capture
+(:mod:`scalefold.compilation.emulated_capture`); on a GPU the warm-up check against eager decides (a failure
+turns the graphs off on every rank with one line, and ``auto`` falls back).
 
 The training loop calls a :class:`GraphedStep` instead of ``net(batch)``. A step with recycling
 count ``n`` (the batch keeps ``t[..., :n + 1]``) runs ``n`` passes of the model without autograd and
@@ -61,11 +63,12 @@ Fallbacks (the same numbers as the plain path, through ``net(batch)``):
   for the run, the reason logged once (every later step eager);
 * ``n = 0`` (no no-grad pass) and calls under ``torch.no_grad``: eager.
 
-Modes (:func:`resolve_mode`, :func:`resolve_step_mode`): ``auto`` -- on for CUDA devices without DAP/BP
-or the Parallel Evoformer, off elsewhere; ``on`` / ``recycling`` / ``step`` -- the same, but a run where
-graphs cannot be used (not CUDA, DAP/BP > 1, ``--parallel-evoformer``: :func:`uncapturable_reason`;
-``step``: several data-parallel ranks too) is refused (:class:`CudaGraphsUnavailable`, exit status 3 from
-the CLI); ``off`` -- never.
+Modes (:func:`resolve_mode`, :func:`resolve_step_mode`): ``auto`` -- the whole step on CUDA where it may be
+captured (any DAP / BP; several data-parallel ranks with ``--grad-reduce flat``), else the recycling graphs
+on CUDA without DAP/BP or the Parallel Evoformer, off elsewhere; ``on`` / ``recycling`` -- the recycling
+graphs, a run where they cannot be used (not CUDA, DAP/BP > 1, ``--parallel-evoformer``:
+:func:`uncapturable_reason`) refused (:class:`CudaGraphsUnavailable`, exit status 3 from the CLI); ``step``
+-- the whole step, refused with several data-parallel ranks under DDP; ``off`` -- never.
 
 Limits (by design; validate on a GPU before relying on the speed-up):
 
@@ -75,11 +78,11 @@ Limits (by design; validate on a GPU before relying on the speed-up):
   loader and evaluation threads start after warm-up). The
   differentiated pass and backward (DDP bucket all-reduce + its clipping comm hook) stay eager, so
   neither ``_set_static_graph`` nor ``find_unused_parameters=False`` is needed. Whole-step capture
-  (:class:`WholeStepGraphs`) is offered for one data-parallel rank only (DDP's reducer hooks run on the host).
-* **DAP / BP**: not captured (``auto`` turns graphs off, ``on`` refuses): their all-to-all /
-  all-gather / broadcast collectives run inside the recycling passes; capturing NCCL collectives
-  needs every rank of a group to capture the same graphs in the same order, and gloo cannot be
-  captured at all.
+  (:class:`WholeStepGraphs`) with several data-parallel ranks takes the flat gradient all-reduce instead
+  (DDP's reducer hooks run on the host).
+* **DAP / BP**: not captured by the recycling graphs (``auto`` takes the whole step instead, ``on`` refuses):
+  their all-to-all / all-gather / broadcast collectives run inside the recycling passes, whose graphs are
+  captured per rank, not agreed across a group as the whole step's are.
 * The graphed share of a step is the no-grad passes only: with ``R = 4`` (3 recycling iterations),
   ``n`` averages 1.5 no-grad passes against one forward + backward (about 3 forward passes).
 * Parameters must stay at their addresses (``FlatAdamSWA`` updates its flat buffers in place; resume
