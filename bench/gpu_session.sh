@@ -152,7 +152,7 @@ COMPILE_CACHE=${COMPILE_CACHE:-$REPO/runs/compile_cache}
 ESTIMATES=${ESTIMATES:-$REPO/runs/headline_estimates}  # the headline's CPU estimates, kept (and reused) between calls
 HEADLINE_ESTIMATE_CAP=${HEADLINE_ESTIMATE_CAP:-}     # seconds each estimate may take (default: the headline's deadline)
 # expected seconds per part on an H100 (DRY_RUN prints them beside the limits; the limits are the caps)
-declare -A EXPECT=([env]=20 [install]=3 [capture_real]=60 [tests_kernels]=60 [probe_attention_grid]=20 [tests_graphs]=110 [headline]=425 [tune_kernels]=240 [policy_on]=120 [policy_22]=120 [policy_off]=120
+declare -A EXPECT=([env]=20 [install]=3 [capture_real]=90 [tests_kernels]=60 [probe_attention_grid]=20 [tests_graphs]=110 [headline]=425 [tune_kernels]=240 [policy_on]=120 [policy_22]=120 [policy_off]=120
                    [train_bf16]=60 [train_graphs]=45 [bench_attention]=35 [bench_layernorm]=20 [bench_adam]=20 [bench_trimul]=40
                    [bench_cuda_graphs]=25 [bench_dap]=20)
 EXPECTED_TOTAL=${EXPECT[env]}
@@ -438,8 +438,9 @@ if [ "$DRY_RUN" = 1 ] && selected headline headline; then
     EXPECT[headline]=$(sed -n 's/^  total expected ~\([0-9]*\) s.*/\1/p' "$WORK/headline_plan.txt" | head -n 1)
 fi
 # first in the headline group: the real capture at the settings that matter (the demo step with dropout and
-# activation checkpointing, fp32 and bf16, two replays per recycling count; skipped on a CPU)
-part capture_real headline 120 env SCALEFOLD_AUTOTUNE=0 "$PY" -m pytest -q -x -p no:cacheprovider \
+# activation checkpointing, fp32 and bf16, and fp32 with the Parallel Evoformer's registered branch generators;
+# two replays per recycling count; skipped on a CPU)
+part capture_real headline 180 env SCALEFOLD_AUTOTUNE=0 "$PY" -m pytest -q -x -p no:cacheprovider \
     tests/compilation/test_whole_step_graphs.py -k real
 part headline headline 480 env SCALEFOLD_AUTOTUNE=0 "$PY" bench/step_headline.py "${HEADLINE[@]}" --deadline @SESSION_LIMIT@
 

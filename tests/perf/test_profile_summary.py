@@ -144,5 +144,5 @@ def test_gpu_session_dry_run_prints_the_headline_plan(tmp_path):
     assert f"(dry run) expected ~{expected}s, limit 480s" in out and f"--compile-cache {tmp_path / 'cache'}" in out
     assert "tests_kernels" not in out.split("step_headline (plan)")[1].split("summary")[0] or "not in PARTS" in out
     total = int(out.split("the call expects ~")[1].split("s")[0])
-    assert total == 20 + 3 + 60 + expected + 5 and total <= 600  # env + install + capture_real + headline + packing: one call
+    assert total == 20 + 3 + 90 + expected + 5 and total <= 600  # env + install + capture_real + headline + packing: one call
     assert "window plan (15 minutes" in out and "give_back" in out and "machine start" in out
