@@ -124,26 +124,15 @@ def _cmd_bench_step(args: argparse.Namespace) -> int:
 
 
 def _layout_config(cfg: Any, args: argparse.Namespace) -> Any:
-    """``cfg`` at ``--dap`` / ``--bp`` (the Parallel Evoformer with BP) for the host-sync count, or a
-    :class:`UserError` naming the flag."""
-    import dataclasses
+    """``cfg`` at ``--dap`` / ``--bp`` for the host-sync count, or a :class:`UserError` naming the flags."""
+    from scalefold.perf.step_bench import layout_config
 
     if min(args.dap, args.bp, args.dp) < 1:
         raise UserError("--dap, --bp and --dp must be >= 1")
-    if args.dap == args.bp == 1:
-        return cfg
     try:
-        layout = dataclasses.replace(cfg, dap=args.dap, bp=args.bp, parallel_evoformer=cfg.parallel_evoformer or args.bp > 1)
-        from scalefold.distributed.layout import ParallelLayout
-        from scalefold.model.factory import build_model_config
-        from scalefold.data.pipeline import FeatureConfig
-
-        crop = FeatureConfig.from_reference_config(build_model_config(layout).to_dict()).train_sequence_crop_size
-        ParallelLayout(args.dap * args.bp * args.dp, dap=args.dap, bp=args.bp).validate(
-            parallel_evoformer=layout.parallel_evoformer, crop_size=crop)  # fmt: skip
+        return layout_config(cfg, args.dap, args.bp, args.dp)
     except ValueError as exc:
         raise UserError(f"--dap {args.dap} --bp {args.bp}: {exc}") from exc
-    return layout
 
 
 def _bench_step_config(args: argparse.Namespace):

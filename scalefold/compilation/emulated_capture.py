@@ -41,7 +41,6 @@ import dataclasses
 import gc
 import importlib
 import os
-import threading
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -121,17 +120,15 @@ class _Recorder(TorchDispatchMode):
         self.slots: dict[tuple, int] = {}
         self.values: list[torch.Tensor] = []  # every recorded output, alive until the capture ends
         self.cpu_only_depth = 0
-        self.thread = threading.get_ident()  # the step's thread: the only one recorded
         self.in_wait = 0  # inside a collective's ``Work.wait()``: not recorded
         self.scalar_setitem = 0  # inside ``t[index] = number``: its 0-dim scalar is a fill on a device, not a copy
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        if self.in_wait or threading.get_ident() != self.thread:
+        if self.in_wait:
             # a collective's own completion (gloo's reduce-scatter copies this rank's chunk out of an internal
-            # buffer inside ``Work.wait()``; a future's callback on the backend's thread inherits this mode):
-            # part of the collective, which a replay runs again whole and waits on -- recorded, it would copy
-            # the capture's stale buffer over every replay's result
+            # buffer inside ``Work.wait()``): part of the collective, which a replay runs again whole and waits
+            # on -- recorded, it would copy the capture's stale buffer over every replay's result
             return func(*args, **kwargs)
         kind = rules.HOST_TO_DEVICE_OPS.get(func)
         if kind is not None and self.scalar_setitem and args and args[0].dim() == 0:

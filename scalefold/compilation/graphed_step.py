@@ -535,13 +535,11 @@ def resolve_step_mode(mode: str, device_type: str, model_parallel: int = 1, worl
     (:mod:`scalefold.optim.flat_reduce`, ``--grad-reduce flat|auto``), tensor collectives inside the graph,
     not DDP's host-side reducer (:data:`WHOLE_STEP_DDP`); ``step`` is refused without it
     (:class:`CudaGraphsUnavailable`), ``auto`` then falls back quietly, as it does off CUDA.
-    ``unsupported``: why the model cannot be captured at all (the recycling graphs' reason for the Parallel
-    Evoformer does not apply: the whole step registers its generators)."""
+    ``unsupported``: why the model's whole step cannot be captured (none today: the recycling graphs'
+    :func:`uncapturable_reason` does not apply, the whole step registers the branches' generators)."""
     if mode not in ("step", "auto"):
         return False, f"--cuda-graphs {mode}"
     emulated = emulated_capture(mode, device_type)
-    if unsupported == PARALLEL_EVOFORMER_UNCAPTURABLE:
-        unsupported = None
     enabled, why = resolve_mode(mode, device_type, 1, backend_available, graph_device_type, unsupported)
     if not enabled:
         return False, why
@@ -928,7 +926,7 @@ def setup_step_graphs(
     shapes (before ``run_start``). Off where :func:`resolve_step_mode` says so (``step`` is refused there)."""
     backend, available, graph_device = step_graph_backend(mode, device.type, backend)
     enabled, reason = resolve_step_mode(mode, device.type, model_parallel, world_size, available, graph_device,
-                                        unsupported=uncapturable_reason(model), bp=bp, flat_reduce=flat_reduce)  # fmt: skip
+                                        bp=bp, flat_reduce=flat_reduce)  # fmt: skip
     log = (lambda line: print(line, flush=True)) if verbose else None
     graphs = WholeStepGraphs(step, backend=backend, enabled=enabled, reason=reason, log=log, rank=rank, group=group)
     if graphs.active:

@@ -142,11 +142,6 @@ class BranchGenerators:
         """A block's reseeding seeds: ``None`` when step-seeded (or not training), else two global draws."""
         return None if self.step_seeded else branch_seeds(training)
 
-    def __deepcopy__(self, memo: dict) -> BranchGenerators:
-        copy = BranchGenerators()  # a copied model (an averaged copy, a reference run) seeds its own
-        memo[id(self)] = copy
-        return copy
-
 
 def branch_generator(generators: BranchGenerators, seeds: tuple[int, int] | None, branch: int,
                      device: torch.device) -> torch.Generator:  # fmt: skip

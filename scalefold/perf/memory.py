@@ -514,7 +514,7 @@ def estimate_memory(
     step_peak = tracker.peak
     peak, pool, graphs = _graph_peak(cfg, target, bool(cuda_graphs), tracker, batch.values(), n)
     settings = {
-        "preset": cfg.model_preset, "precision": cfg.precision, "crop": _crop(model_cfg), "dap": cfg.dap,
+        "preset": cfg.model_preset, "precision": cfg.precision, "crop": crop_size(model_cfg), "dap": cfg.dap,
         "target": target, "kernels": kernels,
         "recycling_passes": n, "activation_checkpointing": policy_name(cfg.activation_checkpointing),
         "checkpointed_blocks": model.checkpointed_blocks(), "cuda_graphs": graphs,
@@ -590,7 +590,8 @@ def policy_name(policy: object) -> str:
     return str(parsed)
 
 
-def _crop(model_cfg: Any) -> int:
+def crop_size(model_cfg: Any) -> int:
+    """The training crop of a model config (its features' ``train_sequence_crop_size``)."""
     from scalefold.data.pipeline import FeatureConfig
 
     return FeatureConfig.from_reference_config(model_cfg.to_dict()).train_sequence_crop_size

@@ -234,10 +234,10 @@ def _call_sites_result(cfg: TrainConfig, regions: Sequence[str] | None, backend:
     (:mod:`scalefold.perf.compile_sites`)."""
     from scalefold.model.factory import build_model_config
     from scalefold.perf.compile_sites import run_call_sites
-    from scalefold.perf.memory import _crop
+    from scalefold.perf.memory import crop_size
 
     result: dict[str, Any] = {
-        "preset": cfg.model_preset, "precision": cfg.precision, "crop": _crop(build_model_config(cfg)),
+        "preset": cfg.model_preset, "precision": cfg.precision, "crop": crop_size(build_model_config(cfg)),
         "backend": backend, "compile_cache": _cache_info(compile_cache), "torch": torch.__version__, "threads": torch.get_num_threads(),
         "cpus": os.cpu_count(), "compiler_setup_s": round(compiler_setup_s(backend), 2),
     }  # fmt: skip
@@ -329,30 +329,44 @@ def step_host_syncs(cfg: TrainConfig, dp: int = 1) -> dict[str, Any]:
     are): the model wrapped for DAP/BP as the training loop wraps it, the flat gradient all-reduce over the
     training ranks (``--grad-reduce flat``), the cross-rank agreement over ``dp`` x DAP x BP ranks."""
     from scalefold.perf.memory import fake_process_group
+    from scalefold.train.step import TrainingStep
 
-    with fake_process_group(cfg.dap * cfg.bp * dp):
-        out = _count_host_syncs(_layout_step(cfg))
-    if cfg.dap * cfg.bp * dp > 1:
+    ranks = cfg.dap * cfg.bp * dp
+    with fake_process_group(ranks):
+        out = _count_host_syncs(_layout_step(cfg) if ranks > 1 else TrainingStep.build(cfg))
+    if ranks > 1:
         out["host_syncs_layout"] = f"DAP {cfg.dap} x BP {cfg.bp} x DP {dp} (rank 0, fake process group)"
     return out
 
 
+def layout_config(cfg: TrainConfig, dap: int, bp: int, dp: int) -> TrainConfig:
+    """``cfg`` at DAP ``dap`` x BP ``bp`` (the Parallel Evoformer with BP), the layout of ``dap x bp x dp`` ranks
+    validated (``ValueError`` naming the rule)."""
+    import dataclasses
+
+    from scalefold.distributed.layout import ParallelLayout
+    from scalefold.model.factory import build_model_config
+    from scalefold.perf.memory import crop_size
+
+    layout = dataclasses.replace(cfg, dap=dap, bp=bp, parallel_evoformer=cfg.parallel_evoformer or bp > 1)
+    ParallelLayout(dap * bp * dp, dap=dap, bp=bp).validate(parallel_evoformer=layout.parallel_evoformer,
+                                                           crop_size=crop_size(build_model_config(layout)))  # fmt: skip
+    return layout
+
+
 def _layout_step(cfg: TrainConfig) -> Any:
-    """The training step of rank 0 of the initialised (fake) world's layout, or the one-rank step."""
+    """The training step of rank 0 of the initialised (fake) world's layout."""
     import torch.distributed as dist
     from functools import partial
 
-    from scalefold.data.pipeline import FeatureConfig
     from scalefold.distributed import setup_model_parallel
     from scalefold.model.factory import build_model_config
     from scalefold.optim.flat_reduce import FlatGradReducer
+    from scalefold.perf.memory import crop_size
     from scalefold.train.step import TrainingStep, training_model
 
-    if not dist.is_initialized():
-        return TrainingStep.build(cfg)
     model_cfg = build_model_config(cfg)
-    crop = FeatureConfig.from_reference_config(model_cfg.to_dict()).train_sequence_crop_size
-    ctx = setup_model_parallel(cfg.dap, cfg.bp, 0, cfg.parallel_evoformer, crop_size=crop)
+    ctx = setup_model_parallel(cfg.dap, cfg.bp, 0, cfg.parallel_evoformer, crop_size=crop_size(model_cfg))
     model = training_model(cfg, model_cfg, "cpu")
     ctx.wrap(model)
     step = TrainingStep.build(cfg, model=model)
@@ -440,4 +454,5 @@ def add_throughput(result: dict[str, Any], cfg: TrainConfig) -> None:
                 result[f"{key}_mfu"] = round(model / seconds / peak, 5)
 
 
-__all__ = ["add_throughput", "format_result", "graphed_step_times", "run_step_benchmark", "step_host_syncs"]
+__all__ = ["add_throughput", "format_result", "graphed_step_times", "layout_config", "run_step_benchmark",
+           "step_host_syncs"]

@@ -52,7 +52,6 @@ from scalefold.compilation.graphed_step import (
     setup_graphed_step,
     setup_step_graphs,
     synthetic_step_batch,
-    uncapturable_reason,
 )
 from scalefold.compilation.graphed_step import resolve_mode as resolve_graph_mode
 from scalefold.compilation.regions import compile_blocks, warm_up
@@ -177,8 +176,8 @@ def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
                                unsupported=unsupported)  # fmt: skip
         train_ranks = parallel.num_train_ranks if runtime.distributed else 1
         flat = resolve_grad_reduce(cfg.grad_reduce, train_ranks, graphed=cfg.cuda_graphs == "step") == "flat"
-        resolve_step_mode(cfg.cuda_graphs, runtime.device.type, parallel.layout.model_parallel, train_ranks,
-                          unsupported=unsupported, bp=cfg.bp, flat_reduce=flat)  # fmt: skip
+        resolve_step_mode(cfg.cuda_graphs, runtime.device.type, parallel.layout.model_parallel, train_ranks, bp=cfg.bp,
+                          flat_reduce=flat)  # fmt: skip
         with StopRequest() as stop_request:
             if parallel.is_eval_rank:  # asynchronous evaluation ranks: serve evaluations until training ends
                 result = _evaluation_rank(cfg, runtime, stop_request, model_cfg, features)
@@ -395,8 +394,7 @@ class Trainer:
         # forward(batch) is net(batch) where the recycling graphs are off
         model_parallel = self.parallel.layout.model_parallel
         whole, _ = resolve_step_mode(cfg.cuda_graphs, self.device.type, model_parallel, self.ddp_world,
-                                     torch.cuda.is_available(), unsupported=uncapturable_reason(model), bp=cfg.bp,
-                                     flat_reduce=self.grad_reduce == "flat")  # fmt: skip
+                                     torch.cuda.is_available(), bp=cfg.bp, flat_reduce=self.grad_reduce == "flat")  # fmt: skip
         self.forward = setup_graphed_step("off" if whole else cfg.cuda_graphs, model, self.net, self.features,
                                           self.device, self.dtype, self.autocast, model_parallel=model_parallel,
                                           rank=self.runtime.rank, verbose=self.main)  # fmt: skip

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from scalefold.compilation.graphed_step import (
-    PARALLEL_EVOFORMER_UNCAPTURABLE,
     WHOLE_STEP_DDP,
     CudaGraphsUnavailable,
     WholeStepGraphs,
@@ -90,8 +89,10 @@ def test_resolve_step_mode():
     # DAP's and BP's collectives are tensor collectives: captured inside the graph, by step and auto
     assert resolve_step_mode("step", "cuda", model_parallel=2)[1] == \
         "--cuda-graphs step: the whole step, CUDA, DAP 2 (its collectives inside the graph)"
-    assert resolve_step_mode("step", "cuda", model_parallel=4, bp=2, unsupported=PARALLEL_EVOFORMER_UNCAPTURABLE)[1] \
-        == "--cuda-graphs step: the whole step, CUDA, DAP 2 x BP 2 (its collectives inside the graph)"
+    assert resolve_step_mode("step", "cuda", model_parallel=4, bp=2)[1] == \
+        "--cuda-graphs step: the whole step, CUDA, DAP 2 x BP 2 (its collectives inside the graph)"
+    with pytest.raises(CudaGraphsUnavailable, match="not supported here: a reason"):  # a model that cannot be
+        resolve_step_mode("step", "cuda", unsupported="a reason")
     assert resolve_step_mode("auto", "cuda", model_parallel=2)[0] is True
     assert resolve_step_mode("auto", "cuda", model_parallel=2, world_size=4, flat_reduce=True)[1] == (
         "--cuda-graphs auto: the whole step, CUDA, 4 training ranks, DAP 2 (its collectives inside the graph), the "
@@ -132,11 +133,14 @@ def test_warm_up_captures_every_count_leaves_no_trace_and_replays_match_eager():
     assert "2 step(s) graphed" in graphs.summary()
 
 
-def test_the_demo_step_with_dropout_and_checkpointing_replays_bit_identically():
+@pytest.mark.parametrize("parallel_evoformer", [False, True], ids=["evoformer", "parallel-evoformer"])
+def test_the_demo_step_with_dropout_and_checkpointing_replays_bit_identically(parallel_evoformer):
     """The demo preset with dropout and activation checkpointing on: after SWA's first (eager) update every
     recycling count is replayed twice, each time with another seed, learning rate and batch -- losses, grad
-    norms, weights, Adam's moments and SWA bit-identical to the same steps run eagerly."""
-    cfg = TrainConfig.from_preset("demo", env={}, overrides={"activation_checkpointing": "on"})
+    norms, weights, Adam's moments and SWA bit-identical to the same steps run eagerly. With the Parallel
+    Evoformer its branches draw from their own generators, held by the graph and seeded before each step."""
+    overrides = {"activation_checkpointing": "on", "parallel_evoformer": parallel_evoformer}
+    cfg = TrainConfig.from_preset("demo", env={}, overrides=overrides)
     graphed, eager = TrainingStep.build(cfg), TrainingStep.build(cfg)
     assert any(graphed.model.checkpointed_blocks().values())
     graphs = graphed.use_whole_step_graphs(log=lambda line: None)
@@ -147,8 +151,7 @@ def test_the_demo_step_with_dropout_and_checkpointing_replays_bit_identically():
         for a, b in zip(_state(graphed), _state(eager)):
             assert torch.equal(a, b), (i, n)
     assert graphs.stats.graphed == len(counts) - 1 and graphs.stats.eager_swa_copy == 1
-    if parallel_evoformer:
-        assert [g.device.type for g in graphed.generators()] == ["cuda", "cuda"]
+    assert len(graphed.generators()) == (2 if parallel_evoformer else 0)
 
 
 def test_uncaptured_shapes_run_eagerly_said_once():
@@ -304,3 +307,5 @@ def test_real_whole_step_graphs_match_eager(precision, parallel_evoformer):
         for a, b in zip(graphed.opt.groups, eager.opt.groups):
             torch.testing.assert_close(a.master, b.master, **tol)
     assert graphs.stats.graphed == len(counts) - 1 and graphs.stats.eager_swa_copy == 1
+    if parallel_evoformer:
+        assert [g.device.type for g in graphed.generators()] == ["cuda", "cuda"]

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from scalefold.compilation.emulated_capture import CaptureRefused, record
-from scalefold.distributed.branch_parallel import BranchGenerators, model_branch_generators, seed_forward
+from scalefold.distributed.branch_parallel import model_branch_generators, seed_forward
 from scalefold.model.config import AlphaFoldConfig
 from scalefold.model.dropout import drawing_from, shared_dropout_mask
 from scalefold.model.evoformer import EvoformerStack
@@ -76,11 +76,3 @@ def test_a_capture_holds_the_branch_generators_and_refuses_the_unseeded_reseedin
         assert torch.equal(replayed, _out(stack, inputs))
         assert all(torch.equal(a, g.get_state()) for a, g in zip(states, generators.generators()))
 
-
-def test_a_copied_model_gets_its_own_generators():
-    import copy
-
-    generators = BranchGenerators()
-    generators.seed(3, torch.device("cpu"))
-    copied = copy.deepcopy(generators)
-    assert copied is not generators and not copied.step_seeded and copied.generators() == []
