@@ -9,6 +9,8 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 TRITON_SPEC ?= triton==3.9.0
+# `make test` runs the suite on every core (pytest-xdist; TEST_WORKERS=1 runs it serially, in one process)
+TEST_WORKERS ?= auto
 # extra `scalefold train` arguments of `make demo` (e.g. DEMO_ARGS=--overwrite to run it again afresh)
 DEMO_ARGS ?=
 PY := $(VENV)/bin/python
@@ -34,9 +36,16 @@ venv: $(VENV)/.installed
 demo: venv
 	$(VENV)/bin/scalefold train $(DEMO_ARGS)
 
-# pytest's exit code 5 means "no tests collected": not a failure for a fresh checkout.
+# pytest's exit code 5 means "no tests collected": not a failure for a fresh checkout. The tests that start
+# several processes (marker `distributed`) share one xdist group, run one at a time (tests/conftest.py); the
+# last line is the suite's serial-equivalent time against its budget (SUITE_BUDGET_S there).
+ifeq ($(TEST_WORKERS),1)
+PYTEST_PARALLEL :=
+else
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
+endif
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; fi; exit $$rc
+	SCALEFOLD_SUITE_GUARD=1 $(PY) -m pytest -q $(PYTEST_PARALLEL); rc=$$?; if [ $$rc -eq 5 ]; then exit 0; fi; exit $$rc
 
 lint: $(VENV)/.installed-test
 	$(PIP) install -q ruff

@@ -7,7 +7,10 @@ the more specific ones) and are skipped with a clear reason when it is absent.
 
 from __future__ import annotations
 
+import json
 import os
+import resource
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,26 @@ os.environ.setdefault("SCALEFOLD_COUNT_FLOPS", "0")
 # on before any test (or torch.compile's inductor) imports Triton (scalefold.kernels sets it too).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# pytest-xdist (`make test` runs the suite on every core, `-n auto --dist loadgroup`): each worker gets its share
+# of the cores as torch threads, and so do the processes it starts (OMP_NUM_THREADS is inherited), so that N
+# workers do not each spin N cores' worth of threads on an N-core box.
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+if _XDIST_WORKERS > 1:
+    _THREADS = max(1, (os.cpu_count() or 1) // _XDIST_WORKERS)
+    torch.set_num_threads(_THREADS)
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
+
+#: The xdist group of the tests that start several processes (the ``distributed`` marker: torchrun, mp.spawn,
+#: mpirun, a real Slurm): one worker runs them one after another while the other workers take the rest, so
+#: two multi-rank launches never share the cores (and ranks that wait on each other never starve).
+PROCESSES_GROUP = "processes"
+#: The budget of the suite's CPU time, seconds: the CPU seconds of every test's setup + call + teardown, its own
+#: process's and those of the processes it started and waited for (torchrun ranks, CLI runs) -- the serial cost
+#: of the suite, much steadier than wall seconds on a busy machine. Past it the run ends with a loud line (never a
+#: failure: it still depends on the machine). Measured 2026-12-07 on the 2-core dev box (bench/RESULTS.md, "The
+#: suite's time"); raise it deliberately, in the commit that needs it.
+SUITE_BUDGET_CPU_S = float(os.environ.get("SCALEFOLD_SUITE_BUDGET_CPU_S", "2400"))
 
 
 def _shared_root() -> Path:
@@ -79,9 +102,86 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests that start several processes (``distributed``) join one xdist group and run first: the group is
+    the longest unit of work, and started first it overlaps the rest instead of trailing after it."""
+    grouped = []
+    for item in items:
+        if item.get_closest_marker("distributed") is not None:
+            item.add_marker(pytest.mark.xdist_group(PROCESSES_GROUP))
+            grouped.append(item)
+    if grouped and _running_xdist(config):
+        rest = [item for item in items if item.get_closest_marker("distributed") is None]
+        items[:] = grouped + rest
+
+
+def _running_xdist(config: pytest.Config) -> bool:
+    return bool(getattr(config.option, "numprocesses", None)) or _XDIST_WORKERS > 1
+
+
+_SUITE = {"start": time.time(), "serial_s": 0.0, "cpu_s": 0.0, "tests": 0, "by_file": {}}
+
+
+def _cpu_seconds() -> float:
+    """This process's CPU seconds and those of its waited-for children (and theirs)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def _timed_phase(item: pytest.Item, when: str):
+    start = _cpu_seconds()
+    yield
+    item.user_properties.append((f"cpu_s:{when}", round(_cpu_seconds() - start, 3)))  # in this phase's report
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    yield from _timed_phase(item, "setup")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    yield from _timed_phase(item, "call")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item):
+    yield from _timed_phase(item, "teardown")
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """``SCALEFOLD_EARLY_TRACEBACKS=1``: print a failing test's traceback as soon as it fails, not in the
-    end-of-session summary -- a run cut short by a wall-clock limit (a lent GPU machine's command
-    limit, ``bench/gpu_session.sh``) still shows why each finished test failed."""
+    """Every phase's wall and CPU seconds, summed (and CPU per file) for the suite's guard (the controller sees
+    every worker's reports); and ``SCALEFOLD_EARLY_TRACEBACKS=1``: a failing test's traceback printed as soon as
+    it fails, not in the end-of-session summary -- a run cut short by a wall-clock limit (a lent GPU machine's
+    command limit, ``bench/gpu_session.sh``) still shows why each finished test failed."""
+    cpu = dict(report.user_properties).get(f"cpu_s:{report.when}", 0.0)
+    _SUITE["serial_s"] += report.duration
+    _SUITE["cpu_s"] += cpu
+    path = report.nodeid.split("::", 1)[0]
+    _SUITE["by_file"][path] = _SUITE["by_file"].get(path, 0.0) + cpu
+    if report.when == "call":
+        _SUITE["tests"] += 1
     if report.failed and os.environ.get("SCALEFOLD_EARLY_TRACEBACKS", "0") not in ("", "0"):
         print(f"\n----- {report.nodeid} ({report.when}) failed -----\n{report.longreprtext}\n-----", flush=True)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """The suite's guard: its CPU seconds against :data:`SUITE_BUDGET_CPU_S` in one line (a loud one past the
+    budget, with the five costliest files), and the figures in ``$SCALEFOLD_SUITE_TIMES`` (JSON) when set. Only
+    for a whole-suite run (``make test``: ``SCALEFOLD_SUITE_GUARD=1``); a run of a few tests says nothing."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get("SCALEFOLD_SUITE_GUARD", "0") in ("", "0"):
+        return
+    wall, cpu = time.time() - _SUITE["start"], _SUITE["cpu_s"]
+    costliest = sorted(_SUITE["by_file"].items(), key=lambda kv: -kv[1])
+    write = terminalreporter.write_line
+    write(f"SUITE: {_SUITE['tests']} tests: {cpu:.0f} CPU s (budget {SUITE_BUDGET_CPU_S:.0f}), {_SUITE['serial_s']:.0f} s "
+          f"of test time summed over the workers, {wall:.0f} s wall")  # fmt: skip
+    if cpu > SUITE_BUDGET_CPU_S:
+        write(f"SUITE: !!!!!!!! OVER BUDGET: {cpu:.0f} CPU s > {SUITE_BUDGET_CPU_S:.0f} (tests/conftest.py "
+              "SUITE_BUDGET_CPU_S): make the new tests cheaper before the suite outgrows CI's limit; costliest files: "
+              + ", ".join(f"{k} {v:.0f} s" for k, v in costliest[:5]) + " !!!!!!!!")  # fmt: skip
+    out = os.environ.get("SCALEFOLD_SUITE_TIMES")
+    if out:
+        Path(out).write_text(json.dumps({"tests": _SUITE["tests"], "cpu_s": round(cpu, 1), "budget_cpu_s": SUITE_BUDGET_CPU_S,
+                                         "test_s": round(_SUITE["serial_s"], 1), "wall_s": round(wall, 1),
+                                         "cpu_s_by_file": {k: round(v, 1) for k, v in costliest}}, indent=1) + "\n")  # fmt: skip
