@@ -142,8 +142,12 @@ def check_run_set(runs: list[RunLog], scaling: str) -> list[str]:
     _check_seeds(runs)
     _check_same(runs, "hyperparameter", lambda run: {k: run.init.get(k) for k in SAME_IN_EVERY_RUN})
     _check_same(runs, "code", lambda run: {"code_sha256": run.code} if run.code else {})
-    return [f"{run.name}: {run.not_converged}: kept in the package, out of the score (the result summarizer "
-            "drops it; olympic scoring allows one)" for run in runs if run.not_converged]  # fmt: skip
+    warnings = [f"{run.name}: {run.not_converged}: kept in the package, out of the score (the result summarizer "
+                "drops it; olympic scoring allows one)" for run in runs if run.not_converged]  # fmt: skip
+    if scaling == "strong" and len(warnings) > 1:
+        warnings.append(f"{len(warnings)} of {count} runs did not converge: the result summarizer will give this "
+                        "package no score (it drops at most one)")  # fmt: skip
+    return warnings
 
 
 def _check_seeds(runs: list[RunLog]) -> None:

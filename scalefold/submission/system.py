@@ -67,8 +67,9 @@ def detected_fields(runs: list[RunLog]) -> dict[str, Any]:
         "operating_system": _text(hw.get("operating_system")),
         "framework": f"PyTorch {sw['torch']}" if sw.get("torch") else "",
     }
-    if accelerators == 0:
-        fields.update({"accelerator_model_name": "none (CPU)", "accelerator_memory_capacity": "none"})
+    if accelerators == 0:  # a CPU system: no accelerator to describe
+        fields.update({name: "none" for name in REQUIRED_FIELDS if name.startswith("accelerator_")})
+        fields["accelerator_model_name"] = "none (CPU)"
     else:
         fields["accelerator_model_name"] = _text(hw.get("accelerator_model_name"))
         gib = hw.get("accelerator_memory_gib")
