@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from submission_helpers import NVIDIA_STRONG, unpack_nvidia
 
 from scalefold.cli import main
-from submission_helpers import NVIDIA_STRONG, unpack_nvidia
 
 
 def _official(folder: Path, work: Path) -> tuple[str, dict[str, dict[str, str]]]:
