@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
+import json
 import re
 import shutil
 import subprocess
@@ -147,8 +148,6 @@ def check_submission(folder: Path, timeout_s: float = 900) -> CheckReport:
 
 
 def _division(copy: Path, system: str) -> str:
-    import json
-
     try:
         return str(json.loads((copy / "systems" / f"{system}.json").read_text()).get("division", ""))
     except (OSError, ValueError):
@@ -248,8 +247,6 @@ def read_summary_tables(summary: Path, detailed: Path) -> dict[str, dict[str, di
 
 
 def _scaling_factor(path: Path) -> float | None:
-    import json
-
     try:
         return float(json.loads(path.read_text())["scaling_factor"])
     except (OSError, ValueError, KeyError, TypeError):

@@ -141,3 +141,13 @@ def test_an_unfinished_run_is_kept_named_and_a_second_pack_needs_force(ten_runs,
     assert main([*_pack(ten_runs, out), "--force"]) == 0
     assert (results / "result_9.txt").read_bytes() == (ten_runs[9] / "mlperf.log").read_bytes()
     assert not list((out / "ScaleFold").glob(".pack-*"))  # no staging folder left
+
+
+@pytest.mark.slow
+def test_weak_scaling_takes_at_least_ten_runs(ten_runs, tmp_path, capsys):
+    """--scaling weak: the logs go under weak/ (the throughput mode's instances; at least ten, so nine are refused)."""
+    out = tmp_path / "sub"
+    _refused(_pack(ten_runs[:9], out, "--scaling", "weak"), out, capsys, "9 run(s) given", "at least 10")
+    assert main(_pack(ten_runs, out, "--scaling", "weak")) == 0
+    weak = out / "ScaleFold" / "results" / "cpu_box_n1" / "weak" / "openfold"
+    assert len(list(weak.glob("result_*.txt"))) == 10 and not (weak.parent.parent / "strong").exists()
