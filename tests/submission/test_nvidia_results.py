@@ -91,3 +91,24 @@ def test_check_refuses_a_folder_that_is_not_a_submission_in_one_line(tmp_path, c
     assert main(["submission", "check", str(folder)]) == 3
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and str(folder) in err[0] and err[0].startswith("scalefold submission check: error:"), err
+
+
+@pytest.mark.slow
+def test_pack_rebuilds_nvidias_strong_result_the_checker_accepts(tmp_path, capsys):
+    """NVIDIA's ten strong-scaling logs (another implementation's: no provenance.json) and its system file as
+    --system-json, packed anew: the package checker accepts the package and the summarizer gives NVIDIA's score."""
+    source = unpack_nvidia(tmp_path / "source", keep=(NVIDIA_STRONG,))
+    system, scaling, benchmark = NVIDIA_STRONG
+    logs = sorted((source / "results" / system / scaling / benchmark).glob("result_*.txt"))
+    out = tmp_path / "packed"
+    argv = ["submission", "pack", *map(str, logs), "--out", str(out), "--submitter", "NVIDIA", "--system", system,
+            "--system-json", str(source / "systems" / f"{system}.json")]  # fmt: skip
+    assert main(argv) == 0
+    packed = out / "NVIDIA" / "results" / system / scaling / benchmark
+    for log in logs:  # result_<i> in natural order: the same file names as NVIDIA's
+        assert (packed / log.name).read_bytes() == log.read_bytes()
+    capsys.readouterr()
+    assert main(["submission", "check", str(out / "NVIDIA"), "--json"]) == 0
+    (check,) = json.loads(capsys.readouterr().out)
+    assert check["package_checker"] == "passed" and check["errors"] == []
+    assert check["score_minutes"] == pytest.approx(8.054357731958763, rel=1e-15)
