@@ -151,3 +151,17 @@ def test_weak_scaling_takes_at_least_ten_runs(ten_runs, tmp_path, capsys):
     assert main(_pack(ten_runs, out, "--scaling", "weak")) == 0
     weak = out / "ScaleFold" / "results" / "cpu_box_n1" / "weak" / "openfold"
     assert len(list(weak.glob("result_*.txt"))) == 10 and not (weak.parent.parent / "strong").exists()
+
+
+@pytest.mark.parametrize("case", ["missing_run", "system_json_not_json", "system_json_a_list", "bad_submitter"])
+def test_inputs_refused_before_any_run_is_read(tmp_path, capsys, case):
+    out, given = tmp_path / "sub", tmp_path / "given.json"
+    given.write_text({"system_json_not_json": "{status: onprem", "system_json_a_list": "[1, 2]"}.get(case, "{}"))
+    argv = _pack([tmp_path / "run_t_1"], out, "--system-json", str(given))
+    if case == "bad_submitter":
+        argv[argv.index("ScaleFold")] = ".hidden"
+    words = {"missing_run": (str(tmp_path / "run_t_1"), "does not exist"),
+             "system_json_not_json": (str(given), "not valid JSON"),
+             "system_json_a_list": (str(given), "expected a JSON object"),
+             "bad_submitter": ("--submitter '.hidden'",)}[case]  # fmt: skip
+    _refused(argv, out, capsys, *words)
