@@ -155,12 +155,19 @@ def _move_into_place(staging: Path, plan: PackPlan) -> None:
 
 
 def write_pack(plan: PackPlan) -> None:
-    """Build the package in a staging folder inside ``OUT`` and move its parts into place."""
+    """Build the package in a staging folder inside ``OUT`` and move its parts into place (a failure while
+    staging leaves ``OUT`` as it was: the staging folder, and the submitter's folder if this pack made it,
+    are removed)."""
+    created = not plan.root.exists()
     plan.root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".pack-", dir=plan.root))
     try:
         _stage(plan, staging)
         _move_into_place(staging, plan)
+    except BaseException:
+        if created:
+            shutil.rmtree(plan.root, ignore_errors=True)
+        raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
