@@ -134,11 +134,11 @@ def check_submission(folder: Path, timeout_s: float = 900) -> CheckReport:
         checks, verdict = parse_package_checker(checker, copy)
         tables = read_summary_tables(work / "summary.csv", work / "summary_detailed.csv")
         for check in checks:
-            folder = copy / "results" / check.system / check.scaling / check.benchmark
+            results = copy / "results" / check.system / check.scaling / check.benchmark
             # the RCP normalisation the package checker wrote (its log rounds it); the summarizer's wins below
-            check.rcp_scaling_factor = _scaling_factor(folder / "scaling.json") or check.rcp_scaling_factor
+            check.rcp_scaling_factor = _scaling_factor(results / "scaling.json") or check.rcp_scaling_factor
             apply_summary(check, tables, summarizer)
-            check.runs_minutes, dropped = run_times(folder)
+            check.runs_minutes, dropped = run_times(results)
             check.dropped_runs = dict(sorted({**check.dropped_runs, **dropped}.items(),
                                              key=lambda kv: natural_key(Path(kv[0]))))  # fmt: skip
     return CheckReport(checks, verdict, checker, summarizer)
