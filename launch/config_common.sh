@@ -35,7 +35,7 @@
 : "${PARALLEL_EVOFORMER:=0}"         # 1: --parallel-evoformer
 
 # --- submission ------------------------------------------------------------------------------------
-: "${NEXP:=1}"                       # repeated timed runs per job (MLPerf results need 10)
+: "${NEXP:=1}"                       # timed runs per job, in sequence, seeds SEED_BASE+0.. (a submission: 10, see run.sub)
 : "${CLEAR_CACHES:=1}"               # drop the page cache on every node before each run
 : "${SRUN_MPI:=pmix}"                # srun --mpi=...
 : "${ENABLE_BINDING:=1}"             # numactl CPU/memory binding per local rank (when numactl exists)

@@ -36,6 +36,7 @@ _SUBCOMMAND_PROVIDERS: tuple[tuple[str, str], ...] = (
     ("scalefold.commands.kernels", "add_parsers"),
     ("scalefold.commands.slurm", "add_parsers"),
     ("scalefold.commands.versions", "add_parsers"),
+    ("scalefold.commands.submission", "add_parsers"),
 )
 
 

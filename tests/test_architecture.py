@@ -32,7 +32,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("scalefold.mlperf",),
     ("scalefold.evaluation", "scalefold.compilation"),
     ("scalefold.train",),
-    ("scalefold.inference", "scalefold.perf", "scalefold.kerneltools", "scalefold.reference_config"),
+    ("scalefold.inference", "scalefold.perf", "scalefold.kerneltools", "scalefold.reference_config",
+     "scalefold.submission"),
     ("scalefold.commands", "scalefold.cli"),
     ("scalefold.__main__",),
 )

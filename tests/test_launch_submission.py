@@ -467,3 +467,17 @@ def test_scripts_are_shellcheck_clean():
                *sorted(str(p.relative_to(REPO)) for p in (REPO / "data").glob("*.sh")), ".ci/run", ".ci/floor.sh"]  # fmt: skip
     proc = subprocess.run(["shellcheck", "-x", *scripts], cwd=REPO, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stdout
+
+
+def test_every_run_and_instance_of_a_job_gets_its_own_seed():
+    """MLPerf's seed checker refuses a seed twice in one package: run r, instance i of a job has SEED_BASE +
+    (r - 1) * NUM_INSTANCES + i (SEED_BASE defaults to SEED); the run directories run_<DATESTAMP>_<r>[_<i>]."""
+    out, cmds = _dryrun("config_local_cpu.sh", NEXP="2", NUM_INSTANCES="2", SEED="100")
+    assert re.findall(r"run (\d)/2 seed (\S+) \(one per instance\)", out) == [("1", "100-101"), ("2", "102-103")]
+    trains = [c for c in cmds if "--mpi=none" in c]
+    seeds = [next(a for a in c if a.startswith("SEED=")) for c in trains]
+    dirs = [next(a for a in c if a.startswith("RUN_OUT=")).rsplit("/", 1)[1] for c in trains]
+    assert seeds == ["SEED=100", "SEED=101", "SEED=102", "SEED=103"]
+    assert dirs == ["run_D_1_0", "run_D_1_1", "run_D_2_0", "run_D_2_1"]
+    out, _ = _dryrun("config_DGXH100_1x8x1x1.sh", NEXP="3", SEED="7")
+    assert re.findall(r"run \d/3 seed (\d+)", out) == ["7", "8", "9"]

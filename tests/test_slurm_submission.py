@@ -333,3 +333,33 @@ def test_dap2_with_an_async_eval_rank_on_real_slurm(slurm, datadir, tmp_path):
     assert keys.count("eval_accuracy") == 1 and keys.count("run_stop") == 1, keys
     report = check_log(tmp_path / "mlperf_t3_1.log")
     assert set(report.failed_rules) == SMALL_RUN_FAILURES, report.output[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_nexp_runs_get_distinct_seeds_in_run_directories_pack_orders(slurm, datadir, tmp_path, capsys):
+    """NEXP=2 in one allocation: the runs one after the other, seeds SEED and SEED + 1, each in its own
+    run_<DATESTAMP>_<run>/ with its MLPerf log and provenance.json (the node and ranks the job gave it);
+    `scalefold submission pack` reads them in run order and, two runs being fewer than the benchmark's ten,
+    refuses in one line and writes nothing. (Ten such jobs' worth of runs are packed and checked in
+    tests/submission/test_pack.py, trained in one process to keep the suite short.)"""
+    from scalefold.cli import main
+    from scalefold.submission.runs import load_runs
+
+    proc, job_id, job_out = submit(slurm, tmp_path, datadir, "t4", NEXP="2", MAX_STEPS="1", VAL_EVERY="1")
+    assert proc.returncode == 0, f"sbatch rc={proc.returncode}\n{proc.stderr}\n{job_out}\n{slurm.logs()}"
+    assert re.findall(r"run\.sub: run (\d)/2 seed (\d+) ", job_out) == [("1", "7"), ("2", "8")], job_out
+    runs = load_runs([tmp_path / "run_t4_2", tmp_path / "run_t4_1"])
+    assert [(r.run_dir.name, r.seed, r.run_stop_status) for r in runs] == [("run_t4_1", 7, "aborted"), ("run_t4_2", 8, "aborted")]
+    for run in runs:
+        hardware = run.provenance["hardware"]
+        assert (hardware["number_of_nodes"], hardware["ranks_per_node"]) == (1, LOCAL_RANKS)
+        assert run.code == runs[0].code and run.init["number_of_ranks"] == LOCAL_RANKS
+    out = tmp_path / "submission"
+    argv = ["submission", "pack", str(tmp_path / "run_t4_1"), str(tmp_path / "run_t4_2"), "--out", str(out),
+            "--submitter", "ScaleFold", "--system", "local_cpu"]  # fmt: skip
+    assert main(argv) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["scalefold submission pack: submission error: 2 run(s) given: strong scaling of openfold takes "
+                   "exactly 10 runs (mlperf_logging benchmark_meta)"]  # fmt: skip
+    assert not out.exists()

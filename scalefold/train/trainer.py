@@ -68,6 +68,7 @@ from scalefold.losses import AlphaFoldLoss
 from scalefold.mlperf import logger as mll
 from scalefold.mlperf.clock import RunClock
 from scalefold.mlperf.cycles import MLPerfCycles, mlperf_log_path, run_info
+from scalefold.mlperf.provenance import write_provenance
 from scalefold.model import AlphaFold, AlphaFoldConfig
 from scalefold.model.factory import build_model, build_model_config
 from scalefold.model.precision import deterministic_environment, keep_fp32_regions, setup_precision
@@ -282,6 +283,8 @@ class Trainer:
         self.checkpoints = CheckpointPolicy(cfg, self.runtime, self.out)
         resume_path, resume_ckpt = prepare_run(cfg, self.runtime, self.checkpoints.manager)
         self.mllog.open_file(mlperf_log_path(cfg, resume_path))
+        if main:  # the code and machine behind this log, for `scalefold submission pack`
+            write_provenance(self.out, self.runtime.num_nodes, self.runtime.local_world_size, self.device.type == "cuda")
         if main and cfg.memory_check and self.device.type == "cuda" and self.hooks.memory_check is not None:
             self._check_memory()
         # model, loss, optimizer (flat buffers built before the DDP wrap)
