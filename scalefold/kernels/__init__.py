@@ -71,11 +71,24 @@ def _cuda_present() -> bool:
     return torch.cuda.is_available()
 
 
+def constant_result(fn):
+    """``torch.compiler.assume_constant_result`` without importing ``torch._dynamo`` at import time: under
+    torch.compile ``fn`` runs once, eagerly, and its result is a constant of the graph. Dynamo reads the
+    mark it sets (``_dynamo_marked_constant``, all that torch 2.6-2.13's decorator does); once Dynamo is
+    loaded the official decorator is used. Importing Dynamo costs a process that never compiles (every
+    ``scalefold`` command, the demo) about a third of its start."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        return dynamo.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 #: ``(usable, why not)`` of the Triton kernels in this process, found once (see :func:`_triton_available`)
 _triton_status: tuple[bool, str] | None = None
 
 
-@torch.compiler.assume_constant_result  # under torch.compile: run once, eagerly, and used as a constant
+@constant_result  # under torch.compile: run once, eagerly, and used as a constant
 def _triton_available() -> bool:
     """Whether ``"auto"`` may pick the Triton kernels: CUDA present and ``triton_ops`` importable.
 
@@ -135,7 +148,7 @@ def triton_version() -> tuple[int, int] | None:
 FP64_DOT_TRITON = (3, 5)
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _triton_lacks_fp64_dot() -> bool:
     version = triton_version()
     return version is not None and version < FP64_DOT_TRITON
