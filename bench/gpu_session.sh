@@ -151,12 +151,11 @@ BENCH_CUDA_GRAPHS_PRESET=${BENCH_CUDA_GRAPHS_PRESET:-demo}
 COMPILE_CACHE=${COMPILE_CACHE:-$REPO/runs/compile_cache}
 ESTIMATES=${ESTIMATES:-$REPO/runs/headline_estimates}  # the headline's CPU estimates, kept (and reused) between calls
 HEADLINE_ESTIMATE_CAP=${HEADLINE_ESTIMATE_CAP:-}     # seconds each estimate may take (default: the headline's deadline)
-# expected seconds per part on an H100 (DRY_RUN prints them beside the limits; the limits are the caps)
+# expected seconds per part on an H100 (DRY_RUN prints them beside the limits; the limits are the caps); those of the
+# headline call's parts (env, install, capture_real, train_step_*, pack) are bench/headline_plan.py's CALL_PARTS, below
 declare -A EXPECT=([env]=20 [install]=3 [capture_real]=90 [tests_kernels]=60 [probe_attention_grid]=20 [tests_graphs]=110 [headline]=425 [tune_kernels]=240 [policy_on]=120 [policy_22]=120 [policy_off]=120
                    [train_bf16]=60 [train_graphs]=45 [bench_attention]=35 [bench_layernorm]=20 [bench_adam]=20 [bench_trimul]=40
                    [bench_cuda_graphs]=25 [bench_dap]=20)
-EXPECTED_TOTAL=${EXPECT[env]}
-PACK_S=5  # the last packing of $OUT (DRY_RUN's total of the call)
 if [ "$#" -gt 0 ]; then PARTS="$*"; fi
 PARTS=${PARTS:-"tests headline train bench"}
 
@@ -165,6 +164,18 @@ elif [ -n "${VIRTUAL_ENV:-}" ] && command -v python >/dev/null; then PY=python
 elif [ -x "$REPO/.venv/bin/python" ]; then PY="$REPO/.venv/bin/python"
 else PY=python3
 fi
+
+# the headline call's plan, one source (bench/headline_plan.py): its parts' expected seconds, and the headline's
+# deadline, what the other parts leave of DEADLINE_S less a 15 % margin (the rehearsal: its own figures)
+PLAN_FLAGS=()
+[ "$REHEARSE" = cpu ] && PLAN_FLAGS=(--rehearsal)
+if plan_expect=$("$PY" bench/headline_plan.py --bash-expect "${PLAN_FLAGS[@]}" 2>/dev/null); then
+    eval "$plan_expect"
+fi
+HEADLINE_DEADLINE=$("$PY" bench/headline_plan.py --headline-deadline --deadline "$DEADLINE_S" "${PLAN_FLAGS[@]}" 2>/dev/null) \
+    || HEADLINE_DEADLINE=$((DEADLINE_S * 85 / 100 - 200))
+EXPECTED_TOTAL=${EXPECT[env]}
+PACK_S=${EXPECT[pack]:-5}  # the last packing of $OUT (DRY_RUN's total of the call)
 
 SUMMARY="$OUT/SUMMARY.txt"
 START=$SECONDS
@@ -242,8 +253,10 @@ part() {
     note "$name (limit ${limit}s)"
     t0=$SECONDS
     local args=() a
-    for a in "$@"; do  # pytest's session timeout: 15 s inside this part's (possibly capped) limit
-        args+=("${a//@SESSION_LIMIT@/$((limit - 15 > 20 ? limit - 15 : 20))}")
+    local inside=$((limit - 15 > 20 ? limit - 15 : 20))
+    for a in "$@"; do  # pytest's session timeout: 15 s inside this part's (possibly capped) limit; the headline's
+        a=${a//@SESSION_LIMIT@/$inside}  # deadline: the plan's, never past that either
+        args+=("${a//@PLAN_DEADLINE@/$((HEADLINE_DEADLINE < inside ? HEADLINE_DEADLINE : inside))}")
     done
     if [ "$DRY_RUN" = 1 ]; then
         EXPECTED_TOTAL=$((EXPECTED_TOTAL + ${EXPECT[$name]:-0}))
@@ -432,8 +445,8 @@ HEADLINE+=(--cycles 1 --out "$WORK/headline" --memory-snapshot "$WORK/memory" --
            --estimate-reuse "$ESTIMATES")
 [ -n "$HEADLINE_ESTIMATE_CAP" ] && HEADLINE+=(--estimate-cap "$HEADLINE_ESTIMATE_CAP")
 if [ "$DRY_RUN" = 1 ] && selected headline headline; then
-    headline_limit=$((DEADLINE_S - EXPECT[env] - EXPECT[install] < 480 ? DEADLINE_S - EXPECT[env] - EXPECT[install] : 480))
-    "$PY" bench/step_headline.py --dry-run --card "$CARD" "${HEADLINE[@]}" --deadline $((headline_limit - 15)) \
+    "$PY" bench/headline_plan.py --call-plan --card "$CARD" --deadline "$DEADLINE_S" "${PLAN_FLAGS[@]}"
+    "$PY" bench/step_headline.py --dry-run --card "$CARD" "${HEADLINE[@]}" --deadline "$HEADLINE_DEADLINE" \
         | tee "$WORK/headline_plan.txt"
     EXPECT[headline]=$(sed -n 's/^  total expected ~\([0-9]*\) s.*/\1/p' "$WORK/headline_plan.txt" | head -n 1)
 fi
@@ -442,7 +455,23 @@ fi
 # two replays per recycling count; skipped on a CPU)
 part capture_real headline 180 env SCALEFOLD_AUTOTUNE=0 "$PY" -m pytest -q -x -p no:cacheprovider \
     tests/compilation/test_whole_step_graphs.py -k real
-part headline headline 480 env SCALEFOLD_AUTOTUNE=0 "$PY" bench/step_headline.py "${HEADLINE[@]}" --deadline @SESSION_LIMIT@
+part headline headline 480 env SCALEFOLD_AUTOTUNE=0 "$PY" bench/step_headline.py "${HEADLINE[@]}" --deadline @PLAN_DEADLINE@
+
+# 3c. the trainer's whole-step path (issue 46): the same short run with --cuda-graphs off and step (loader,
+# evaluation and checkpoints around the replays; PyTorch kernels, as graphs-step's row), then every step's
+# metrics compared within the whole step's warm-up tolerance and the graphed steps counted from the run's output
+if [ "$REHEARSE" = cpu ]; then
+    TRAIN_STEP=(--preset tiny --precision fp32 --max-steps 3 --eval-every 3 --checkpoint-every 3 --num-workers 1)
+else
+    TRAIN_STEP=(--preset demo --precision bf16 --max-steps 8 --eval-every 4 --checkpoint-every 4 --num-workers 4)
+fi
+TRAIN_STEP=(-m scalefold train "${TRAIN_STEP[@]}" --store "$WORK/step-store.h5" --no-progress)
+part train_step_off headline 90 env SCALEFOLD_AUTOTUNE=0 SCALEFOLD_KERNELS=torch "$PY" "${TRAIN_STEP[@]}" \
+    --out "$WORK/train_step_off" --cuda-graphs off
+part train_step_graphs headline 120 env SCALEFOLD_AUTOTUNE=0 SCALEFOLD_KERNELS=torch "$PY" "${TRAIN_STEP[@]}" \
+    --out "$WORK/train_step_graphs" --cuda-graphs step
+part train_step_compare headline 30 "$PY" bench/train_step_compare.py --graphs "$WORK/train_step_graphs" \
+    --off "$WORK/train_step_off" --log "$WORK/train_step_graphs.log"
 
 # 4. short GPU training runs: bf16 eager, then bf16 with CUDA graphs (one synthetic store for both)
 TRAIN=(-m scalefold train --preset demo --precision bf16 --max-steps 20 --eval-every 10

@@ -64,12 +64,14 @@ MARGIN = 0.15  # the call's expected total stays >= 15 % under its deadline
 CALL_PARTS = {
     "env": (20.0, 6.0, "estimate: nvidia-smi + a cold torch import (ENV_LIMIT 90 s covers a slow first start)"),
     "install": (3.0, 3.0, "estimate: an import check, no wheel to install (the headline needs none)"),
-    "capture_real": (90.0, 12.0, "estimate: tests/compilation/test_whole_step_graphs.py -k real, the demo step "
+    "capture_real": (90.0, 15.0, "estimate: tests/compilation/test_whole_step_graphs.py -k real, the demo step "
                      "captured fp32, bf16 and with the Parallel Evoformer (CPU: collected and skipped)"),
-    "train_step_off": (35.0, 25.0, "estimate: scalefold train --preset demo (CPU: tiny) 8 steps, start ~12 s, store "
-                       "+ build ~10 s, 2 evaluations, a checkpoint, demo eager step ~0.5 s (First GPU contact)"),
-    "train_step_graphs": (50.0, 30.0, "train_step_off + the capture: per count (warm-up + recording + checked) "
-                          "demo eager steps and the checked replays; the comparison ~1 s"),
+    "train_step_off": (35.0, 40.0, "estimate: scalefold train --preset demo bf16 --max-steps 8, evaluations at 0/4/8, "
+                       "checkpoints at 4/8, PyTorch kernels: start ~12 s, store + build ~10 s, a demo step ~0.5 s "
+                       "(First GPU contact: 30 steps in 14.6 s); CPU: tiny fp32, 3 steps"),
+    "train_step_graphs": (50.0, 50.0, "train_step_off + the capture: per recycling count "
+                          "(warm-up + recording + checked) demo eager steps and the checked replays, ~15 s"),
+    "train_step_compare": (3.0, 3.0, "bench/train_step_compare.py: two metrics.jsonl and a log"),
     "pack": (5.0, 5.0, "the last packing of $OUT"),
 }
 

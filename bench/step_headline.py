@@ -180,7 +180,7 @@ def build_config(name: str, args: argparse.Namespace):
     report = compile_blocks(step.model, backend="inductor", loss_fn=step.loss_fn) if cfg.compiled else None
     forward, ran = None, None
     if cfg.graphs == "step":  # captured per recycling count; step.run replays them (forward stays None)
-        whole = step.use_whole_step_graphs(counts=args.counts)
+        whole = step.use_whole_step_graphs(counts=getattr(args, "counts", None))
         # a capture that falls back is still measured (eager), its row labelled with what ran and why
         ran = (("whole-step graphs, emulated on the CPU" if whole.emulated else "whole-step graphs") if whole.active
                else f"eager: the whole-step capture fell back ({whole.reason})")  # fmt: skip
@@ -203,7 +203,7 @@ def measure(name: str, args: argparse.Namespace) -> tuple[dict, object, object]:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     t_build = time.perf_counter()
     step, forward, report, ran = build_config(name, args)
-    counts = args.counts if args.counts is not None else list(range(step.num_ensembles))  # the plan's reshaped row
+    counts = getattr(args, "counts", None) or list(range(step.num_ensembles))  # the plan's reshaped row, or all
 
     # compilation, cuDNN/cuBLAS heuristics (no autotuning: SCALEFOLD_AUTOTUNE=0); whole-step graphs: the first
     # step after the capture is eager (SWA's first copy), absorbed here

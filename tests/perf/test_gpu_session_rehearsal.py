@@ -31,7 +31,7 @@ def _bench(name: str):
 
 def test_expected_seconds_per_card_priorities_and_skips():
     hp = _bench("headline_plan")
-    assert list(hp.PRIORITY) == ["eager", "all", "graphs-step", "triton", "graphs", "compile"]
+    assert list(hp.PRIORITY) == ["eager", "graphs-step", "all", "triton", "graphs", "compile"]
     assert {n: c.graphs for n, c in hp.CONFIGS.items() if c.graphs} == {"all": "step", "graphs-step": "step",
                                                                         "graphs": "recycling"}  # fmt: skip
     h200, h100 = hp.eager_step_s("h200"), hp.eager_step_s("h100-sxm")
@@ -51,8 +51,9 @@ def test_expected_seconds_per_card_priorities_and_skips():
     why = hp.start_or_skip("all", 100, 145)
     assert why.startswith("skipped: expected ~145 s") and "left" in why
     assert hp.CONFIGS["eager"].needs_cuda() is None and hp.CONFIGS["compile"].needs_cuda() is None
-    assert "CUDA graphs" in hp.CONFIGS["all"].needs_cuda() and "Triton" in hp.CONFIGS["triton"].needs_cuda()
-    assert "CUDA graphs" in hp.CONFIGS["graphs-step"].needs_cuda()
+    assert "Triton" in hp.CONFIGS["all"].needs_cuda() and "Triton" in hp.CONFIGS["triton"].needs_cuda()
+    assert "CUDA graphs" in hp.CONFIGS["graphs"].needs_cuda()
+    assert hp.CONFIGS["graphs-step"].needs_cuda() is None  # the CPU rehearsal runs it through the emulated capture
     lines, total = hp.plan_lines("h100-sxm", list(hp.CONFIGS), 1, 465, trace=True)
     assert [line.split()[0] for line in lines] == list(hp.PRIORITY) and total <= 465
     assert hp.main(["--card", "nonsense"]) == 3
@@ -61,7 +62,8 @@ def test_expected_seconds_per_card_priorities_and_skips():
 @pytest.mark.parametrize("card", ["h100-sxm", "h200"])
 def test_whole_step_graphs_plan_per_card(card):
     """graphs-step / all: the graphed step loses the reference's host-issue part (never below the device part);
-    the plan of one 600 s call (trace on eager, 465 s deadline) still holds eager, all and graphs-step."""
+    their set-up is the capture code's procedure: per recycling count, the backend's warm-up iterations, the
+    recording and the checked steps at eager speed, the checked replays at graphed speed."""
     hp = _bench("headline_plan")
     spec = hp.DEVICES[card]
     device = hp.STEP_BYTES / spec.bandwidth + hp.STEP_FLOPS / spec.bf16
@@ -69,15 +71,69 @@ def test_whole_step_graphs_plan_per_card(card):
     assert hp.graphed_step_s(card, measured_eager_s=hp.eager_step_s(card) + 1) == pytest.approx(device + 1)
     assert hp.graphed_step_s(card, measured_eager_s=0.1) == pytest.approx(device)  # never below the device part
     assert hp.graphed_step_s("h100-sxm") <= 1.25  # the plan's estimate sits at this round's bar (1.2 s, H100)
-    eager_like = hp.expected_s("graphs-step", card) - hp.CONFIGS["graphs-step"].extra_setup_s
-    assert eager_like < hp.expected_s("eager", card)  # the graphed steps are planned shorter
-    assert hp.cap_s(hp.expected_s("graphs-step", card)) > (  # its cap covers a graphed step no faster than eager
-        hp.expected_s("eager", card) + hp.CONFIGS["graphs-step"].extra_setup_s)
-    lines, total = hp.plan_lines(card, list(hp.CONFIGS), 1, 465, trace=True)
-    started = [line.split()[0] for line in lines if "skipped" not in line]
-    assert started[:3] == ["eager", "all", "graphs-step"] and "cuda_graphs=step" in lines[2] and total <= 465
-    # the rest skipped for time on both cards: "all" compiles the ten default chains cold (geometry included)
-    assert started == ["eager", "all", "graphs-step"]
+    eager, graphed = hp.eager_step_s(card), hp.graphed_step_s(card)
+    assert sum(hp.count_step_s(eager, n, 4) for n in range(4)) == pytest.approx(4 * eager)  # shares of the mean
+    steps, replays = hp.capture_steps()
+    one = hp.expected_s("graphs-step", card, counts=[0])
+    two = hp.expected_s("graphs-step", card, counts=[0, 1])
+    # the second count adds its capture, its warm-up step and its timed step: all at that count's share
+    assert two - one == pytest.approx((steps + 0) * hp.count_step_s(eager, 1, 4)
+                                      + (replays + 2) * hp.count_step_s(graphed, 1, 4))
+    assert hp.expected_s("graphs-step", card) > hp.expected_s("eager", card)  # ~24 eager steps of captures
+
+
+def test_capture_steps_are_the_capture_codes():
+    """The plan's steps per capture are what the capture code runs (one source): counted on a real whole-step
+    capture (the tiny step, the emulated backend, recycling count 0): the step's compute runs the backend's
+    warm-up iterations + the recording + the checked eager steps; the replays are the checked steps. Fails if
+    ``WholeStepGraphs.warm_up`` or a backend's warm-up changes without the plan following."""
+    from scalefold.compilation.cuda_graphs import DEFAULT_WARMUP_ITERS, CudaGraphBackend
+    from scalefold.compilation.emulated_capture import EmulatedGraphBackend
+    from scalefold.compilation.graphed_step import WholeStepGraphs
+    from scalefold.config.training import TrainConfig
+    from scalefold.train.step import TrainingStep
+
+    hp = _bench("headline_plan")
+    assert CudaGraphBackend().warmup_iters == DEFAULT_WARMUP_ITERS  # the backend a GPU's WholeStepGraphs builds
+    assert hp.capture_steps()[0] == CudaGraphBackend().warmup_iters + 1 + hp.capture_steps()[1]
+    step = TrainingStep.build(TrainConfig.from_preset("tiny", overrides={"precision": "fp32"}, env={}), "cpu")
+    backend = EmulatedGraphBackend()
+    calls, replays = [], []
+    compute = step.compute
+    step.compute = lambda batch: calls.append(1) or compute(batch)
+    graphs = WholeStepGraphs(step, backend=backend, reason="test")
+    capture = backend.capture
+
+    def counted_capture(fn, static_args):
+        replay = capture(fn, static_args)
+        return lambda: replays.append(1) or replay()
+
+    backend.capture = counted_capture
+    assert graphs.warm_up(step.batch, counts=[0]) == [0]
+    assert (len(calls), len(replays)) == hp.capture_steps(emulated=True)
+
+
+def test_call_plan_counts_every_part_with_its_margin():
+    """``PARTS=headline``: every part of the call (the real capture and the trainer's whole-step runs included)
+    within 85 % of the call's deadline on both cards and on the rehearsal; eager then graphs-step run; a row
+    that would not fit is reshaped to fewer recycling counts, never started to be killed at its cap."""
+    hp = _bench("headline_plan")
+    for card, rehearsal, deadline in (("h100-sxm", False, 540), ("h200", False, 540), (None, True, 300)):
+        lines, headline_deadline, total = hp.call_plan(card, deadline, rehearsal)
+        text = "\n".join(lines)
+        assert total <= (1 - hp.MARGIN) * deadline and f"margin {100 * (1 - total / deadline):.0f} %" in text
+        for part in ("env", "install", "capture_real", "headline", "train_step_off", "train_step_graphs",
+                     "train_step_compare", "pack"):  # fmt: skip
+            assert f"\n  {part} " in text
+        plan = [line.split()[0] for line in lines if "kernels=" in line and "(ends ~" in line]
+        assert plan[:2] == ["eager", "graphs-step"]
+        assert total == pytest.approx(sum(v[1 if rehearsal else 0] for v in hp.CALL_PARTS.values())
+                                      + float(text.split("headline           ~")[1].split()[0]), abs=1)
+    counts, exp, why = hp.fit_counts("graphs-step", "h100-sxm", left=110)
+    assert counts == [0, 1] and exp <= 110 - hp.RESERVE_S and "reshaped: recycling counts 0..1" in why
+    assert hp.fit_counts("graphs-step", "h100-sxm", left=1000)[0] == [0, 1, 2, 3]
+    assert hp.fit_counts("graphs-step", "h100-sxm", left=30)[0] is None  # not even one count: skipped, said why
+    assert hp.fit_counts("eager", "h100-sxm", left=60)[0] is None  # only whole-step rows are reshaped
 
 
 def test_window_plan_fits_fifteen_minutes(capsys):
