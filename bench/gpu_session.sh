@@ -84,6 +84,10 @@
 #   bench_layernorm       30  bench/kernels.py --kernel layernorm --shape mlperf --dtype bf16
 #   bench_adam            30  bench/kernels.py --kernel adam --shape mlperf --dtype bf16
 #   bench_trimul          60  bench/kernels.py --kernel trimul --shape mlperf --dtype bf16
+#   bench_anchor          90  bench/anchor_kernels.py: cuEquivariance's triangle multiplication / attention beside
+#                             ScaleFold's Triton kernels and the PyTorch reference (crop 256, bf16, fwd+bwd; each
+#                             checked against the float32 reference first); cuEquivariance from carried wheels
+#                             ($WHEELS, pip --no-index, like gemmi) -- where it is missing, one line says so
 #   bench_cuda_graphs     35  bench/cuda_graphs.py --preset demo --precision bf16 --steps 3
 #   bench_dap             30  bench/dap.py --cuda --dap 1 [2 4 8: as many GPUs as there are]
 #                   total 1270 s of limits: more than one call, and a window's device time is 15 minutes,
@@ -155,7 +159,7 @@ HEADLINE_ESTIMATE_CAP=${HEADLINE_ESTIMATE_CAP:-}     # seconds each estimate may
 # headline call's parts (env, install, capture_real, train_step_*, pack) are bench/headline_plan.py's CALL_PARTS, below
 declare -A EXPECT=([env]=20 [install]=3 [capture_real]=90 [tests_kernels]=60 [probe_attention_grid]=20 [tests_graphs]=110 [headline]=425 [tune_kernels]=240 [policy_on]=120 [policy_22]=120 [policy_off]=120
                    [train_bf16]=60 [train_graphs]=45 [bench_attention]=35 [bench_layernorm]=20 [bench_adam]=20 [bench_trimul]=40
-                   [bench_cuda_graphs]=25 [bench_dap]=20)
+                   [bench_cuda_graphs]=25 [bench_dap]=20 [bench_anchor]=60)
 if [ "$#" -gt 0 ]; then PARTS="$*"; fi
 PARTS=${PARTS:-"tests headline train bench"}
 
@@ -364,7 +368,9 @@ NGPU=${NGPU:-1}
 # needs neither wheel; the tests and the training runs need both.
 cat >"$WORK/install.sh" <<'EOF'
 set -x
-if ! "$PY" -c 'import gemmi, mlperf_logging' 2>/dev/null; then
+# (cuEquivariance, the optional anchor of bench_anchor: installed from its carried wheels when they are there)
+if ! "$PY" -c 'import gemmi, mlperf_logging' 2>/dev/null \
+    || { compgen -G "$WHEELS/cuequivariance*.whl" >/dev/null && ! "$PY" -c 'import cuequivariance_torch' 2>/dev/null; }; then
     if compgen -G "$WHEELS/*.whl" >/dev/null; then
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target /tmp/gpu_session_site "$WHEELS"/*.whl || echo "wheel install failed"
@@ -499,6 +505,7 @@ part bench_attention bench 55 "$PY" bench/kernels.py --kernel attention --shape 
 part bench_layernorm bench 30 "$PY" bench/kernels.py --kernel layernorm --shape mlperf --dtype bf16 --iters 50
 part bench_adam bench 30 "$PY" bench/kernels.py --kernel adam --shape mlperf --dtype bf16 --iters 50
 part bench_trimul bench 60 "$PY" bench/kernels.py --kernel trimul --shape mlperf --dtype bf16 --iters 50
+part bench_anchor bench 90 "$PY" bench/anchor_kernels.py --crop 256 --dtype bf16 --iters 50
 part bench_cuda_graphs bench 35 "$PY" bench/cuda_graphs.py --preset "$BENCH_CUDA_GRAPHS_PRESET" --precision bf16 --steps 3
 DAP_SIZES="1"
 for d in 2 4 8; do [ "${NGPU:-0}" -ge "$d" ] && DAP_SIZES="$DAP_SIZES $d"; done
