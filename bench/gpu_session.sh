@@ -199,6 +199,9 @@ unset TRITON_INTERPRET                            # the kernels must compile for
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 if [ "$REHEARSE" = cpu ]; then  # the rehearsal's caps: generous on a busy CPU (the work is seconds)
     export SCALEFOLD_HEADLINE_CAP_SCALE=${SCALEFOLD_HEADLINE_CAP_SCALE:-3}
+    # one intra-op thread unless told otherwise: tiny tensors, and on a shared CPU two spin-waiting threads per
+    # process made a tiny step ~20 s instead of ~0.3 s (2-core box, load 12-18, 2026-12-07)
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
 
 # `timeout -s INT`: Python turns SIGINT into KeyboardInterrupt, so a stuck part prints where it was
