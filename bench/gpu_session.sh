@@ -42,9 +42,9 @@
 #                             so a run cut short by its limit still says why)
 #   headline             480  bench/step_headline.py: THE figure -- the full training step at MLPerf shapes
 #                             (crop 256, 124/1024 MSA, 4 templates, recycling 0..3 in turn), bf16, six ways, in
-#                             the order of their value: eager (baseline), all (the product's figure: Triton +
-#                             compile + whole-step CUDA graphs), graphs-step (whole-step CUDA graphs, torch
-#                             kernels; the bar: <= 1.2 s/step on an H100), triton, graphs (recycling passes),
+#                             the order of their value: eager (baseline), graphs-step (whole-step CUDA graphs,
+#                             torch kernels; the bar: <= 1.2 s/step on an H100), all (the product's figure:
+#                             Triton + compile + whole-step CUDA graphs), triton, graphs (recycling passes),
 #                             compile; each in a process of its own, started only when the time left
 #                             covers its expected seconds on the card in hand (bench/headline_plan.py: from the
 #                             step's FLOPs / bytes and the measured H200 row; after eager, from eager's measured
@@ -62,10 +62,18 @@
 #                             driver's deadline (the part's limit - 15 s): a late estimate is reported late.
 #                             Beside each row: the step-time model's predicted_s for the card in hand (eager, or
 #                             graphed for graphs-step / all) and the miss in %.
-#                             DRY_RUN=1 prints the plan on $CARD: H100 eager ~90 s, all ~139, graphs-step ~64
-#                             (the graphed step an estimate: eager less its host-issue part), triton ~95; graphs
-#                             ~80 and compile ~130 skipped at 465 s; H200 a few seconds less each, compile skipped.
-#                             `PARTS=headline` alone (env + install + headline + packing) fits one 600 s call.
+#                             Its --deadline is the call plan's (bench/headline_plan.py --call-plan: what the
+#                             group's other parts leave of 85 % of DEADLINE_S); a whole-step row's captures are
+#                             counted from the capture code, and the row reshaped to fewer recycling counts where
+#                             they would not fit. DRY_RUN=1 prints the call plan on $CARD (issue 46, RESULTS.md):
+#                             H100 eager ~88 s, graphs-step ~111 (counts 0..2), the rest skipped; the call ~430 s
+#                             of 540; H200 eager ~85, graphs-step ~132 (0..3), the call ~448 s.
+#   train_step_off        90  (headline group) scalefold train --preset demo --precision bf16 --max-steps 8
+#                             --eval-every 4 --checkpoint-every 4 --cuda-graphs off, PyTorch kernels
+#   train_step_graphs    120  the same with --cuda-graphs step (the trainer's whole-step path: loader, evaluation,
+#                             checkpoints around replays)
+#   train_step_compare    30  bench/train_step_compare.py: the graphed steps counted from its output, every step's
+#                             metrics within the warm-up check's GPU tolerance (2e-2) of the eager run's
 #   train_bf16            90  scalefold train --preset demo --precision bf16 --max-steps 20
 #                             --eval-every 10 --cuda-graphs off   (eager bf16 baseline)
 #   train_graphs          60  the same with --cuda-graphs on      (captured recycling passes)
