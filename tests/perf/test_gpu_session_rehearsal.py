@@ -279,3 +279,21 @@ def test_graphs_step_is_labelled_with_what_ran(monkeypatch):
     step, _, _, ran = h.build_config("graphs-step", args)
     assert step.graphs is None and ran.startswith("eager: the whole-step capture fell back (turned off: ")
     assert "planted disagreement" in ran
+
+def test_a_reshaped_row_compares_like_with_like():
+    """A row reshaped to recycling counts 0..2 is compared with eager over the same counts, and its mean over every
+    count (the bar's) is estimated from the counts it timed by their kernel-launch shares."""
+    h = _bench("step_headline")
+    eager_by_n = {str(n): round(h.hp.count_step_s(3.83, n, 4), 2) for n in range(4)}
+    graphed_by_n = {"0": 0.85, "1": 1.09, "2": 1.33}
+    est = h.all_counts_estimate(graphed_by_n, 4)
+    launches = h.hp.LAUNCHES  # count n's step is its launches' share of the mean step over 0..3
+    assert est == pytest.approx((0.85 + 1.09 + 1.33) / 3 / ((sum(launches[:3]) / 3) / (sum(launches) / 4)), rel=1e-3)
+    rows = [{"config": "eager", "kernels": "torch", "compile": False, "cuda_graphs": False, "step_s": 3.83,
+             "step_s_by_recycling": eager_by_n, "setup_s": 1},
+            {"config": "graphs-step", "kernels": "torch", "compile": False, "cuda_graphs": "step", "step_s": 1.09,
+             "step_s_by_recycling": graphed_by_n, "setup_s": 1, "reshaped": "reshaped: recycling counts 0..2",
+             "step_s_all_counts_est": est}]  # fmt: skip
+    line = h.format_table(rows, {}).splitlines()[2]
+    same_counts = sum(eager_by_n[n] for n in graphed_by_n) / 3
+    assert f"{same_counts / 1.09:.2f}x" in line and f"all counts ~{est:.3f} s by launch shares" in line
