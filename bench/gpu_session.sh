@@ -104,7 +104,7 @@
 #                   (SKIPPED lines in SUMMARY.txt).
 #
 # Groups for PARTS: env and install (always run), tests (tests_* and the probe), headline, train, bench;
-# single part names work too. A global deadline (DEADLINE_S, default 540) caps every part's limit at the
+# single part names work too, and "-NAME" leaves a part out (PARTS="headline -train_step_off ..."). A global deadline (DEADLINE_S, default 540) caps every part's limit at the
 # time left and skips a part with < 10 s left. TIMEOUT_SCALE multiplies every limit (e.g. 1.5 when a
 # call runs only part of the list and its parts need more time).
 #
@@ -239,9 +239,10 @@ check_out() {  # what comes back from $OUT: at most 8 files, 16 MiB each, two fo
         "$([ "$n" -le 8 ] && [ "$big" = 0 ] && [ "$deep" = 0 ] && echo PASS || echo FAIL)" "$n" "$big" "$deep" >>"$SUMMARY"
 }
 
-selected() {  # selected PART GROUP
+selected() {  # selected PART GROUP ("-PART" in PARTS leaves that part out of its group)
     local p
     [ "$2" = always ] && return 0
+    for p in $PARTS; do [ "$p" = "-$1" ] && return 1; done
     for p in $PARTS; do [ "$p" = "$1" ] || [ "$p" = "$2" ] || [ "$p" = all ] && return 0; done
     return 1
 }
