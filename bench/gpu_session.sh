@@ -42,9 +42,9 @@
 #                             so a run cut short by its limit still says why)
 #   headline             480  bench/step_headline.py: THE figure -- the full training step at MLPerf shapes
 #                             (crop 256, 124/1024 MSA, 4 templates, recycling 0..3 in turn), bf16, six ways, in
-#                             the order of their value: eager (baseline), all (the product's figure: Triton +
-#                             compile + whole-step CUDA graphs), graphs-step (whole-step CUDA graphs, torch
-#                             kernels; the bar: <= 1.2 s/step on an H100), triton, graphs (recycling passes),
+#                             the order of their value: eager (baseline), graphs-step (whole-step CUDA graphs,
+#                             torch kernels; the bar: <= 1.2 s/step on an H100), all (the product's figure:
+#                             Triton + compile + whole-step CUDA graphs), triton, graphs (recycling passes),
 #                             compile; each in a process of its own, started only when the time left
 #                             covers its expected seconds on the card in hand (bench/headline_plan.py: from the
 #                             step's FLOPs / bytes and the measured H200 row; after eager, from eager's measured
@@ -62,10 +62,18 @@
 #                             driver's deadline (the part's limit - 15 s): a late estimate is reported late.
 #                             Beside each row: the step-time model's predicted_s for the card in hand (eager, or
 #                             graphed for graphs-step / all) and the miss in %.
-#                             DRY_RUN=1 prints the plan on $CARD: H100 eager ~90 s, all ~139, graphs-step ~64
-#                             (the graphed step an estimate: eager less its host-issue part), triton ~95; graphs
-#                             ~80 and compile ~130 skipped at 465 s; H200 a few seconds less each, compile skipped.
-#                             `PARTS=headline` alone (env + install + headline + packing) fits one 600 s call.
+#                             Its --deadline is the call plan's (bench/headline_plan.py --call-plan: what the
+#                             group's other parts leave of 85 % of DEADLINE_S); a whole-step row's captures are
+#                             counted from the capture code, and the row reshaped to fewer recycling counts where
+#                             they would not fit. DRY_RUN=1 prints the call plan on $CARD (issue 46, RESULTS.md):
+#                             H100 eager ~88 s, graphs-step ~111 (counts 0..2), the rest skipped; the call ~430 s
+#                             of 540; H200 eager ~85, graphs-step ~132 (0..3), the call ~448 s.
+#   train_step_off        90  (headline group) scalefold train --preset demo --precision bf16 --max-steps 8
+#                             --eval-every 4 --checkpoint-every 4 --cuda-graphs off, PyTorch kernels
+#   train_step_graphs    120  the same with --cuda-graphs step (the trainer's whole-step path: loader, evaluation,
+#                             checkpoints around replays)
+#   train_step_compare    30  bench/train_step_compare.py: the graphed steps counted from its output, every step's
+#                             metrics within the warm-up check's GPU tolerance (2e-2) of the eager run's
 #   train_bf16            90  scalefold train --preset demo --precision bf16 --max-steps 20
 #                             --eval-every 10 --cuda-graphs off   (eager bf16 baseline)
 #   train_graphs          60  the same with --cuda-graphs on      (captured recycling passes)
@@ -84,6 +92,10 @@
 #   bench_layernorm       30  bench/kernels.py --kernel layernorm --shape mlperf --dtype bf16
 #   bench_adam            30  bench/kernels.py --kernel adam --shape mlperf --dtype bf16
 #   bench_trimul          60  bench/kernels.py --kernel trimul --shape mlperf --dtype bf16
+#   bench_anchor          90  bench/anchor_kernels.py: cuEquivariance's triangle multiplication / attention beside
+#                             ScaleFold's Triton kernels and the PyTorch reference (crop 256, bf16, fwd+bwd; each
+#                             checked against the float32 reference first); cuEquivariance from carried wheels
+#                             ($WHEELS, pip --no-index, like gemmi) -- where it is missing, one line says so
 #   bench_cuda_graphs     35  bench/cuda_graphs.py --preset demo --precision bf16 --steps 3
 #   bench_dap             30  bench/dap.py --cuda --dap 1 [2 4 8: as many GPUs as there are]
 #                   total 1270 s of limits: more than one call, and a window's device time is 15 minutes,
@@ -92,7 +104,7 @@
 #                   (SKIPPED lines in SUMMARY.txt).
 #
 # Groups for PARTS: env and install (always run), tests (tests_* and the probe), headline, train, bench;
-# single part names work too. A global deadline (DEADLINE_S, default 540) caps every part's limit at the
+# single part names work too, and "-NAME" leaves a part out (PARTS="headline -train_step_off ..."). A global deadline (DEADLINE_S, default 540) caps every part's limit at the
 # time left and skips a part with < 10 s left. TIMEOUT_SCALE multiplies every limit (e.g. 1.5 when a
 # call runs only part of the list and its parts need more time).
 #
@@ -151,12 +163,11 @@ BENCH_CUDA_GRAPHS_PRESET=${BENCH_CUDA_GRAPHS_PRESET:-demo}
 COMPILE_CACHE=${COMPILE_CACHE:-$REPO/runs/compile_cache}
 ESTIMATES=${ESTIMATES:-$REPO/runs/headline_estimates}  # the headline's CPU estimates, kept (and reused) between calls
 HEADLINE_ESTIMATE_CAP=${HEADLINE_ESTIMATE_CAP:-}     # seconds each estimate may take (default: the headline's deadline)
-# expected seconds per part on an H100 (DRY_RUN prints them beside the limits; the limits are the caps)
+# expected seconds per part on an H100 (DRY_RUN prints them beside the limits; the limits are the caps); those of the
+# headline call's parts (env, install, capture_real, train_step_*, pack) are bench/headline_plan.py's CALL_PARTS, below
 declare -A EXPECT=([env]=20 [install]=3 [capture_real]=90 [tests_kernels]=60 [probe_attention_grid]=20 [tests_graphs]=110 [headline]=425 [tune_kernels]=240 [policy_on]=120 [policy_22]=120 [policy_off]=120
                    [train_bf16]=60 [train_graphs]=45 [bench_attention]=35 [bench_layernorm]=20 [bench_adam]=20 [bench_trimul]=40
-                   [bench_cuda_graphs]=25 [bench_dap]=20)
-EXPECTED_TOTAL=${EXPECT[env]}
-PACK_S=5  # the last packing of $OUT (DRY_RUN's total of the call)
+                   [bench_cuda_graphs]=25 [bench_dap]=20 [bench_anchor]=60)
 if [ "$#" -gt 0 ]; then PARTS="$*"; fi
 PARTS=${PARTS:-"tests headline train bench"}
 
@@ -165,6 +176,18 @@ elif [ -n "${VIRTUAL_ENV:-}" ] && command -v python >/dev/null; then PY=python
 elif [ -x "$REPO/.venv/bin/python" ]; then PY="$REPO/.venv/bin/python"
 else PY=python3
 fi
+
+# the headline call's plan, one source (bench/headline_plan.py): its parts' expected seconds, and the headline's
+# deadline, what the other parts leave of DEADLINE_S less a 15 % margin (the rehearsal: its own figures)
+PLAN_FLAGS=()
+[ "$REHEARSE" = cpu ] && PLAN_FLAGS=(--rehearsal)
+if plan_expect=$("$PY" bench/headline_plan.py --bash-expect "${PLAN_FLAGS[@]}" 2>/dev/null); then
+    eval "$plan_expect"
+fi
+HEADLINE_DEADLINE=$("$PY" bench/headline_plan.py --headline-deadline --deadline "$DEADLINE_S" "${PLAN_FLAGS[@]}" 2>/dev/null) \
+    || HEADLINE_DEADLINE=$((DEADLINE_S * 85 / 100 - 200))
+EXPECTED_TOTAL=${EXPECT[env]}
+PACK_S=${EXPECT[pack]:-5}  # the last packing of $OUT (DRY_RUN's total of the call)
 
 SUMMARY="$OUT/SUMMARY.txt"
 START=$SECONDS
@@ -184,6 +207,9 @@ unset TRITON_INTERPRET                            # the kernels must compile for
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 if [ "$REHEARSE" = cpu ]; then  # the rehearsal's caps: generous on a busy CPU (the work is seconds)
     export SCALEFOLD_HEADLINE_CAP_SCALE=${SCALEFOLD_HEADLINE_CAP_SCALE:-3}
+    # one intra-op thread unless told otherwise: tiny tensors, and on a shared CPU two spin-waiting threads per
+    # process made a tiny step ~20 s instead of ~0.3 s (2-core box, load 12-18, 2026-12-07)
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
 
 # `timeout -s INT`: Python turns SIGINT into KeyboardInterrupt, so a stuck part prints where it was
@@ -213,9 +239,10 @@ check_out() {  # what comes back from $OUT: at most 8 files, 16 MiB each, two fo
         "$([ "$n" -le 8 ] && [ "$big" = 0 ] && [ "$deep" = 0 ] && echo PASS || echo FAIL)" "$n" "$big" "$deep" >>"$SUMMARY"
 }
 
-selected() {  # selected PART GROUP
+selected() {  # selected PART GROUP ("-PART" in PARTS leaves that part out of its group)
     local p
     [ "$2" = always ] && return 0
+    for p in $PARTS; do [ "$p" = "-$1" ] && return 1; done
     for p in $PARTS; do [ "$p" = "$1" ] || [ "$p" = "$2" ] || [ "$p" = all ] && return 0; done
     return 1
 }
@@ -242,8 +269,10 @@ part() {
     note "$name (limit ${limit}s)"
     t0=$SECONDS
     local args=() a
-    for a in "$@"; do  # pytest's session timeout: 15 s inside this part's (possibly capped) limit
-        args+=("${a//@SESSION_LIMIT@/$((limit - 15 > 20 ? limit - 15 : 20))}")
+    local inside=$((limit - 15 > 20 ? limit - 15 : 20))
+    for a in "$@"; do  # pytest's session timeout: 15 s inside this part's (possibly capped) limit; the headline's
+        a=${a//@SESSION_LIMIT@/$inside}  # deadline: the plan's, never past that either
+        args+=("${a//@PLAN_DEADLINE@/$((HEADLINE_DEADLINE < inside ? HEADLINE_DEADLINE : inside))}")
     done
     if [ "$DRY_RUN" = 1 ]; then
         EXPECTED_TOTAL=$((EXPECTED_TOTAL + ${EXPECT[$name]:-0}))
@@ -351,7 +380,9 @@ NGPU=${NGPU:-1}
 # needs neither wheel; the tests and the training runs need both.
 cat >"$WORK/install.sh" <<'EOF'
 set -x
-if ! "$PY" -c 'import gemmi, mlperf_logging' 2>/dev/null; then
+# (cuEquivariance, the optional anchor of bench_anchor: installed from its carried wheels when they are there)
+if ! "$PY" -c 'import gemmi, mlperf_logging' 2>/dev/null \
+    || { compgen -G "$WHEELS/cuequivariance*.whl" >/dev/null && ! "$PY" -c 'import cuequivariance_torch' 2>/dev/null; }; then
     if compgen -G "$WHEELS/*.whl" >/dev/null; then
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target /tmp/gpu_session_site "$WHEELS"/*.whl || echo "wheel install failed"
@@ -432,8 +463,8 @@ HEADLINE+=(--cycles 1 --out "$WORK/headline" --memory-snapshot "$WORK/memory" --
            --estimate-reuse "$ESTIMATES")
 [ -n "$HEADLINE_ESTIMATE_CAP" ] && HEADLINE+=(--estimate-cap "$HEADLINE_ESTIMATE_CAP")
 if [ "$DRY_RUN" = 1 ] && selected headline headline; then
-    headline_limit=$((DEADLINE_S - EXPECT[env] - EXPECT[install] < 480 ? DEADLINE_S - EXPECT[env] - EXPECT[install] : 480))
-    "$PY" bench/step_headline.py --dry-run --card "$CARD" "${HEADLINE[@]}" --deadline $((headline_limit - 15)) \
+    "$PY" bench/headline_plan.py --call-plan --card "$CARD" --deadline "$DEADLINE_S" "${PLAN_FLAGS[@]}"
+    "$PY" bench/step_headline.py --dry-run --card "$CARD" "${HEADLINE[@]}" --deadline "$HEADLINE_DEADLINE" \
         | tee "$WORK/headline_plan.txt"
     EXPECT[headline]=$(sed -n 's/^  total expected ~\([0-9]*\) s.*/\1/p' "$WORK/headline_plan.txt" | head -n 1)
 fi
@@ -442,7 +473,23 @@ fi
 # two replays per recycling count; skipped on a CPU)
 part capture_real headline 180 env SCALEFOLD_AUTOTUNE=0 "$PY" -m pytest -q -x -p no:cacheprovider \
     tests/compilation/test_whole_step_graphs.py -k real
-part headline headline 480 env SCALEFOLD_AUTOTUNE=0 "$PY" bench/step_headline.py "${HEADLINE[@]}" --deadline @SESSION_LIMIT@
+part headline headline 480 env SCALEFOLD_AUTOTUNE=0 "$PY" bench/step_headline.py "${HEADLINE[@]}" --deadline @PLAN_DEADLINE@
+
+# 3c. the trainer's whole-step path (issue 46): the same short run with --cuda-graphs off and step (loader,
+# evaluation and checkpoints around the replays; PyTorch kernels, as graphs-step's row), then every step's
+# metrics compared within the whole step's warm-up tolerance and the graphed steps counted from the run's output
+if [ "$REHEARSE" = cpu ]; then
+    TRAIN_STEP=(--preset tiny --precision fp32 --max-steps 3 --eval-every 3 --checkpoint-every 3 --num-workers 1)
+else
+    TRAIN_STEP=(--preset demo --precision bf16 --max-steps 8 --eval-every 4 --checkpoint-every 4 --num-workers 4)
+fi
+TRAIN_STEP=(-m scalefold train "${TRAIN_STEP[@]}" --store "$WORK/step-store.h5" --no-progress)
+part train_step_off headline 90 env SCALEFOLD_AUTOTUNE=0 SCALEFOLD_KERNELS=torch "$PY" "${TRAIN_STEP[@]}" \
+    --out "$WORK/train_step_off" --cuda-graphs off
+part train_step_graphs headline 120 env SCALEFOLD_AUTOTUNE=0 SCALEFOLD_KERNELS=torch "$PY" "${TRAIN_STEP[@]}" \
+    --out "$WORK/train_step_graphs" --cuda-graphs step
+part train_step_compare headline 30 "$PY" bench/train_step_compare.py --graphs "$WORK/train_step_graphs" \
+    --off "$WORK/train_step_off" --log "$WORK/train_step_graphs.log"
 
 # 4. short GPU training runs: bf16 eager, then bf16 with CUDA graphs (one synthetic store for both)
 TRAIN=(-m scalefold train --preset demo --precision bf16 --max-steps 20 --eval-every 10
@@ -470,6 +517,7 @@ part bench_attention bench 55 "$PY" bench/kernels.py --kernel attention --shape 
 part bench_layernorm bench 30 "$PY" bench/kernels.py --kernel layernorm --shape mlperf --dtype bf16 --iters 50
 part bench_adam bench 30 "$PY" bench/kernels.py --kernel adam --shape mlperf --dtype bf16 --iters 50
 part bench_trimul bench 60 "$PY" bench/kernels.py --kernel trimul --shape mlperf --dtype bf16 --iters 50
+part bench_anchor bench 90 "$PY" bench/anchor_kernels.py --crop 256 --dtype bf16 --iters 50
 part bench_cuda_graphs bench 35 "$PY" bench/cuda_graphs.py --preset "$BENCH_CUDA_GRAPHS_PRESET" --precision bf16 --steps 3
 DAP_SIZES="1"
 for d in 2 4 8; do [ "${NGPU:-0}" -ge "$d" ] && DAP_SIZES="$DAP_SIZES $d"; done

@@ -5,8 +5,8 @@ The training step of ``scalefold train --preset mlperf --precision bf16`` (crop 
 uniform draw of training) timed as
 
     eager        PyTorch reference kernels, no compile, no CUDA graphs   (SCALEFOLD_KERNELS=torch)
-    all          Triton kernels + compile + whole-step CUDA graphs       (the product's figure)
     graphs-step  whole-step CUDA graphs, PyTorch kernels  (--cuda-graphs step; this round's bar: <= 1.2 s/step, H100)
+    all          Triton kernels + compile + whole-step CUDA graphs       (the product's figure)
     triton       the fused Triton kernels instead of the references       (SCALEFOLD_KERNELS=triton)
     graphs       CUDA graphs of the no-grad recycling passes (GraphedStep; --cuda-graphs recycling)
     compile      + torch.compile of the model's elementwise chains (compile_blocks' default region)
@@ -14,7 +14,9 @@ uniform draw of training) timed as
 in that order, the order of their value (``bench/headline_plan.py``: the plan, expected seconds per card),
 each in a process of its own (a fresh model, same seed) killed at its cap, each started only when the time
 left before ``--deadline`` covers its expected seconds on the card in hand (after eager: from eager's
-measured step); what is skipped is said, with why. Per configuration, printed and written
+measured step; a whole-step configuration's captures counted from the capture code, and its row reshaped to
+fewer recycling counts where all of them would not fit: ``headline_plan.fit_counts``); what is skipped is
+said, with why. On the CPU rehearsal ``graphs-step`` runs the emulated capture. Per configuration, printed and written
 (``--out``/rows.jsonl) the moment they exist, before its profile: s/step per recycling count and their
 mean, MFU (model FLOPs from ``scalefold estimate-step`` over the device's dense peak), the step-time model's
 prediction beside it (``estimate-step``'s ``predicted_s`` for the card in hand: eager for the rows without
@@ -125,7 +127,7 @@ def plan(args: argparse.Namespace) -> list[str]:
              f"{hp.eager_step_s(card):.2f} s); per configuration a process of its own (model, batch, one warm-up "
              f"cycle of recycling counts 0..R-1, {args.cycles} timed cycle(s); its row printed then; one profiled "
              f"step), started only if its expected seconds fit the time left; deadline {args.deadline:.0f} s"]  # fmt: skip
-    body, total = hp.plan_lines(card, args.configs, args.cycles, args.deadline, trace)
+    body, total = hp.plan_lines(card, args.configs, args.cycles, args.deadline, trace, rehearsal=args.device != "cuda")
     lines += body
     for key, cmd in ({} if args.no_estimate else {**estimate_commands(args), "flops": flops_command(args)}).items():
         lines.append(f"  estimate {key} (on the CPUs meanwhile, cap {args.estimate_cap or args.deadline:.0f} s): "
@@ -178,7 +180,7 @@ def build_config(name: str, args: argparse.Namespace):
     report = compile_blocks(step.model, backend="inductor", loss_fn=step.loss_fn) if cfg.compiled else None
     forward, ran = None, None
     if cfg.graphs == "step":  # captured per recycling count; step.run replays them (forward stays None)
-        whole = step.use_whole_step_graphs()
+        whole = step.use_whole_step_graphs(counts=getattr(args, "counts", None))
         # a capture that falls back is still measured (eager), its row labelled with what ran and why
         ran = (("whole-step graphs, emulated on the CPU" if whole.emulated else "whole-step graphs") if whole.active
                else f"eager: the whole-step capture fell back ({whole.reason})")  # fmt: skip
@@ -201,7 +203,7 @@ def measure(name: str, args: argparse.Namespace) -> tuple[dict, object, object]:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     t_build = time.perf_counter()
     step, forward, report, ran = build_config(name, args)
-    counts = list(range(step.num_ensembles))
+    counts = getattr(args, "counts", None) or list(range(step.num_ensembles))  # the plan's reshaped row, or all
 
     # compilation, cuDNN/cuBLAS heuristics (no autotuning: SCALEFOLD_AUTOTUNE=0); whole-step graphs: the first
     # step after the capture is eager (SWA's first copy), absorbed here
@@ -321,9 +323,12 @@ def trace_step(name: str, step, forward, folder: Path) -> dict:
     return {"trace": str(path), "trace_s": round(time.perf_counter() - t0, 1)}
 
 
-def child_command(name: str, args: argparse.Namespace, snapshot: bool, cap: float | None = None) -> list[str]:
+def child_command(name: str, args: argparse.Namespace, snapshot: bool, cap: float | None = None,
+                  counts: list[int] | None = None) -> list[str]:  # fmt: skip
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--preset", args.preset, "--precision",
            args.precision, "--cycles", str(args.cycles), "--device", args.device]  # fmt: skip
+    if counts is not None:
+        cmd += ["--counts", *map(str, counts)]
     for flag, value in (("--out", args.out), ("--compile-cache", args.compile_cache),
                         ("--activation-checkpointing", args.activation_checkpointing),
                         ("--memory-snapshot", args.memory_snapshot if snapshot else None),
@@ -359,6 +364,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "first configuration after its row and profile, write it to DIR/<config>_memory.pickle.gz, print "
                     "what is live at its peak by allocating line (scalefold.perf.cuda_snapshot) and, at the end, that "
                     "against the memory model's sites (DIR/<config>_memory_compare.json; scalefold.perf.memory_sites)")  # fmt: skip
+    ap.add_argument("--counts", type=int, nargs="+", help=argparse.SUPPRESS)  # the child's recycling counts (plan)
     ap.add_argument("--child", choices=list(CONFIGS), help=argparse.SUPPRESS)
     ap.add_argument("--child-cap", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -458,15 +464,19 @@ def run_one(name: str, args: argparse.Namespace, card: str | None, measured: flo
     why = CONFIGS[name].needs_cuda() if rehearsal else None
     if why:
         return {"config": name, "skipped": why}
-    expected = hp.expected_s(name, card, args.cycles, rehearsal=rehearsal, measured_step_s=measured, trace=traced)
-    why = hp.start_or_skip(name, left, expected)
-    if why:
+    counts, expected, why = hp.fit_counts(name, card, left, args.cycles, rehearsal, measured, traced)
+    if counts is None:
         return {"config": name, "skipped": why}
     scale = float(os.environ.get("SCALEFOLD_HEADLINE_CAP_SCALE", "1") or 1)
     cap = min(hp.cap_s(expected, traced, scale), left - hp.RESERVE_S)
-    print(f"=== {name} (expected ~{expected:.0f} s, cap {cap:.0f} s, {left:.0f} s left)", flush=True)
-    row, status = run_capped(child_command(name, args, traced, cap), cap, on_row=publish)
+    print(f"=== {name} (expected ~{expected:.0f} s, cap {cap:.0f} s, {left:.0f} s left{'; ' + why if why else ''})", flush=True)
+    reshaped = counts if why else None  # the child's default: every recycling count
+    row, status = run_capped(child_command(name, args, traced, cap, reshaped), cap, on_row=publish)
     row = row or {"config": name, "error": f"no result: {status} (cap {cap:.0f} s)"}
+    if why and "step_s_by_recycling" in row:
+        row["reshaped"] = why
+        full = hp.REHEARSAL["recycling"] if rehearsal else 4
+        row["step_s_all_counts_est"] = all_counts_estimate(row["step_s_by_recycling"], full)
     if status != "ok" and "error" not in row:
         row["cut"] = f"cap {cap:.0f} s reached after the row: extras cut"
     return row
@@ -555,6 +565,24 @@ def predicted_note(row: dict) -> str:
     return f"step model {mode} {pred:.2f} s, miss {100 * (row['step_s'] / pred - 1):+.0f}%"
 
 
+def all_counts_estimate(by_n: dict, recycling: int) -> float:
+    """A reshaped row's mean step over every recycling count 0..``recycling``-1, estimated from the counts it timed
+    by their kernel-launch shares (``headline_plan.count_step_s``): for the bar, which is the uniform draw's mean."""
+    timed = {int(n): t for n, t in by_n.items()}
+    share = sum(hp.count_step_s(1.0, n, recycling) for n in timed) / len(timed)
+    return round(statistics.mean(timed.values()) / share, 4)
+
+
+def eager_over(rows: list[dict], row: dict) -> float | None:
+    """The eager row's mean step over ``row``'s recycling counts (a reshaped row times fewer than eager's)."""
+    eager = next((r for r in rows if r.get("config") == "eager" and "step_s" in r), None)
+    if eager is None:
+        return None
+    by_n = {int(n): t for n, t in eager["step_s_by_recycling"].items()}
+    counts = [int(n) for n in row.get("step_s_by_recycling", {}) if int(n) in by_n]
+    return statistics.mean(by_n[n] for n in counts) if counts else eager["step_s"]
+
+
 def format_table(rows: list[dict], predicted: dict) -> str:
     """The headline table: s/step per recycling count and mean, speed-up, MFU, peak vs predicted, profile; a
     skipped configuration with why, a failed one with its error."""
@@ -576,7 +604,8 @@ def format_table(rows: list[dict], predicted: dict) -> str:
         notes += [predicted_note(r)] if r.get("predicted_s") else []
         notes += [r["cut"]] if r.get("cut") else []
         notes += [f"ran {r['ran']}"] if r.get("ran") else []
-        ratio = f"{eager / r['step_s']:.2f}x" if eager else "-"
+        ratio = f"{eager_over(rows, r) / r['step_s']:.2f}x" if eager else "-"
+        notes += [f"{r['reshaped']}; all counts ~{r['step_s_all_counts_est']:.3f} s by launch shares"] if r.get("reshaped") else []
         util = f"{r['mfu']:.3f}" if r.get("mfu") else "-"
         model = f"{pred / 2**30:.2f}" if pred else "-"
         peak_s = f"{peak / 2**30:.2f}" if peak else "-"

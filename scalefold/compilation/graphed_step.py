@@ -122,6 +122,10 @@ VALIDATION_TOLERANCE = 5e-2
 #: differs by the order of atomics (bf16 gradients: ~1e-3). The emulated capture on the CPU checks bit
 #: for bit (tolerance 0).
 WHOLE_STEP_TOLERANCE = 2e-2
+#: The whole step's warm-up check: consecutive replays compared with as many eager steps, per recycling count
+#: captured (each after the backend's ``warmup_iters`` eager iterations and the recording itself). The window's
+#: plan (``bench/headline_plan.py``) reads it from here: the capture's cost in eager steps.
+WHOLE_STEP_CHECKED_STEPS = 2
 _VALIDATION_SEED = 20240613
 #: the learning rates of the warm-up check's consecutive steps (different, so a baked rate shows)
 _VALIDATION_LRS = (1e-3, 4e-4)
@@ -676,8 +680,10 @@ class WholeStepGraphs:
                     register(self._generators())
                 for n in counts:
                     static = {k: v[..., : n + 1].clone() for k, v in batch.items()}
-                    batches = ({k: v.clone() for k, v in static.items()},
-                               {k: v[..., : n + 1].clone() for k, v in second.items()})
+                    sources = [static, second] + [perturbed_batch(batch, _VALIDATION_SEED + k)
+                                                  for k in range(2, WHOLE_STEP_CHECKED_STEPS)]  # fmt: skip
+                    batches = tuple({k: v[..., : n + 1].clone() for k, v in src.items()}
+                                    for src in sources[:WHOLE_STEP_CHECKED_STEPS])  # fmt: skip
                     try:
                         self._restore(state)
                         replay = self.backend.capture(self._compute, (static,))
@@ -704,7 +710,7 @@ class WholeStepGraphs:
             how = " (emulated on the CPU: recorded once, replayed without the step's Python)" if self.emulated else ""
             self.log(f"cuda graphs: captured the whole step (recycling passes, grad pass, loss, backward, clipping, "
                      f"update) of recycling counts {self.captured()}{how} in {time.perf_counter() - t0:.1f} s; "
-                     f"two consecutive replays per count matched eager ({self.reason})")  # fmt: skip
+                     f"{WHOLE_STEP_CHECKED_STEPS} consecutive replays per count matched eager ({self.reason})")  # fmt: skip
         return self.captured()
 
     @property
@@ -947,6 +953,7 @@ __all__ = [
     "GraphedStep",
     "GraphedStepStats",
     "resolve_mode",
+    "WHOLE_STEP_CHECKED_STEPS",
     "WHOLE_STEP_TOLERANCE",
     "WholeStepGraphs",
     "WholeStepStats",

@@ -276,6 +276,7 @@ def init_distributed(
     dead_peer_timeout_s: float = DEFAULT_DEAD_PEER_TIMEOUT_S,
     fault_dir: str | os.PathLike[str] | None = None,
     resume: str = "",
+    preflight: Callable[[ParallelLayout, torch.device, int], None] | None = None,
 ) -> Runtime:
     """Discover ranks, validate the layout (:class:`~scalefold.distributed.layout.LayoutError` before any
     process group exists), initialise ``torch.distributed`` when there is more than one rank, build the groups.
@@ -283,7 +284,9 @@ def init_distributed(
     ``timeout_s``: timeout of the process group's collectives (``TrainConfig.process_group_timeout_s``).
     ``stall_timeout_s``: with several ranks, start the heartbeat (``Runtime.heartbeat``) that names a dead or
     stalled rank (``dead_peer_timeout_s``, ``fault_dir``, ``resume``: the command its line names;
-    :class:`~scalefold.distributed.heartbeat.Heartbeat`)."""
+    :class:`~scalefold.distributed.heartbeat.Heartbeat`). ``preflight(layout, device, rank)``: the caller's
+    configuration checks that need the layout or the device, run on every rank before the process group forms
+    (a mistake raised there ends each rank with its own one line, no collective, no heartbeat)."""
     info = discover(env)
     if info.launcher == "mpi" and (info.master_addr is None or info.master_port is None or info.local_rank < 0):
         info = complete_with_mpi(info)
@@ -294,6 +297,8 @@ def init_distributed(
     if info.launcher == "slurm" and "MASTER_ADDR" not in env_map and nodelist:
         info = dataclasses.replace(info, master_addr=resolve_slurm_master(nodelist))  # scontrol if present
     device = select_device(info.local_rank, info.local_world_size)
+    if preflight is not None:
+        preflight(layout, device, info.rank)
     runtime = Runtime(
         launcher=info.launcher, rank=info.rank, world_size=info.world_size, local_rank=info.local_rank,
         local_world_size=info.local_world_size, num_nodes=info.num_nodes, device=device,

@@ -64,15 +64,29 @@ FLAT_AS_FAST_AS_DDP = True
 
 def resolve_grad_reduce(mode: str, world_size: int, graphed: bool = False) -> str:
     """The path of ``--grad-reduce mode`` for ``world_size`` training ranks: ``"ddp"`` or ``"flat"``;
-    ``"local"`` for one rank (nothing to reduce). ``auto``: the flat path for a graphed step, and for an
-    eager one where it is as fast as DDP (:data:`FLAT_AS_FAST_AS_DDP`); else DDP."""
+    ``"local"`` for one rank (nothing to reduce). A ``graphed`` step (``--cuda-graphs step``) always takes the
+    flat path, whatever ``mode`` says: DDP's reducer cannot be captured (:func:`graphed_reduce_line` says so in
+    one line). ``auto``: the flat path where it is as fast as DDP (:data:`FLAT_AS_FAST_AS_DDP`); else DDP. The
+    default ``ddp`` of eager runs (the deterministic runs) is unchanged."""
     if mode not in GRAD_REDUCE_MODES:
         raise ValueError(f"unknown grad_reduce mode {mode!r}; expected one of {GRAD_REDUCE_MODES}")
     if world_size <= 1:
         return "local"
+    if graphed:
+        return "flat"
     if mode == "auto":
-        return "flat" if graphed or FLAT_AS_FAST_AS_DDP else "ddp"
+        return "flat" if FLAT_AS_FAST_AS_DDP else "ddp"
     return mode
+
+
+def graphed_reduce_line(mode: str, world_size: int) -> str | None:
+    """The one line a run prints where ``--cuda-graphs step`` chose the gradient reduction for it (``mode``, on
+    ``world_size`` > 1 training ranks, would have taken DDP's); None where the graph changed nothing."""
+    if world_size <= 1 or resolve_grad_reduce(mode, world_size) == "flat":
+        return None
+    return (f"scalefold train: --cuda-graphs step with {world_size} training ranks: the gradient all-reduce is the "
+            f"flat one (--grad-reduce flat, captured inside the graph; --grad-reduce {mode} would use DDP's reducer, "
+            "which a CUDA graph cannot hold)")
 
 
 @dataclass(frozen=True, eq=False)
@@ -257,4 +271,4 @@ class FlatGradReducer:
         self.set_overlap(False)
 
 
-__all__ = ["BUCKET_BYTES", "Bucket", "FlatGradReducer", "plan_buckets", "resolve_grad_reduce"]
+__all__ = ["BUCKET_BYTES", "Bucket", "FlatGradReducer", "graphed_reduce_line", "plan_buckets", "resolve_grad_reduce"]

@@ -291,16 +291,17 @@ class TrainingStep:
             self.finish()
         return self.last.loss
 
-    def use_whole_step_graphs(self, log: Callable[[str], None] | None = None, backend: Any = None) -> Any:
-        """Capture this step whole per recycling count on :attr:`batch` (``--cuda-graphs step``; the tools'
-        way to the Trainer's graphs; on a CPU the emulated capture) and replay them from now on where the
-        capture held; returns the
+    def use_whole_step_graphs(self, log: Callable[[str], None] | None = None, backend: Any = None,
+                              counts: list[int] | None = None) -> Any:  # fmt: skip
+        """Capture this step whole per recycling count (``counts``, default every one) on :attr:`batch`
+        (``--cuda-graphs step``; the tools' way to the Trainer's graphs; on a CPU the emulated capture) and replay
+        them from now on where the capture held; returns the
         :class:`~scalefold.compilation.graphed_step.WholeStepGraphs` (``.active``, ``.reason``)."""
         from scalefold.compilation.graphed_step import WholeStepGraphs, step_graph_backend
 
         backend, _, _ = step_graph_backend("step", self.device.type, backend)  # the CPU's: the emulated capture
         graphs = WholeStepGraphs(self, backend=backend, log=log, reason="--cuda-graphs step")
-        graphs.warm_up(self.batch)
+        graphs.warm_up(self.batch, counts=counts)
         self.graphs = graphs if graphs.active else None
         return graphs
 

@@ -58,6 +58,7 @@ from scalefold.compilation.regions import compile_blocks, warm_up
 from scalefold.config.training import TrainConfig
 from scalefold.data.pipeline import FeatureConfig
 from scalefold.data.store import Store
+from scalefold.distributed.layout import ParallelLayout
 from scalefold.distributed.runtime import Runtime, init_distributed, resume_command, shutdown
 from scalefold.evaluation.cache import validation_cache
 from scalefold.evaluation.client import AsyncEvaluation, EvaluationRanksFailed
@@ -73,7 +74,7 @@ from scalefold.model import AlphaFold, AlphaFoldConfig
 from scalefold.model.factory import build_model, build_model_config
 from scalefold.model.precision import deterministic_environment, keep_fp32_regions, setup_precision
 from scalefold.optim.clipping import GradClipper
-from scalefold.optim.flat_reduce import FlatGradReducer, resolve_grad_reduce
+from scalefold.optim.flat_reduce import FlatGradReducer, graphed_reduce_line, resolve_grad_reduce
 from scalefold.optim.lr_schedule import WarmupConstantLR
 from scalefold.train.curves import read_metrics
 from scalefold.train.reporting import (
@@ -148,6 +149,7 @@ def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
         parallel_evoformer=cfg.parallel_evoformer, crop_size=features.train_sequence_crop_size,
         stall_timeout_s=cfg.stall_timeout_s, dead_peer_timeout_s=cfg.dead_peer_timeout_s,
         fault_dir=Path(cfg.out) / "faults", resume=resume_command(default_args=resume_args(cfg)),
+        preflight=lambda layout, device, rank: check_graph_modes(cfg, layout, device.type, rank),
     )  # fmt: skip
     parallel = runtime.parallel
     # inductor's and Triton's caches in --compile-cache (a subfolder per torch/Triton/GPU), before anything
@@ -169,16 +171,6 @@ def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
     start_multiprocessing_helpers_ignoring_stop_signals()
     finished = False  # this rank's run returned: it meets its peers at the exit barrier (shutdown)
     try:
-        # --cuda-graphs on where graphs cannot run is refused on every rank before anything is logged or built
-        # (evaluation ranks included, which would otherwise wait for a run_start that never comes)
-        unsupported = PARALLEL_EVOFORMER_UNCAPTURABLE if cfg.parallel_evoformer else None
-        if cfg.cuda_graphs != "step":  # the recycling passes' graphs (step: the whole step's, below)
-            resolve_graph_mode(cfg.cuda_graphs, runtime.device.type, model_parallel=parallel.layout.model_parallel,
-                               unsupported=unsupported)  # fmt: skip
-        train_ranks = parallel.num_train_ranks if runtime.distributed else 1
-        flat = resolve_grad_reduce(cfg.grad_reduce, train_ranks, graphed=cfg.cuda_graphs == "step") == "flat"
-        resolve_step_mode(cfg.cuda_graphs, runtime.device.type, parallel.layout.model_parallel, train_ranks, bp=cfg.bp,
-                          flat_reduce=flat)  # fmt: skip
         with StopRequest() as stop_request:
             if parallel.is_eval_rank:  # asynchronous evaluation ranks: serve evaluations until training ends
                 result = _evaluation_rank(cfg, runtime, stop_request, model_cfg, features)
@@ -205,6 +197,24 @@ def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
         raise CheckpointNotWritten(f"the run's last {result.unsaved_checkpoint}; after freeing space, continue "
                                    f"from it with: {resume_command(default_args=resume_args(cfg))}")  # fmt: skip
     return result
+
+
+def check_graph_modes(cfg: TrainConfig, layout: ParallelLayout, device_type: str, rank: int = 0) -> None:
+    """``--cuda-graphs`` and ``--grad-reduce`` against the launch, on every rank before the process group forms
+    (:func:`~scalefold.distributed.runtime.init_distributed`'s ``preflight``): graphs where they cannot run are
+    refused (:class:`~scalefold.compilation.graphed_step.CudaGraphsUnavailable`, one line per rank, exit status 3;
+    evaluation ranks included, which would otherwise wait for a run_start that never comes); whole-step graphs on
+    several training ranks take the capturable flat gradient all-reduce, said in one line by the main rank."""
+    unsupported = PARALLEL_EVOFORMER_UNCAPTURABLE if cfg.parallel_evoformer else None
+    if cfg.cuda_graphs != "step":  # the recycling passes' graphs (step: the whole step's, below)
+        resolve_graph_mode(cfg.cuda_graphs, device_type, model_parallel=layout.model_parallel, unsupported=unsupported)
+    graphed = cfg.cuda_graphs == "step"
+    flat = resolve_grad_reduce(cfg.grad_reduce, layout.num_train_ranks, graphed=graphed) == "flat"
+    resolve_step_mode(cfg.cuda_graphs, device_type, layout.model_parallel, layout.num_train_ranks, bp=cfg.bp,
+                      flat_reduce=flat)  # fmt: skip
+    line = graphed_reduce_line(cfg.grad_reduce, layout.num_train_ranks) if graphed else None
+    if line is not None and rank == layout.main_train_rank:
+        print(line, flush=True)
 
 
 def prepare_run(cfg: TrainConfig, runtime: Runtime, checkpoints: CheckpointManager) -> tuple[Path | None, dict | None]:
