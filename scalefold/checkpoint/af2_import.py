@@ -246,7 +246,7 @@ def _architecture_problems(family: Mapping[str, bool], has: Mapping[str, bool], 
             notes.append(f"left out the predicted-aligned-error head ({pae_names}): the ScaleFold model has no TM head")
         else:
             problems.append(f"has the predicted-aligned-error head of the _ptm models ({pae_names}), which {target} "
-                            "lacks (no TM head); --drop-pae-head imports the rest")  # fmt: skip
+                            "lacks (no TM head); `scalefold import-weights --drop-pae-head` imports the rest")  # fmt: skip
     if has["pae_head"] and not family["pae_head"]:
         problems.append(f"has no predicted-aligned-error head, but {target} has a TM head: use a _ptm file")
     return problems, notes
@@ -354,14 +354,16 @@ def _plan_openfold(sd: Mapping[str, torch.Tensor], shapes, target: str, skipped:
 
 
 def import_openfold(path: PathLike, preset: str | None = None, model: nn.Module | None = None,
-                    drop_pae_head: bool = False) -> ImportedWeights:  # fmt: skip
-    """An OpenFold checkpoint -> ScaleFold weights (renamed; the tensors are the same)."""
+                    drop_pae_head: bool = False, obj: Mapping[str, Any] | None = None) -> ImportedWeights:  # fmt: skip
+    """An OpenFold checkpoint (``obj``: its contents, already read) -> ScaleFold weights (renamed; the
+    tensors are the same)."""
     start = time.perf_counter()
     path = os.fspath(path)
-    try:
-        obj = read_checkpoint(path)
-    except CheckpointError as exc:
-        raise WeightsImportError(str(exc)) from exc
+    if obj is None:
+        try:
+            obj = read_checkpoint(path)
+        except CheckpointError as exc:
+            raise WeightsImportError(str(exc)) from exc
     upstream, which = unwrap_openfold(path, obj)
     if looks_like_reference(upstream):
         raise WeightsImportError(f"{path}: already a ScaleFold / MLPerf reference checkpoint (reference names); "
@@ -419,25 +421,30 @@ def detect_format(path: PathLike) -> str | None:
     return None
 
 
-def is_foreign_weights(path: PathLike) -> bool:
-    """Whether ``--init-from`` should import ``path`` first: an AlphaFold2 ``.npz`` or an OpenFold checkpoint
-    (reference-layout checkpoints load as they are)."""
-    fmt = detect_format(path) if Path(path).is_file() else None
-    if fmt == "af2":
-        return True
-    if fmt == "openfold":
-        try:
-            obj = read_checkpoint(os.fspath(path))
-        except CheckpointError:
-            return False  # the ordinary loader reports it
-        if MODEL_KEY in obj or "averaged_model.n_averaged" in obj:
-            return False
-        try:
-            names = unwrap_openfold(os.fspath(path), obj)[0]
-        except WeightsImportError:
-            return False
-        return not looks_like_reference(names)
-    return False
+def looks_like_openfold(obj: Mapping[str, Any]) -> bool:
+    """Whether a torch checkpoint's contents are OpenFold's (not a reference-layout or ScaleFold checkpoint)."""
+    if MODEL_KEY in obj or "averaged_model.n_averaged" in obj:
+        return False
+    try:
+        names = list(unwrap_openfold("", obj)[0])
+    except WeightsImportError:
+        return False
+    return any(n.startswith(("evoformer.", "aux_heads.", "template_embedder.")) for n in names)
+
+
+def read_init_source(path: PathLike, model: nn.Module, say=None) -> dict[str, Any]:
+    """The reference-layout checkpoint ``--init-from path`` starts ``model`` from: an AlphaFold2 ``.npz`` or an
+    OpenFold checkpoint imported on the way (``say`` gets the one-line summary), anything else read as it is."""
+    if Path(path).is_file() and detect_format(path) == "af2":
+        result = import_af2(path, model=model)
+    else:
+        ckpt = read_checkpoint(os.fspath(path))
+        if not looks_like_openfold(ckpt):
+            return dict(ckpt)
+        result = import_openfold(path, model=model, obj=ckpt)
+    if say is not None:
+        say(result.summary())
+    return imported_checkpoint(result, with_hash=False)
 
 
 def import_weights(path: PathLike, source_format: str | None = None, preset: str | None = None,
@@ -476,6 +483,6 @@ def write_imported(result: ImportedWeights, out: PathLike) -> Path:
 
 __all__ = [
     "FORMATS", "WeightsImportError", "ImportedWeights", "PRESETS", "af2_family", "describe_af2", "detect_format",
-    "import_af2", "import_openfold", "import_weights", "imported_checkpoint", "is_foreign_weights",
-    "model_shapes", "preset_shapes", "read_npz", "unwrap_openfold", "write_imported",
+    "import_af2", "import_openfold", "import_weights", "imported_checkpoint", "looks_like_openfold",
+    "model_shapes", "preset_shapes", "read_init_source", "read_npz", "unwrap_openfold", "write_imported",
 ]  # fmt: skip
