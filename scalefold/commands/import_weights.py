@@ -97,7 +97,8 @@ def _print_parameters(result) -> None:
 
 
 def _forward_check(checkpoint: str, preset: str | None) -> None:
-    """A forward pass of the written checkpoint on the example target: every output finite, the mean pLDDT."""
+    """A forward pass (no recycling) of the written checkpoint on the example target: every output finite, the
+    mean pLDDT."""
     from scalefold.errors import UserError
     from scalefold.inference.predict import predict
 
@@ -106,7 +107,7 @@ def _forward_check(checkpoint: str, preset: str | None) -> None:
         print(f"forward check skipped: no example target here ({EXAMPLE_TARGET})")
         return
     result = predict(fasta, checkpoint, a3m=[a3m] if a3m.is_file() else [], preset=preset, weights="model",
-                     device="cpu")  # fmt: skip
+                     num_recycling=0, device="cpu")  # fmt: skip
     import numpy as np
 
     finite = bool(np.isfinite(result.structure.atom_positions).all() and np.isfinite(result.structure.plddt).all())
