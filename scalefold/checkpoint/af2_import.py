@@ -105,7 +105,7 @@ class ImportedWeights:
 # --------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _preset_shapes(preset: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
     with torch.device("meta"):
         model = AlphaFold(AlphaFoldConfig.from_preset(preset), activation_checkpointing=False)

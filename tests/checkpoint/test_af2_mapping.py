@@ -86,7 +86,7 @@ def test_stacked_block_transform():
     """A stacked key's block i is axis-0 slice i, converted on its own."""
     stacked = np.arange(3 * 2 * 4, dtype=np.float64).reshape(3, 2, 4)  # 3 blocks of a [2, 4] linear weight
     for block in range(3):
-        entry = mapping.Entry("x.blocks.%d.w" % block, "k", "linear", block, "core")
+        entry = mapping.Entry(f"x.blocks.{block}.w", "k", "linear", block, "core")
         assert np.array_equal(mapping.convert(entry, stacked), stacked[block].T)
 
 
