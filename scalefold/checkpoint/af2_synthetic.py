@@ -266,6 +266,28 @@ def trace_index(arrays: Mapping[str, np.ndarray]) -> dict[float, tuple[str, tupl
     return index
 
 
+def af2_arrays_from_state_dict(state_dict: Mapping[str, "torch.Tensor"], cfg: AlphaFoldConfig, templates: bool = True,
+                               ptm: bool = False) -> dict[str, np.ndarray]:  # fmt: skip
+    """A ScaleFold state dict written back in AlphaFold2's layout (the mapping run backwards), e.g. the demo's
+    shipped weights as a demo-size AF2 file. Unlike the rest of this module this uses the import mapping, so
+    a file written here shows the round trip, not the mapping's correctness (the tests' job)."""
+    import torch  # noqa: F401 -- the state dict's tensors
+
+    from scalefold.checkpoint import af2_mapping as mapping
+
+    shapes = af2_shapes(cfg, templates=templates, ptm=ptm)
+    entries, uncovered = mapping.expand(state_dict)
+    if uncovered:
+        raise ValueError(f"{len(uncovered)} parameters the mapping does not cover: {uncovered[:5]}")
+    arrays = {key: np.zeros(shape, np.float32) for key, shape in shapes.items()}
+    for entry in entries:
+        tensor = state_dict[entry.target].detach().cpu().float().numpy()
+        slot = arrays[entry.source][entry.block] if entry.block is not None else arrays[entry.source]
+        flip = entry.transform in ("linear", "heads_in", "heads_out", "flat_out")
+        slot[...] = (tensor.T if flip else tensor).reshape(slot.shape)
+    return arrays
+
+
 def write_af2_params(
     path: Union[str, os.PathLike], cfg: AlphaFoldConfig, templates: bool = True, ptm: bool = False,
     seed: int = 0, values: str = "random",
@@ -278,4 +300,4 @@ def write_af2_params(
     return arrays
 
 
-__all__ = ["PREFIX", "af2_arrays", "af2_shapes", "trace_index", "write_af2_params"]
+__all__ = ["PREFIX", "af2_arrays", "af2_arrays_from_state_dict", "af2_shapes", "trace_index", "write_af2_params"]
