@@ -24,6 +24,7 @@ import functools
 import os
 import time
 import zipfile
+import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -195,8 +196,10 @@ def read_npz(path: PathLike) -> dict[str, np.ndarray]:
             try:
                 array = archive[key]
             except Exception as exc:  # noqa: BLE001 -- zlib/zip/format errors of a damaged member
-                raise WeightsImportError(f"{path}: key {key!r} cannot be read: the file is truncated or corrupt "
-                                   f"({type(exc).__name__}: {exc})") from exc  # fmt: skip
+                damaged = isinstance(exc, (zipfile.BadZipFile, EOFError, zlib.error)) or "CRC" in str(exc)
+                why = "the file is truncated or corrupt " if damaged else ""
+                raise WeightsImportError(f"{path}: key {key!r} cannot be read: {why}({type(exc).__name__}: "
+                                         f"{exc})") from exc  # fmt: skip
             if array.dtype.kind != "f":
                 raise WeightsImportError(f"{path}: key {key!r} holds {array.dtype} values, expected floating point")
             bad = array.size - int(np.count_nonzero(np.isfinite(array)))

@@ -119,6 +119,8 @@ def test_unreadable_files_refused(tmp_path, unique_af2_file):
     nan[first].flat[0] = np.nan
     _refused(_save(tmp_path / "nan.npz", nan), "has 1 non-finite value")
     _refused(_save(tmp_path / "ints.npz", {PREFIX + "x//weights": np.ones(2, np.int32)}), "holds int32 values")
+    pickled = {PREFIX + "x//weights": np.array([{"a": 1}], dtype=object)}  # never unpickled
+    _refused(_save(tmp_path / "pickled.npz", pickled), r"cannot be read: \(ValueError: Object arrays cannot be loaded")
     (tmp_path / "text.bin").write_text("hello")
     _refused(tmp_path / "text.bin", "neither an AlphaFold2 .npz nor a PyTorch checkpoint")
 
