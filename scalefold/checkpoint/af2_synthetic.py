@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Union
 
 import numpy as np
+import torch
 
 from scalefold.model.config import AlphaFoldConfig
 
@@ -266,14 +267,12 @@ def trace_index(arrays: Mapping[str, np.ndarray]) -> dict[float, tuple[str, tupl
     return index
 
 
-def af2_arrays_from_state_dict(state_dict: Mapping[str, "torch.Tensor"], cfg: AlphaFoldConfig, templates: bool = True,
+def af2_arrays_from_state_dict(state_dict: Mapping[str, torch.Tensor], cfg: AlphaFoldConfig, templates: bool = True,
                                ptm: bool = False) -> dict[str, np.ndarray]:  # fmt: skip
     """A ScaleFold state dict written back in AlphaFold2's layout (the mapping run backwards), e.g. the demo's
     shipped weights as a demo-size AF2 file. Unlike the rest of this module this uses the import mapping, so
     a file written here shows the round trip, not the mapping's correctness (the tests' job)."""
-    import torch  # noqa: F401 -- the state dict's tensors
-
-    from scalefold.checkpoint import af2_mapping as mapping
+    from scalefold.checkpoint import af2_mapping as mapping  # only here: the rest is independent of the mapping
 
     shapes = af2_shapes(cfg, templates=templates, ptm=ptm)
     entries, uncovered = mapping.expand(state_dict)
