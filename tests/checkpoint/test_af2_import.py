@@ -233,3 +233,20 @@ def test_init_from_imports_on_the_way(unique_af2_file, reference_weights):
         assert torch.equal(p.detach(), reference_weights[name]), name
     assert opt.num_steps == 0
     assert read_init_source(unique_af2_file[0], model)["iteration"] == 0
+
+
+def test_init_source_of_each_kind(tmp_path, reference_weights):
+    """``--init-from``: an OpenFold checkpoint is imported on the way too; a reference checkpoint, and a bare
+    state dict with reference names, load as they always did (no import, nothing said)."""
+    model = AlphaFold(AlphaFoldConfig.from_preset("tiny"))
+    said = []
+    torch.save({"ema": {"params": reference_to_upstream_openfold(reference_weights)}}, tmp_path / "of.pt")
+    ckpt = read_init_source(tmp_path / "of.pt", model, say=said.append)
+    assert said and "OpenFold checkpoint, EMA weights" in said[0] and ckpt["iteration"] == 0
+    assert all(torch.equal(ckpt["alphafold_state_dict"][k], v) for k, v in reference_weights.items())
+    reference = {"alphafold_state_dict": reference_weights, "iteration": 5}
+    torch.save(reference, tmp_path / "ref.pt")
+    torch.save(reference_weights, tmp_path / "bare.pt")
+    assert read_init_source(tmp_path / "ref.pt", model, say=said.append)["iteration"] == 5
+    assert set(read_init_source(tmp_path / "bare.pt", model, say=said.append)) == set(reference_weights)
+    assert len(said) == 1
