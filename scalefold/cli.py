@@ -33,6 +33,7 @@ _SUBCOMMAND_PROVIDERS: tuple[tuple[str, str], ...] = (
     ("scalefold.commands.perf", "add_parsers"),
     ("scalefold.commands.plan", "add_parsers"),
     ("scalefold.commands.checkpoint", "add_parsers"),
+    ("scalefold.commands.import_weights", "add_parsers"),
     ("scalefold.commands.kernels", "add_parsers"),
     ("scalefold.commands.slurm", "add_parsers"),
     ("scalefold.commands.versions", "add_parsers"),

@@ -127,7 +127,8 @@ class TrainConfig:
     progress: bool = option(True, flag="--no-progress", help="no progress bar")
     # starting point: a reference-format checkpoint (weights + Adam state), SWA starts from it
     init_from: str | None = option(None, cli=True, slurm="INIT_CHECKPOINT",
-                                   help="start from a reference-format checkpoint (weights + Adam state)")
+                                   help="start from a reference-format checkpoint (weights + Adam state), or from "
+                                   "AlphaFold2 JAX parameters (.npz) or an OpenFold checkpoint (imported on the way)")
     # parallelism (the rank layout is validated once, by scalefold.distributed.layout.ParallelLayout)
     num_async_eval_ranks: int = option(0, cli=True, slurm="NUM_ASYNC_VAL_RANKS", slurm_omit_default=True,
                                        help="the last N ranks evaluate asynchronously (0 = in the loop)")

@@ -53,8 +53,12 @@ def _run_checkpoint_error(fn):
 
 
 @_run_checkpoint_error
-def init_from_checkpoint(path: str, model: AlphaFold, opt: FlatAdamSWA, hash_file: bool = True) -> tuple[int, str | None]:
+def init_from_checkpoint(path: str, model: AlphaFold, opt: FlatAdamSWA, hash_file: bool = True,
+                         say=None) -> tuple[int, str | None]:  # fmt: skip
     """Load a reference-format checkpoint (weights strictly, Adam moments onto the flat buffers).
+
+    AlphaFold2's ``.npz`` parameters and OpenFold checkpoints are imported on the way
+    (:func:`scalefold.checkpoint.af2_import.read_init_source`; ``say`` gets its one-line summary).
 
     The MLPerf reference layout: ``alphafold_state_dict`` (reference parameter names),
     ``optimizer_state_dict`` (``torch.optim.Adam``: per-parameter ``step``/``exp_avg``/``exp_avg_sq``
@@ -71,10 +75,10 @@ def init_from_checkpoint(path: str, model: AlphaFold, opt: FlatAdamSWA, hash_fil
         compare_state_dict,
         extract_model_state_dict,
         load_reference_checkpoint,
-        read_checkpoint,
     )
+    from scalefold.checkpoint.af2_import import read_init_source
 
-    ckpt = read_checkpoint(path)  # torch.load(weights_only=True); unreadable files -> CheckpointError
+    ckpt = read_init_source(path, model, say)  # torch.load(weights_only=True); unreadable -> CheckpointError
     for key in ("alphafold_state_dict", "iteration"):
         if key not in ckpt:
             raise CheckpointError(f"{path}: not a reference checkpoint, no {key!r} (keys: {sorted(ckpt)[:10]})")

@@ -340,7 +340,8 @@ class Trainer:
     def _init_from(self) -> str:
         """``--init-from``: every training rank loads the file; only the logging rank hashes it (1.1 GiB),
         then shares the hash."""
-        iteration, sha = init_from_checkpoint(self.cfg.init_from, self.model, self.opt, hash_file=self.main)
+        iteration, sha = init_from_checkpoint(self.cfg.init_from, self.model, self.opt, hash_file=self.main,
+                                              say=partial(print, flush=True) if self.main else None)  # fmt: skip
         if self.runtime.distributed and self.parallel.num_train_ranks > 1:
             box = [sha]
             dist.broadcast_object_list(box, src=self.parallel.main_train_rank, group=self.parallel.train_group)
