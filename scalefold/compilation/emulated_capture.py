@@ -54,8 +54,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from scalefold.compilation import capture_rules as rules
 
 _HERE = frozenset({Path(__file__).resolve()})
-_MACHINERY = _HERE | {Path(rules.__file__).resolve(), Path(__file__).resolve().with_name("graphed_step.py"),
-                      Path(__file__).resolve().with_name("cuda_graphs.py")}  # fmt: skip
+_MACHINERY = _HERE | {Path(rules.__file__).resolve()} | {
+    Path(__file__).resolve().with_name(name)
+    for name in ("graphed_step.py", "graph_modes.py", "recycling_graphs.py", "whole_step_graphs.py", "cuda_graphs.py")
+}
 _LIBRARIES = (Path(os.__file__).resolve().parent, Path(torch.__file__).resolve().parent)
 
 
