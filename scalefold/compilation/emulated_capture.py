@@ -75,37 +75,24 @@ def _site() -> str:
 
 
 class CaptureRefused(RuntimeError):
-    """An operation a CUDA-graph capture refuses, made inside the captured region (``what``, at ``where``)."""
+    """An operation a CUDA-graph capture refuses, made inside the captured region (``what``, at ``where``;
+    ``rule``: the name of its :class:`~scalefold.compilation.capture_rules.Rule`)."""
 
-    def __init__(self, what: str, where: str) -> None:
-        self.what, self.where = what, where
+    def __init__(self, what: str, where: str, rule: str = "") -> None:
+        self.what, self.where, self.rule = what, where, rule
         super().__init__(f"{what} inside the captured region" + (f" at {where}" if where else ""))
 
 
 _survey: list[list[tuple[str, str]]] = []  # record(..., survey=...): refusals listed, not raised
 
 
-def _refuse(what: str) -> None:
-    where = _site()
+def _refuse(rule: rules.Rule, detail: str = "") -> None:
+    what, where = rule.what + (f" ({detail})" if detail else ""), _site()
     if _survey:
         if (what, where) not in _survey[-1]:
             _survey[-1].append((what, where))
         return
-    raise CaptureRefused(what, where)
-
-
-_WHAT = {
-    "item": "a device-to-host read (.item() / float() / bool() / int() of a tensor)",
-    "nonzero": "a device-to-host read (nonzero: its output shape depends on the data)",
-    "masked_select": "a device-to-host read (masked_select: its output shape depends on the data)",
-    "is_nonzero": "a device-to-host read (bool() of a tensor)",
-    "equal": "a device-to-host read (torch.equal)",
-    "unique": "a device-to-host read (unique: its output shape depends on the data)",
-    "mask_index": "a device-to-host read (boolean-mask indexing: its output shape depends on the data)",
-    "repeat_interleave": "a device-to-host read (repeat_interleave without output_size)",
-    "device_to_host": "a device-to-host copy",
-    "host_to_device": "a host-to-device copy of Python data (torch.tensor / new_tensor / as_tensor of host data)",
-}
+    raise CaptureRefused(what, where, rule.name)
 
 
 def _signature(t: torch.Tensor) -> tuple:
@@ -132,14 +119,13 @@ class _Recorder(TorchDispatchMode):
             # buffer inside ``Work.wait()``): part of the collective, which a replay runs again whole and waits
             # on -- recorded, it would copy the capture's stale buffer over every replay's result
             return func(*args, **kwargs)
-        kind = rules.HOST_TO_DEVICE_OPS.get(func)
-        if kind is not None and self.scalar_setitem and args and args[0].dim() == 0:
-            kind = None
-        kind = kind or rules.host_read(func, args, kwargs)
-        if kind is not None and not (self.cpu_only_depth and kind in rules.SYNC_OPS.values() and rules.on_cpu(args)):
-            _refuse(_WHAT.get(kind, kind))
+        rule = rules.op_rule(func, args, kwargs)
+        if rule is not None and rule.name == "host_to_device" and self.scalar_setitem and args[0].dim() == 0:
+            rule = None
+        if rule is not None and not (self.cpu_only_depth and func in rules.SYNC_OPS and rules.on_cpu(args)):
+            _refuse(rule)
         out = func(*args, **kwargs)
-        if kind is not None:  # a CPU-only read: its value decides nothing a replay computes
+        if rule is not None:  # a CPU-only read: its value decides nothing a replay computes
             return out
         template, subs = self._template(args, kwargs)
         out_slots: list[int | None] | int | None = [self._new_slot(y) for y in out] if isinstance(out, (tuple, list)) \
@@ -189,8 +175,9 @@ class _HostCalls(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         name = getattr(func, "__name__", "")
-        if name in rules.HOST_READ_METHODS and args and isinstance(args[0], torch.Tensor):
-            _refuse(f"a device-to-host read (Tensor.{name})")
+        rule = rules.function_rule(name, args, kwargs or {})
+        if rule is not None:
+            _refuse(rule, f"Tensor.{name}" if rule.name != "one_hot_unsized" else "")
         depth = None
         if name in rules.CPU_ONLY_FUNCTIONS and rules.on_cpu(args[:1]):
             depth = "cpu_only_depth"
@@ -233,28 +220,26 @@ def _unrecorded_waits(recorder: _Recorder) -> Iterator[None]:
 
 @contextmanager
 def _refused_calls() -> Iterator[None]:
-    """The generator-state calls, ``torch.cuda.synchronize`` and ``torch.from_numpy`` raise inside."""
+    """The module functions of the ``calls`` rules (generator state, synchronisations, a barrier) raise inside."""
     saved: list[tuple[Any, str, Any]] = []
-    originals: dict[str, Any] = {}
 
-    def refusing(qualname: str, what: str) -> Callable[..., Any]:
+    def refusing(rule: rules.Rule, qualname: str, original: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
-            _refuse(f"{what} ({qualname})")
-            return originals[qualname](*args, **kwargs)  # surveying: go on
+            _refuse(rule, qualname)
+            return original(*args, **kwargs)  # surveying: go on
 
         return call
 
-    calls = [(m, a, "a random-number-generator state read or set") for m, a in rules.RNG_STATE_CALLS]
-    calls.append(("torch", "from_numpy", "a host-to-device copy of host data"))
     try:
-        for module_name, attr, what in calls:
-            module = importlib.import_module(module_name)
+        for rule, module_name, attr in rules.call_rules():
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError:  # e.g. torch.distributed on a build without it
+                continue
             if hasattr(module, attr):
-                saved.append((module, attr, getattr(module, attr)))
-                originals[f"{module_name}.{attr}"] = getattr(module, attr)
-                if module_name == "torch.cuda" and attr == "synchronize":
-                    what = "a host synchronisation"
-                setattr(module, attr, refusing(f"{module_name}.{attr}", what))
+                original = getattr(module, attr)
+                saved.append((module, attr, original))
+                setattr(module, attr, refusing(rule, f"{module_name}.{attr}", original))
         yield
     finally:
         for module, attr, original in reversed(saved):

@@ -41,7 +41,6 @@ from scalefold.compilation.graph_modes import (
     resolve_mode,
     rng_states,
     same_state,
-    synthetic_step_batch,
 )
 from scalefold.errors import exception_summary
 
