@@ -76,7 +76,6 @@ def resolve_mode(mode: str, device_type: str, model_parallel: int = 1, backend_a
     return True, f"--cuda-graphs {mode}: CUDA device, no DAP/BP"
 
 
-
 def emulated_capture(mode: str, device_type: str) -> bool:
     """Whether ``--cuda-graphs mode`` on ``device_type`` runs the CPU emulation of a capture: ``step`` on a
     CPU (:mod:`scalefold.compilation.emulated_capture`; ``auto`` keeps eager there)."""

@@ -468,6 +468,9 @@ def setup_step_graphs(
                 "recorded once and replayed without its Python, refusing what a CUDA capture refuses)")  # fmt: skip
         if before_capture is not None:
             before_capture()
+        second = synthetic_step_batch(features, model, device, dtype, seed=1)
+        graphs.warm_up(synthetic_step_batch(features, model, device, dtype), second=second)
+    return graphs
 
 
 __all__ = ["WHOLE_STEP_DDP", "WHOLE_STEP_TOLERANCE", "WholeStepGraphs", "WholeStepStats", "perturbed_batch",

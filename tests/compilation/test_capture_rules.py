@@ -273,9 +273,22 @@ def _refused_lines(fn) -> set[int]:
     return {start + i for i, line in enumerate(lines) if "# refused" in line}
 
 
+@pytest.fixture(scope="module")
+def one_rank_group(tmp_path_factory):
+    """A real (gloo, one rank) process group: without its rule a planted barrier runs, unrefused."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path_factory.mktemp("group") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("rule, fn", CASES, ids=IDS)
-def test_planted(rule, fn):
+def test_planted(rule, fn, request):
     """The planted operation raises at its line, naming its rule."""
+    if rule == "barrier":
+        request.getfixturevalue("one_rank_group")
     with pytest.raises(CaptureRefused) as info:
         record(fn)
     assert info.value.rule == rule, info.value
@@ -287,8 +300,10 @@ def test_planted(rule, fn):
 
 
 @pytest.mark.parametrize("rule", list(PLANTED))
-def test_without_its_rule_every_planted_operation_escapes(rule):
+def test_without_its_rule_every_planted_operation_escapes(rule, request):
     """The rule is what refuses: removed, none of its planted operations is refused by it (nor by another rule)."""
+    if rule == "barrier":
+        request.getfixturevalue("one_rank_group")
     with rules.without(rule):
         for fn in PLANTED[rule]:
             try:
