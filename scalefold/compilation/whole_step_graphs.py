@@ -41,6 +41,7 @@ from scalefold.compilation.graph_modes import (
     resolve_mode,
     rng_states,
     same_state,
+    synthetic_step_batch,
 )
 from scalefold.errors import exception_summary
 
