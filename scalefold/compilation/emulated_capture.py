@@ -52,6 +52,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from scalefold.compilation import capture_rules as rules
+from scalefold.compilation import emulated_collectives as collectives
 
 _HERE = frozenset({Path(__file__).resolve()})
 _MACHINERY = _HERE | {Path(rules.__file__).resolve()} | {
@@ -111,6 +112,7 @@ class _Recorder(TorchDispatchMode):
         self.cpu_only_depth = 0
         self.in_wait = 0  # inside a collective's ``Work.wait()``: not recorded
         self.scalar_setitem = 0  # inside ``t[index] = number``: its 0-dim scalar is a fill on a device, not a copy
+        self.issued: dict[int, tuple[int, Any, str]] = {}  # a collective's Work -> (its node, the Work, its line)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
@@ -131,7 +133,25 @@ class _Recorder(TorchDispatchMode):
         out_slots: list[int | None] | int | None = [self._new_slot(y) for y in out] if isinstance(out, (tuple, list)) \
             else self._new_slot(out)  # fmt: skip
         self.nodes.append((func, template, subs, out_slots))
+        if func.namespace == "c10d":  # its wait() becomes a node where the step waits (emulated_collectives)
+            work = collectives.work_of(out)
+            if work is not None:
+                self.issued[id(work)] = (len(self.nodes) - 1, work, _site())
         return out
+
+    def waited(self, work: Any) -> None:
+        """The step waits for ``work`` here: the replay completes its collective at this node."""
+        entry = self.issued.pop(id(work), None)
+        if entry is not None and not self.in_wait:
+            self.nodes.append((collectives.WaitFor(entry[0]), ([], {}), [], None))
+
+    def unwaited(self) -> None:
+        """Refuse a collective issued in the region and not waited there (its stream never joins the capture)."""
+        for _, _, where in self.issued.values():
+            if _survey:
+                _survey[-1].append((collectives.NEVER_WAITED, where))
+            else:
+                raise CaptureRefused(collectives.NEVER_WAITED, where, "never_waited")
 
     def _new_slot(self, y: Any) -> int | None:
         if not isinstance(y, torch.Tensor):
@@ -195,7 +215,8 @@ class _HostCalls(TorchFunctionMode):
 @contextmanager
 def _unrecorded_waits(recorder: _Recorder) -> Iterator[None]:
     """``Work.wait()`` runs unrecorded: what a backend does there finishes the collective (see
-    :meth:`_Recorder.__torch_dispatch__`); a replay waits on every collective it issues (:func:`_wait`)."""
+    :meth:`_Recorder.__torch_dispatch__`); the place of the wait is recorded (:meth:`_Recorder.waited`), where
+    a replay completes the collective (:mod:`scalefold.compilation.emulated_collectives`)."""
     import torch.distributed as dist
 
     work = getattr(dist, "Work", None) if dist.is_available() else None
@@ -205,6 +226,7 @@ def _unrecorded_waits(recorder: _Recorder) -> Iterator[None]:
     original = work.wait
 
     def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+        recorder.waited(self)
         recorder.in_wait += 1
         try:
             return original(self, *args, **kwargs)
@@ -315,7 +337,11 @@ class EmulatedGraph:
     @torch.no_grad()
     def _replay(self) -> Any:
         env: list[Any] = [None] * self.num_slots
-        for (func, (args, kwargs), subs, outs), free in zip(self.nodes, self._free_after):
+        pending: dict[int, collectives.Pending] = {}  # collectives issued, not yet waited: outputs poisoned
+        for index, ((func, (args, kwargs), subs, outs), free) in enumerate(zip(self.nodes, self._free_after)):
+            if func.__class__ is collectives.WaitFor:
+                func.complete(pending)
+                continue
             if subs:
                 call = (list(args), dict(kwargs))
                 for sub in subs:
@@ -324,9 +350,10 @@ class EmulatedGraph:
                     else:
                         _fill(call[sub[0]], sub[1], sub[3:], env[sub[2]])
                 args, kwargs = call
-            out = func(*args, **kwargs)
-            if func.namespace == "c10d":  # a collective: stream-ordered on NCCL, so its result is ready here
-                _wait(out)
+            if func.namespace == "c10d":  # a collective: its outputs valid only at its wait
+                out, pending[index] = collectives.issue(func, args, kwargs)
+            else:
+                out = func(*args, **kwargs)
             if outs.__class__ is int:
                 env[outs] = out
             elif outs is not None:
@@ -335,6 +362,8 @@ class EmulatedGraph:
                         env[slot] = y
             for slot in free:
                 env[slot] = None
+        for left in pending.values():  # a collective without a Work to wait on (none in c10d today)
+            left.complete()
         for static, slot in zip(self.static_outputs, self._out_slots):
             if slot is not None and env[slot] is not None and env[slot] is not static:
                 static.copy_(env[slot])
@@ -351,13 +380,6 @@ def _fill(container: Any, key: Any, path: tuple, value: torch.Tensor) -> None:
     _fill(inner, path[0], path[1:], value)
 
 
-def _wait(out: Any) -> None:
-    """Wait on the ``Work`` a c10d operator returned (gloo's are asynchronous; a replay has no Python to wait)."""
-    for x in out if isinstance(out, (tuple, list)) else (out,):
-        if hasattr(x, "wait") and not isinstance(x, torch.Tensor):
-            x.wait()
-
-
 def record(fn: Callable[..., Any], *args: Any, survey: list[tuple[str, str]] | None = None) -> EmulatedGraph:
     """Run ``fn(*args)`` once, recording it (refusing what a capture refuses): the :class:`EmulatedGraph`.
     ``survey``: list every refused operation there as ``(what, where)`` and go on instead of raising (a
@@ -370,6 +392,7 @@ def record(fn: Callable[..., Any], *args: Any, survey: list[tuple[str, str]] | N
     try:
         with _refused_calls(), _unrecorded_waits(recorder), _HostCalls(recorder), recorder:
             output = fn(*args)
+        recorder.unwaited()
         return EmulatedGraph(recorder, output)
     finally:
         if collecting:

@@ -43,6 +43,7 @@ from scalefold.compilation.graph_modes import (
     same_state,
     synthetic_step_batch,
 )
+from scalefold.compilation.replay_watch import ReplayWatch
 from scalefold.errors import exception_summary
 
 #: The whole step's warm-up check (relative L2 of the gradient buffer, weights, moments, loss, norm between
@@ -146,6 +147,9 @@ class WholeStepGraphs:
         self._graphs: dict[Hashable, _StepGraph] = {}
         self._missed: set[int] = set()
         self._memory = _MemoryWatch(False)
+        #: the timer around each replay (:mod:`scalefold.compilation.replay_watch`): off until
+        #: :func:`setup_step_graphs` sets the run's ``--stall-timeout``
+        self.watch = ReplayWatch(0.0, rank)
         #: ``figures()`` -> (graph pool, an eager step's transient peak, what is left beside them) in bytes, or
         #: ``None`` (not measured: the CPU); default: the CUDA allocator's (tests plant their own)
         self.memory_figures: Callable[[], tuple[int, int, int] | None] | None = None
@@ -178,7 +182,8 @@ class WholeStepGraphs:
             for name, t in batch.items():
                 graph.static[name].copy_(t)
         self.stats.graphed += 1
-        result = graph.replay().clone()  # the static outputs are overwritten by the next replay
+        with self.watch.replaying(n):  # a replay cannot raise: a stalled one is named by the watch
+            result = graph.replay().clone()  # the static outputs are overwritten by the next replay
         # a replay runs no Python: the host's side of the captured step(apply=...) is marked here
         self.step.opt.mark_replayed()
         return result
@@ -454,15 +459,21 @@ def setup_step_graphs(
     group: Any = None,
     flat_reduce: bool = False,
     before_capture: Callable[[], None] | None = None,
+    stall_timeout_s: float = 0.0,
+    on_fatal: list[Callable[[], None]] | None = None,
 ) -> WholeStepGraphs:
     """Whole-step graphs for ``--cuda-graphs mode`` over ``step`` (a
     :class:`~scalefold.train.step.TrainingStep`), captured and checked on a synthetic batch of the training
-    shapes (before ``run_start``). Off where :func:`resolve_step_mode` says so (``step`` is refused there)."""
+    shapes (before ``run_start``). Off where :func:`resolve_step_mode` says so (``step`` is refused there).
+    ``stall_timeout_s`` (``--stall-timeout``): a replay not finished after it ends the rank with one line
+    (:class:`~scalefold.compilation.replay_watch.ReplayWatch`; ``on_fatal``: the heartbeat's hooks)."""
     backend, available, graph_device = step_graph_backend(mode, device.type, backend)
     enabled, reason = resolve_step_mode(mode, device.type, model_parallel, world_size, available, graph_device,
                                         bp=bp, flat_reduce=flat_reduce)  # fmt: skip
     log = (lambda line: print(line, flush=True)) if verbose else None
     graphs = WholeStepGraphs(step, backend=backend, enabled=enabled, reason=reason, log=log, rank=rank, group=group)
+    cuda = graphs.backend is not None and graphs.backend.device_type == "cuda"
+    graphs.watch = ReplayWatch(stall_timeout_s, rank, cuda=cuda, on_fatal=on_fatal)
     if graphs.active:
         if log is not None and graphs.emulated:
             log("cuda graphs: --cuda-graphs step on a CPU runs the emulated capture (each recycling count's step "
