@@ -51,13 +51,15 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from scalefold.compilation import capture_compiles
 from scalefold.compilation import capture_rules as rules
 from scalefold.compilation import emulated_collectives as collectives
 
 _HERE = frozenset({Path(__file__).resolve()})
 _MACHINERY = _HERE | {Path(rules.__file__).resolve()} | {
     Path(__file__).resolve().with_name(name)
-    for name in ("graphed_step.py", "graph_modes.py", "recycling_graphs.py", "whole_step_graphs.py", "cuda_graphs.py")
+    for name in ("graphed_step.py", "graph_modes.py", "recycling_graphs.py", "whole_step_graphs.py", "cuda_graphs.py",
+                 "capture_compiles.py", "emulated_collectives.py", "replay_watch.py")
 }
 _LIBRARIES = (Path(os.__file__).resolve().parent, Path(torch.__file__).resolve().parent)
 
@@ -390,9 +392,16 @@ def record(fn: Callable[..., Any], *args: Any, survey: list[tuple[str, str]] | N
     collecting = gc.isenabled()
     gc.disable()  # tens of thousands of recorded operators: the cyclic collector would rescan them all, often
     try:
-        with _refused_calls(), _unrecorded_waits(recorder), _HostCalls(recorder), recorder:
+        compiled: list[capture_compiles.Compilation] = []
+        with _refused_calls(), _unrecorded_waits(recorder), capture_compiles.watching(compiled, _site, emulated=True), \
+                _HostCalls(recorder), recorder:  # fmt: skip
             output = fn(*args)
         recorder.unwaited()
+        for compilation in compiled:  # a region Dynamo would have compiled here (it ran eagerly under the mode)
+            if _survey:
+                _survey[-1].append((compilation.describe(), compilation.where))
+            else:
+                raise CaptureRefused(compilation.describe(), compilation.where, "recompile")
         return EmulatedGraph(recorder, output)
     finally:
         if collecting:

@@ -1,0 +1,79 @@
+"""No compilation inside a capture (scalefold.compilation.capture_compiles): a ``torch.compile`` region that
+meets inputs it was not compiled for while the step is captured is refused with the region and the shapes,
+the whole step's graphs turn off in one line, and the run goes on eagerly with unchanged numbers. A planted
+new shape class on the CPU: a compiled region whose input shape changes with a host counter, so the capture
+meets a shape the warm-up never did."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scalefold.compilation.emulated_capture import CaptureRefused, EmulatedGraphBackend, record
+from scalefold.compilation.whole_step_graphs import WholeStepGraphs, perturbed_batch
+from scalefold.config.training import TrainConfig
+from scalefold.train.step import TrainingStep
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _glue(x):
+    return torch.sin(x) * 2 + 1
+
+
+def _loss_glue(x):  # another code object: Dynamo's cache is per code, shared by every torch.compile of it
+    return torch.cos(x) * 2
+
+
+def test_a_region_recompiled_inside_the_capture_is_refused_naming_it_and_the_shape():
+    compiled = torch.compile(_glue, dynamic=False, backend="eager")
+    warm = torch.ones(4)
+    compiled(warm)  # compiled for float32[4]
+    graph = record(lambda x: compiled(x) + 1, warm)  # the warm shape: no compilation, recorded
+    warm.fill_(0.5)
+    assert torch.equal(graph.replay(), _glue(warm) + 1)
+    with pytest.raises(CaptureRefused, match=r"torch.compile region _glue \(tests/compilation/test_capture_compiles.py") as info:
+        record(lambda x: compiled(x) + 1, torch.ones(6))  # a new shape class: Dynamo would compile here
+    assert info.value.rule == "recompile" and "x float32[6]" in info.value.what, info.value
+    assert info.value.where.startswith("tests/compilation/test_capture_compiles.py:"), info.value.where
+
+
+def _plant_new_shape_class(monkeypatch, compiled):
+    """The loss calls ``compiled`` on float32[3] at odd calls and float32[4] at even ones (adding 0: the
+    numbers do not change): the backend's eager warm-up iteration meets [3], the capture [4]."""
+    from scalefold.losses import alphafold_loss
+
+    real, calls = alphafold_loss.find_structural_violations, [0]
+
+    def planted(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls[0] += 1
+        extra = compiled(torch.ones(3 + (calls[0] + 1) % 2)).sum()
+        out["between_residues"]["clashes_mean_loss"] = out["between_residues"]["clashes_mean_loss"] + 0 * extra
+        return out
+
+    monkeypatch.setattr(alphafold_loss, "find_structural_violations", planted)
+
+
+def test_a_recompile_in_the_whole_step_capture_turns_graphs_off_and_the_run_goes_on_unchanged(monkeypatch):
+    compiled = torch.compile(_loss_glue, dynamic=False, backend="eager")
+    compiled(torch.ones(3))  # --compile's warm-up: the shape it met
+    _plant_new_shape_class(monkeypatch, compiled)
+    cfg = TrainConfig.from_preset("tiny", env={})
+    graphed, eager = TrainingStep.build(cfg), TrainingStep.build(cfg)
+    lines = []
+    graphs = WholeStepGraphs(graphed, backend=EmulatedGraphBackend(), warn=lines.append)
+    graphed.graphs = graphs
+    assert graphs.warm_up(graphed.batch, counts=[0]) == [] and not graphs.active
+    assert len(lines) == 1 and "recycling count 0: capture failed: CaptureRefused: a compilation (torch.compile " \
+        "region _loss_glue" in lines[0] and "x float32[4]" in lines[0] and "off for this run" in lines[0], lines
+    for i in range(2):
+        live = {k: v[..., :1] for k, v in perturbed_batch(eager.batch, seed=i).items()}
+        outcomes = []
+        for step in (graphed, eager):
+            outcomes.append(step.train(live, 0, seed=50 + i).read(1))
+            step.settle(outcomes[-1])
+        assert outcomes[0] == outcomes[1]
+    for a, b in zip(graphed.opt.groups, eager.opt.groups):
+        assert torch.equal(a.master, b.master)
+    assert graphs.stats.eager_off == 2
