@@ -20,19 +20,30 @@ GPU fails. :class:`EmulatedGraphBackend` keeps them:
   outputs, overwritten by the next replay (clone what must outlive it). Dropout's draws are operators on
   the default generator, so a replay draws new masks from the generator's state at replay time, as a
   CUDA graph's philox offset advances.
-* **Refused** while recording, raising :class:`CaptureRefused` with the ``scalefold`` file and line that
-  made the call (:mod:`scalefold.compilation.capture_rules`): a device-to-host read (``.item()``,
-  ``float()``, ``bool()``, ``.tolist()``, ``.numpy()``, ``nonzero``, boolean indexing, ...), a
-  host-to-device copy of Python data (``torch.tensor`` / ``new_tensor`` / ``as_tensor`` of a list,
-  ``torch.from_numpy``), a random-number-generator state read or set (``torch.get_rng_state`` /
-  ``set_rng_state`` / ``manual_seed``, as ``torch.utils.checkpoint`` calls them when it preserves the RNG
-  state) and ``torch.cuda.synchronize``. Reads that only a CPU makes (``F.one_hot``'s range check) are
-  let through: the GPU does not make them.
+* **Collectives** as a GPU runs them (:mod:`scalefold.compilation.emulated_collectives`): a collective's
+  ``wait()`` is recorded where the step waits; a replay poisons the collective's outputs at issue and
+  writes its results at that wait, so a consumer reading before the wait reads the poison. A collective
+  never waited inside the region is refused (its stream would never join the capture).
+* **Refused** while recording, raising :class:`CaptureRefused` with the file and line of the caller's own
+  code that made the call and the rule's name: every rule of
+  :data:`scalefold.compilation.capture_rules.RULES` -- device-to-host reads (``.item()``, ``float()``,
+  ``bool()``, ``.tolist()``, ``.numpy()``, ``.cpu()`` / ``.to("cpu")`` (the CPU stands for the device),
+  ``nonzero``, ``masked_select``, ``unique``, ``torch.equal``, boolean-mask indexing and assignment,
+  ``repeat_interleave`` without ``output_size``, ``bincount``, ``histc`` over the data's range, ``F.one_hot``
+  without ``num_classes``, ``torch.normal`` with a tensor std, ``torch.linalg``'s error checks and
+  decompositions), host-to-device copies of host data (``torch.tensor`` / ``new_tensor`` / ``as_tensor`` /
+  ``from_numpy``), a random-number-generator state read or set (as ``torch.utils.checkpoint`` makes them
+  when it preserves the RNG state), host synchronisations (``torch.cuda`` / ``torch.cpu`` /
+  ``torch.accelerator.synchronize``, ``torch.distributed.barrier``) -- and a compilation (a ``torch.compile``
+  region meeting inputs it was not compiled for: :mod:`scalefold.compilation.capture_compiles`). Reads that
+  only a CPU makes (``F.one_hot``'s range check with ``num_classes`` given) are let through: the GPU does
+  not make them.
 
 What it does not emulate: the memory pool (a replay allocates its intermediates from the CPU allocator),
-kernels the CPU never runs (Triton under capture, NCCL), and a CPU tensor's work inside a GPU step (here
-the emulated device *is* the CPU). ``tests/compilation/test_emulated_capture.py`` plants each refused
-operation in a step and sees it reported at its line.
+kernels the CPU never runs (Triton under capture, NCCL), stream and event synchronisation (no CUDA streams
+on the CPU), and a CPU tensor's work inside a GPU step (here the emulated device *is* the CPU).
+``tests/compilation/test_capture_rules.py`` plants each rule's operation in a captured function and sees it
+reported at its line, and let through once the rule is removed.
 """
 
 from __future__ import annotations
