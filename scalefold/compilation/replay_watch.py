@@ -75,7 +75,7 @@ class ReplayWatch:
     def line(self, n: int, step: int, waited_s: float) -> str:
         who = f"rank {self.rank} (host {socket.gethostname()}, pid {os.getpid()})"
         return (f"scalefold train: {who}: the whole-step graph replay of recycling count {n} at step {step} has not "
-                f"finished after {waited_s:.0f} s (a collective inside the graph waits for a dead or stalled peer?); "
+                f"finished after {waited_s:.3g} s (a collective inside the graph waits for a dead or stalled peer?); "
                 f"rank {self.rank} stops (exit status {EXIT_RANK_FAILED})")  # fmt: skip
 
     def _run(self) -> None:
