@@ -156,7 +156,7 @@ RULES: dict[str, Rule] = {r.name: r for r in (
          "read", functions=("one_hot",)),
     Rule("host_to_device", "a host-to-device copy of Python data (torch.tensor / new_tensor / as_tensor of host data)",
          "a copy from pageable host memory (cudaMemcpy H2D), which a capture refuses; a replay would not copy anew",
-         f"{_SRC}TensorFactories / torch/csrc/utils/tensor_new.cpp (internal_new_from_data: lift_fresh + copy)",
+         "torch/csrc/utils/tensor_new.cpp internal_new_from_data (a CPU tensor of the data, lift_fresh, copied to the device)",
          "write", ops=(_aten.lift_fresh.default,)),  # torch.from_numpy too: a tensor from host memory is lifted
     Rule("rng_state", "a random-number-generator state read or set",
          "torch.cuda.get_rng_state / set_rng_state / manual_seed raise while capturing (the generator's offset is "
