@@ -77,3 +77,22 @@ def test_a_recompile_in_the_whole_step_capture_turns_graphs_off_and_the_run_goes
     for a, b in zip(graphed.opt.groups, eager.opt.groups):
         assert torch.equal(a.master, b.master)
     assert graphs.stats.eager_off == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_recompile_inside_a_real_capture_is_named():
+    """On a GPU: a region that meets a new shape only once the capture starts (after the backend's eager
+    warm-up iterations) raises CompiledInCapture naming it, not CUDA's invalidated-capture error."""
+    from scalefold.compilation.capture_compiles import CompiledInCapture
+    from scalefold.compilation.cuda_graphs import CudaGraphBackend
+
+    compiled = torch.compile(_glue, dynamic=False, backend="inductor")
+    backend, calls = CudaGraphBackend(), [0]
+    x = torch.ones(8, device="cuda")
+
+    def fn(a):
+        calls[0] += 1
+        return compiled(a if calls[0] <= backend.warmup_iters else a[:5])
+
+    with pytest.raises(CompiledInCapture, match=r"torch.compile region _glue .* x float32\[5\]"):
+        backend.capture(fn, (x,))
