@@ -65,6 +65,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from scalefold.compilation import capture_compiles
 from scalefold.compilation import capture_rules as rules
 from scalefold.compilation import emulated_collectives as collectives
+from scalefold.kernels import elementwise
 
 _HERE = frozenset({Path(__file__).resolve()})
 _MACHINERY = _HERE | {Path(rules.__file__).resolve()} | {
@@ -404,8 +405,10 @@ def record(fn: Callable[..., Any], *args: Any, survey: list[tuple[str, str]] | N
     gc.disable()  # tens of thousands of recorded operators: the cyclic collector would rescan them all, often
     try:
         compiled: list[capture_compiles.Compilation] = []
+        # --compile's elementwise chains as their references: Dynamo runs no compiled region under a dispatch mode
+        # (and a fullgraph one would raise), so the recording holds the eager operators either way
         with _refused_calls(), _unrecorded_waits(recorder), capture_compiles.watching(compiled, _site, emulated=True), \
-                _HostCalls(recorder), recorder:  # fmt: skip
+                elementwise.mode(None), _HostCalls(recorder), recorder:  # fmt: skip
             output = fn(*args)
         recorder.unwaited()
         for compilation in compiled:  # a region Dynamo would have compiled here (it ran eagerly under the mode)

@@ -38,9 +38,10 @@ def test_a_region_recompiled_inside_the_capture_is_refused_naming_it_and_the_sha
     assert info.value.where.startswith("tests/compilation/test_capture_compiles.py:"), info.value.where
 
 
-def _plant_new_shape_class(monkeypatch, compiled):
+def _plant_new_shape_class(monkeypatch, compiled, growing=False):
     """The loss calls ``compiled`` on float32[3] at odd calls and float32[4] at even ones (adding 0: the
-    numbers do not change): the backend's eager warm-up iteration meets [3], the capture [4]."""
+    numbers do not change): the backend's eager warm-up iteration meets [3], the capture [4]. ``growing``:
+    float32[3 + call] (each call a shape never met: the capture's too, however many calls came before)."""
     from scalefold.losses import alphafold_loss
 
     real, calls = alphafold_loss.find_structural_violations, [0]
@@ -48,7 +49,7 @@ def _plant_new_shape_class(monkeypatch, compiled):
     def planted(*args, **kwargs):
         out = real(*args, **kwargs)
         calls[0] += 1
-        extra = compiled(torch.ones(3 + (calls[0] + 1) % 2)).sum()
+        extra = compiled(torch.ones(3 + (calls[0] if growing else (calls[0] + 1) % 2))).sum()
         out["between_residues"]["clashes_mean_loss"] = out["between_residues"]["clashes_mean_loss"] + 0 * extra
         return out
 
@@ -96,3 +97,35 @@ def test_a_recompile_inside_a_real_capture_is_named():
 
     with pytest.raises(CompiledInCapture, match=r"torch.compile region _glue .* x float32\[5\]"):
         backend.capture(fn, (x,))
+
+
+def test_train_with_compile_and_the_emulated_capture_names_a_recompile_and_keeps_its_numbers(tmp_path, capsys,
+                                                                                           monkeypatch):  # fmt: skip
+    """``scalefold train --compile --cuda-graphs step`` on the CPU (the emulated capture): the warmed ``--compile``
+    regions pass the capture; a planted region meeting a new shape class inside it turns graphs off in one
+    line, and the run's metrics are those of the same run with graphs off."""
+    import json
+
+    from scalefold.cli import main
+
+    compiled = torch.compile(_cli_glue, dynamic=False, backend="eager")
+    compiled(torch.ones(3))
+    _plant_new_shape_class(monkeypatch, compiled, growing=True)
+    monkeypatch.setenv("SCALEFOLD_COMPILE_BACKEND", "eager")  # the compile regions' backend: no inductor build
+    common = ["train", "--preset", "tiny", "--max-steps", "2", "--eval-every", "0", "--checkpoint-every", "0",
+              "--store", str(tmp_path / "store.h5"), "--no-progress", "--deterministic", "--compile"]  # fmt: skip
+    assert main([*common, "--out", str(tmp_path / "step"), "--cuda-graphs", "step"]) == 0
+    captured = capsys.readouterr()
+    off_lines = [line for line in captured.err.splitlines() if "whole-step graphs are off" in line]
+    assert len(off_lines) == 1 and "CaptureRefused: a compilation (torch.compile region _cli_glue" in off_lines[0]
+    assert "meets inputs it was not compiled for: x float32[" in off_lines[0], off_lines
+    assert main([*common, "--out", str(tmp_path / "off"), "--cuda-graphs", "off"]) == 0
+
+    def metrics(path):
+        return [{k: v for k, v in json.loads(x).items() if not k.startswith("time_")} for x in path.read_text().splitlines()]
+
+    assert metrics(tmp_path / "step" / "metrics.jsonl") == metrics(tmp_path / "off" / "metrics.jsonl")
+
+
+def _cli_glue(x):  # a code object of its own (Dynamo's cache is per code)
+    return torch.tanh(x) * 3
