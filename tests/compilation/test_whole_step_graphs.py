@@ -318,7 +318,6 @@ def test_the_step_down_its_cuda_code_paths_replays_bit_identically():
     count replayed with new seeds, rates and batches, bit-identical to the same steps run eagerly on those
     paths; the graphs hold the CUDA branch's operators."""
     from scalefold.kernels import device_path
-
     from scalefold.model.dropout import SharedDropout
 
     cfg = TrainConfig.from_preset("tiny", env={}, overrides={"activation_checkpointing": "on"})
