@@ -39,6 +39,8 @@ from typing import Any, Protocol
 
 import torch
 
+from scalefold.compilation import capture_compiles
+
 #: Eager iterations on a side stream before each capture (the CUDA-graph notes' warm-up). The first
 #: fills lazy caches (cuBLAS handles, ``functools.cache`` constant tables, ``--compile`` guards); the
 #: others run with CUDA sync checks on (:func:`_no_host_syncs`). (Capturing a DDP-wrapped backward would
@@ -208,14 +210,22 @@ class CudaGraphBackend:
             for generator in self.generators:
                 graph.register_generator_state(generator)
             previous = torch.cuda.current_stream()
+            compiled: list[capture_compiles.Compilation] = []
             try:
-                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=self.capture_error_mode):
+                with capture_compiles.watching(compiled), \
+                        torch.cuda.graph(graph, pool=self.pool, capture_error_mode=self.capture_error_mode):  # fmt: skip
                     static_out = fn(*static_args)
+            except Exception as exc:
+                if compiled:  # the compile broke the capture: name it, not CUDA's invalidated-capture error
+                    raise capture_compiles.CompiledInCapture(f"{compiled[0].describe()} inside the captured region") from exc
+                raise
             finally:
                 # torch.cuda.graph.__exit__ skips restoring the stream when capture_end raises (an
                 # invalidated capture): every later kernel would run on the capture side stream
                 if torch.cuda.current_stream() != previous:
                     torch.cuda.set_stream(previous)
+            if compiled:  # a capture that held despite a compile inside: not trusted either
+                raise capture_compiles.CompiledInCapture(f"{compiled[0].describe()} inside the captured region")
 
         def replay() -> Any:
             graph.replay()

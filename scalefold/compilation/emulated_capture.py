@@ -20,19 +20,30 @@ GPU fails. :class:`EmulatedGraphBackend` keeps them:
   outputs, overwritten by the next replay (clone what must outlive it). Dropout's draws are operators on
   the default generator, so a replay draws new masks from the generator's state at replay time, as a
   CUDA graph's philox offset advances.
-* **Refused** while recording, raising :class:`CaptureRefused` with the ``scalefold`` file and line that
-  made the call (:mod:`scalefold.compilation.capture_rules`): a device-to-host read (``.item()``,
-  ``float()``, ``bool()``, ``.tolist()``, ``.numpy()``, ``nonzero``, boolean indexing, ...), a
-  host-to-device copy of Python data (``torch.tensor`` / ``new_tensor`` / ``as_tensor`` of a list,
-  ``torch.from_numpy``), a random-number-generator state read or set (``torch.get_rng_state`` /
-  ``set_rng_state`` / ``manual_seed``, as ``torch.utils.checkpoint`` calls them when it preserves the RNG
-  state) and ``torch.cuda.synchronize``. Reads that only a CPU makes (``F.one_hot``'s range check) are
-  let through: the GPU does not make them.
+* **Collectives** as a GPU runs them (:mod:`scalefold.compilation.emulated_collectives`): a collective's
+  ``wait()`` is recorded where the step waits; a replay poisons the collective's outputs at issue and
+  writes its results at that wait, so a consumer reading before the wait reads the poison. A collective
+  never waited inside the region is refused (its stream would never join the capture).
+* **Refused** while recording, raising :class:`CaptureRefused` with the file and line of the caller's own
+  code that made the call and the rule's name: every rule of
+  :data:`scalefold.compilation.capture_rules.RULES` -- device-to-host reads (``.item()``, ``float()``,
+  ``bool()``, ``.tolist()``, ``.numpy()``, ``.cpu()`` / ``.to("cpu")`` (the CPU stands for the device),
+  ``nonzero``, ``masked_select``, ``unique``, ``torch.equal``, boolean-mask indexing and assignment,
+  ``repeat_interleave`` without ``output_size``, ``bincount``, ``histc`` over the data's range, ``F.one_hot``
+  without ``num_classes``, ``torch.normal`` with a tensor std, ``torch.linalg``'s error checks and
+  decompositions), host-to-device copies of host data (``torch.tensor`` / ``new_tensor`` / ``as_tensor`` /
+  ``from_numpy``), a random-number-generator state read or set (as ``torch.utils.checkpoint`` makes them
+  when it preserves the RNG state), host synchronisations (``torch.cuda`` / ``torch.cpu`` /
+  ``torch.accelerator.synchronize``, ``torch.distributed.barrier``) -- and a compilation (a ``torch.compile``
+  region meeting inputs it was not compiled for: :mod:`scalefold.compilation.capture_compiles`). Reads that
+  only a CPU makes (``F.one_hot``'s range check with ``num_classes`` given) are let through: the GPU does
+  not make them.
 
 What it does not emulate: the memory pool (a replay allocates its intermediates from the CPU allocator),
-kernels the CPU never runs (Triton under capture, NCCL), and a CPU tensor's work inside a GPU step (here
-the emulated device *is* the CPU). ``tests/compilation/test_emulated_capture.py`` plants each refused
-operation in a step and sees it reported at its line.
+kernels the CPU never runs (Triton under capture, NCCL), stream and event synchronisation (no CUDA streams
+on the CPU), and a CPU tensor's work inside a GPU step (here the emulated device *is* the CPU).
+``tests/compilation/test_capture_rules.py`` plants each rule's operation in a captured function and sees it
+reported at its line, and let through once the rule is removed.
 """
 
 from __future__ import annotations
@@ -51,11 +62,17 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from scalefold.compilation import capture_compiles
 from scalefold.compilation import capture_rules as rules
+from scalefold.compilation import emulated_collectives as collectives
+from scalefold.kernels import elementwise
 
 _HERE = frozenset({Path(__file__).resolve()})
-_MACHINERY = _HERE | {Path(rules.__file__).resolve(), Path(__file__).resolve().with_name("graphed_step.py"),
-                      Path(__file__).resolve().with_name("cuda_graphs.py")}  # fmt: skip
+_MACHINERY = _HERE | {Path(rules.__file__).resolve()} | {
+    Path(__file__).resolve().with_name(name)
+    for name in ("graphed_step.py", "graph_modes.py", "recycling_graphs.py", "whole_step_graphs.py", "cuda_graphs.py",
+                 "capture_compiles.py", "emulated_collectives.py", "replay_watch.py")
+}
 _LIBRARIES = (Path(os.__file__).resolve().parent, Path(torch.__file__).resolve().parent)
 
 
@@ -73,37 +90,24 @@ def _site() -> str:
 
 
 class CaptureRefused(RuntimeError):
-    """An operation a CUDA-graph capture refuses, made inside the captured region (``what``, at ``where``)."""
+    """An operation a CUDA-graph capture refuses, made inside the captured region (``what``, at ``where``;
+    ``rule``: the name of its :class:`~scalefold.compilation.capture_rules.Rule`)."""
 
-    def __init__(self, what: str, where: str) -> None:
-        self.what, self.where = what, where
+    def __init__(self, what: str, where: str, rule: str = "") -> None:
+        self.what, self.where, self.rule = what, where, rule
         super().__init__(f"{what} inside the captured region" + (f" at {where}" if where else ""))
 
 
 _survey: list[list[tuple[str, str]]] = []  # record(..., survey=...): refusals listed, not raised
 
 
-def _refuse(what: str) -> None:
-    where = _site()
+def _refuse(rule: rules.Rule, detail: str = "") -> None:
+    what, where = rule.what + (f" ({detail})" if detail else ""), _site()
     if _survey:
         if (what, where) not in _survey[-1]:
             _survey[-1].append((what, where))
         return
-    raise CaptureRefused(what, where)
-
-
-_WHAT = {
-    "item": "a device-to-host read (.item() / float() / bool() / int() of a tensor)",
-    "nonzero": "a device-to-host read (nonzero: its output shape depends on the data)",
-    "masked_select": "a device-to-host read (masked_select: its output shape depends on the data)",
-    "is_nonzero": "a device-to-host read (bool() of a tensor)",
-    "equal": "a device-to-host read (torch.equal)",
-    "unique": "a device-to-host read (unique: its output shape depends on the data)",
-    "mask_index": "a device-to-host read (boolean-mask indexing: its output shape depends on the data)",
-    "repeat_interleave": "a device-to-host read (repeat_interleave without output_size)",
-    "device_to_host": "a device-to-host copy",
-    "host_to_device": "a host-to-device copy of Python data (torch.tensor / new_tensor / as_tensor of host data)",
-}
+    raise CaptureRefused(what, where, rule.name)
 
 
 def _signature(t: torch.Tensor) -> tuple:
@@ -122,6 +126,7 @@ class _Recorder(TorchDispatchMode):
         self.cpu_only_depth = 0
         self.in_wait = 0  # inside a collective's ``Work.wait()``: not recorded
         self.scalar_setitem = 0  # inside ``t[index] = number``: its 0-dim scalar is a fill on a device, not a copy
+        self.issued: dict[int, tuple[int, Any, str]] = {}  # a collective's Work -> (its node, the Work, its line)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
@@ -130,20 +135,37 @@ class _Recorder(TorchDispatchMode):
             # buffer inside ``Work.wait()``): part of the collective, which a replay runs again whole and waits
             # on -- recorded, it would copy the capture's stale buffer over every replay's result
             return func(*args, **kwargs)
-        kind = rules.HOST_TO_DEVICE_OPS.get(func)
-        if kind is not None and self.scalar_setitem and args and args[0].dim() == 0:
-            kind = None
-        kind = kind or rules.host_read(func, args, kwargs)
-        if kind is not None and not (self.cpu_only_depth and kind in rules.SYNC_OPS.values() and rules.on_cpu(args)):
-            _refuse(_WHAT.get(kind, kind))
+        rule = rules.op_rule(func, args, kwargs)
+        if rule is not None and rule.name == "host_to_device" and self.scalar_setitem and args[0].dim() == 0:
+            rule = None
+        if rule is not None and not (self.cpu_only_depth and func in rules.SYNC_OPS and rules.on_cpu(args)):
+            _refuse(rule)
         out = func(*args, **kwargs)
-        if kind is not None:  # a CPU-only read: its value decides nothing a replay computes
+        if rule is not None:  # a CPU-only read: its value decides nothing a replay computes
             return out
         template, subs = self._template(args, kwargs)
         out_slots: list[int | None] | int | None = [self._new_slot(y) for y in out] if isinstance(out, (tuple, list)) \
             else self._new_slot(out)  # fmt: skip
         self.nodes.append((func, template, subs, out_slots))
+        if func.namespace == "c10d":  # its wait() becomes a node where the step waits (emulated_collectives)
+            work = collectives.work_of(out)
+            if work is not None:
+                self.issued[id(work)] = (len(self.nodes) - 1, work, _site())
         return out
+
+    def waited(self, work: Any) -> None:
+        """The step waits for ``work`` here: the replay completes its collective at this node."""
+        entry = self.issued.pop(id(work), None)
+        if entry is not None and not self.in_wait:
+            self.nodes.append((collectives.WaitFor(entry[0]), ([], {}), [], None))
+
+    def unwaited(self) -> None:
+        """Refuse a collective issued in the region and not waited there (its stream never joins the capture)."""
+        for _, _, where in self.issued.values():
+            if _survey:
+                _survey[-1].append((collectives.NEVER_WAITED, where))
+            else:
+                raise CaptureRefused(collectives.NEVER_WAITED, where, "never_waited")
 
     def _new_slot(self, y: Any) -> int | None:
         if not isinstance(y, torch.Tensor):
@@ -187,8 +209,9 @@ class _HostCalls(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         name = getattr(func, "__name__", "")
-        if name in rules.HOST_READ_METHODS and args and isinstance(args[0], torch.Tensor):
-            _refuse(f"a device-to-host read (Tensor.{name})")
+        rule = rules.function_rule(name, args, kwargs or {})
+        if rule is not None:
+            _refuse(rule, f"Tensor.{name}" if rule.name != "one_hot_unsized" else "")
         depth = None
         if name in rules.CPU_ONLY_FUNCTIONS and rules.on_cpu(args[:1]):
             depth = "cpu_only_depth"
@@ -206,7 +229,8 @@ class _HostCalls(TorchFunctionMode):
 @contextmanager
 def _unrecorded_waits(recorder: _Recorder) -> Iterator[None]:
     """``Work.wait()`` runs unrecorded: what a backend does there finishes the collective (see
-    :meth:`_Recorder.__torch_dispatch__`); a replay waits on every collective it issues (:func:`_wait`)."""
+    :meth:`_Recorder.__torch_dispatch__`); the place of the wait is recorded (:meth:`_Recorder.waited`), where
+    a replay completes the collective (:mod:`scalefold.compilation.emulated_collectives`)."""
     import torch.distributed as dist
 
     work = getattr(dist, "Work", None) if dist.is_available() else None
@@ -216,6 +240,7 @@ def _unrecorded_waits(recorder: _Recorder) -> Iterator[None]:
     original = work.wait
 
     def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+        recorder.waited(self)
         recorder.in_wait += 1
         try:
             return original(self, *args, **kwargs)
@@ -231,28 +256,26 @@ def _unrecorded_waits(recorder: _Recorder) -> Iterator[None]:
 
 @contextmanager
 def _refused_calls() -> Iterator[None]:
-    """The generator-state calls, ``torch.cuda.synchronize`` and ``torch.from_numpy`` raise inside."""
+    """The module functions of the ``calls`` rules (generator state, synchronisations, a barrier) raise inside."""
     saved: list[tuple[Any, str, Any]] = []
-    originals: dict[str, Any] = {}
 
-    def refusing(qualname: str, what: str) -> Callable[..., Any]:
+    def refusing(rule: rules.Rule, qualname: str, original: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
-            _refuse(f"{what} ({qualname})")
-            return originals[qualname](*args, **kwargs)  # surveying: go on
+            _refuse(rule, qualname)
+            return original(*args, **kwargs)  # surveying: go on
 
         return call
 
-    calls = [(m, a, "a random-number-generator state read or set") for m, a in rules.RNG_STATE_CALLS]
-    calls.append(("torch", "from_numpy", "a host-to-device copy of host data"))
     try:
-        for module_name, attr, what in calls:
-            module = importlib.import_module(module_name)
+        for rule, module_name, attr in rules.call_rules():
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError:  # e.g. torch.distributed on a build without it
+                continue
             if hasattr(module, attr):
-                saved.append((module, attr, getattr(module, attr)))
-                originals[f"{module_name}.{attr}"] = getattr(module, attr)
-                if module_name == "torch.cuda" and attr == "synchronize":
-                    what = "a host synchronisation"
-                setattr(module, attr, refusing(f"{module_name}.{attr}", what))
+                original = getattr(module, attr)
+                saved.append((module, attr, original))
+                setattr(module, attr, refusing(rule, f"{module_name}.{attr}", original))
         yield
     finally:
         for module, attr, original in reversed(saved):
@@ -328,7 +351,11 @@ class EmulatedGraph:
     @torch.no_grad()
     def _replay(self) -> Any:
         env: list[Any] = [None] * self.num_slots
-        for (func, (args, kwargs), subs, outs), free in zip(self.nodes, self._free_after):
+        pending: dict[int, collectives.Pending] = {}  # collectives issued, not yet waited: outputs poisoned
+        for index, ((func, (args, kwargs), subs, outs), free) in enumerate(zip(self.nodes, self._free_after)):
+            if func.__class__ is collectives.WaitFor:
+                func.complete(pending)
+                continue
             if subs:
                 call = (list(args), dict(kwargs))
                 for sub in subs:
@@ -337,9 +364,10 @@ class EmulatedGraph:
                     else:
                         _fill(call[sub[0]], sub[1], sub[3:], env[sub[2]])
                 args, kwargs = call
-            out = func(*args, **kwargs)
-            if func.namespace == "c10d":  # a collective: stream-ordered on NCCL, so its result is ready here
-                _wait(out)
+            if func.namespace == "c10d":  # a collective: its outputs valid only at its wait
+                out, pending[index] = collectives.issue(func, args, kwargs)
+            else:
+                out = func(*args, **kwargs)
             if outs.__class__ is int:
                 env[outs] = out
             elif outs is not None:
@@ -348,6 +376,8 @@ class EmulatedGraph:
                         env[slot] = y
             for slot in free:
                 env[slot] = None
+        for left in pending.values():  # a collective without a Work to wait on (none in c10d today)
+            left.complete()
         for static, slot in zip(self.static_outputs, self._out_slots):
             if slot is not None and env[slot] is not None and env[slot] is not static:
                 static.copy_(env[slot])
@@ -364,13 +394,6 @@ def _fill(container: Any, key: Any, path: tuple, value: torch.Tensor) -> None:
     _fill(inner, path[0], path[1:], value)
 
 
-def _wait(out: Any) -> None:
-    """Wait on the ``Work`` a c10d operator returned (gloo's are asynchronous; a replay has no Python to wait)."""
-    for x in out if isinstance(out, (tuple, list)) else (out,):
-        if hasattr(x, "wait") and not isinstance(x, torch.Tensor):
-            x.wait()
-
-
 def record(fn: Callable[..., Any], *args: Any, survey: list[tuple[str, str]] | None = None) -> EmulatedGraph:
     """Run ``fn(*args)`` once, recording it (refusing what a capture refuses): the :class:`EmulatedGraph`.
     ``survey``: list every refused operation there as ``(what, where)`` and go on instead of raising (a
@@ -381,8 +404,18 @@ def record(fn: Callable[..., Any], *args: Any, survey: list[tuple[str, str]] | N
     collecting = gc.isenabled()
     gc.disable()  # tens of thousands of recorded operators: the cyclic collector would rescan them all, often
     try:
-        with _refused_calls(), _unrecorded_waits(recorder), _HostCalls(recorder), recorder:
+        compiled: list[capture_compiles.Compilation] = []
+        # --compile's elementwise chains as their references: Dynamo runs no compiled region under a dispatch mode
+        # (and a fullgraph one would raise), so the recording holds the eager operators either way
+        with _refused_calls(), _unrecorded_waits(recorder), capture_compiles.watching(compiled, _site, emulated=True), \
+                elementwise.mode(None), _HostCalls(recorder), recorder:  # fmt: skip
             output = fn(*args)
+        recorder.unwaited()
+        for compilation in compiled:  # a region Dynamo would have compiled here (it ran eagerly under the mode)
+            if _survey:
+                _survey[-1].append((compilation.describe(), compilation.where))
+            else:
+                raise CaptureRefused(compilation.describe(), compilation.where, "recompile")
         return EmulatedGraph(recorder, output)
     finally:
         if collecting:

@@ -138,8 +138,8 @@ class TrainConfig:
                                             "(default 1800)")
     # faults of a distributed run (scalefold.distributed.heartbeat, docs/faults.md)
     stall_timeout_s: float = option(300.0, flag="--stall-timeout", help="seconds a rank may send no heartbeat, or "
-                                    "make no progress in the step loop while its peers wait for it, before the run ends "
-                                    "naming it (default 300: a few MLPerf steps)")
+                                    "make no progress in the step loop while its peers wait for it, or a whole-step graph "
+                                    "replay may run, before the run ends naming it (default 300: a few MLPerf steps)")
     dead_peer_timeout_s: float = option(20.0, flag="--dead-peer-timeout", help="seconds a rank takes, once a peer "
                                         "failed, to name it and end (its own collectives broken or not; default 20)")
     dap: int = option(1, cli=True, slurm="DAP_SIZE", slurm_omit_default=True, help="dynamic axial parallelism degree")

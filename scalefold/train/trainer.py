@@ -430,7 +430,8 @@ class Trainer:
                                    world_size=self.ddp_world, model_parallel=model_parallel, rank=self.runtime.rank,
                                    verbose=self.main, bp=cfg.bp, flat_reduce=self.grad_reduce == "flat",
                                    group=self.parallel.train_group if self.ddp_world > 1 else None,
-                                   before_capture=self._reduce_after_backward)  # fmt: skip
+                                   before_capture=self._reduce_after_backward, stall_timeout_s=cfg.stall_timeout_s,
+                                   on_fatal=self.runtime.heartbeat.on_fatal)  # fmt: skip
         self.step_graphs = graphs
         if graphs.active:
             self.step.graphs = graphs
@@ -578,6 +579,8 @@ class Trainer:
         cfg, timings, result = self.cfg, self.timings, self.result
         t0 = self.account.step_started()
         n = recycling_count(cfg.seed, step, self.features.num_ensembles)
+        if self.step_graphs is not None:
+            self.step_graphs.watch.at(step)  # the step a stalled replay is named at
         lr = self.lr_schedule(step)  # written into the optimizer's device tensor (no host read)
         marks: list[tuple[str, float]] = [("forward", t0)]  # host time per phase (on a GPU: the launches)
         out = self.step.train(batch, n, forward_seed(cfg.seed, self.parallel.dp_rank, step),

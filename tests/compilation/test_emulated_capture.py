@@ -1,17 +1,13 @@
 """The CPU emulation of a CUDA-graph capture (scalefold.compilation.emulated_capture) keeps a capture's
 rules: a replay runs no Python (values baked in, host state unmoved, tensors at their addresses, static
 outputs overwritten) and every operation a stream capture refuses raises inside the captured region,
-naming the line that made it."""
+naming the line that made it (each rule planted in tests/compilation/test_capture_rules.py)."""
 
 from __future__ import annotations
 
-import inspect
-
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from scalefold.compilation.emulated_capture import CaptureRefused, EmulatedGraphBackend, record
 
@@ -19,96 +15,21 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 T = torch.tensor([0.0, 2.0, 3.0])
 
 
-def _refused_lines(fn) -> set[int]:
-    """The lines of ``fn`` marked ``# refused``."""
-    lines, start = inspect.getsourcelines(fn)
-    return {start + i for i, line in enumerate(lines) if "# refused" in line}
-
-
 def _item():
-    return T * (T.sum().item())  # refused
-
-
-def _float():
-    return T * float(T[1])  # refused
-
-
-def _bool():
-    return T * 2 if bool(T[1] > 0) else T  # refused
-
-
-def _tolist():
-    return T * len(T.tolist())  # refused
-
-
-def _numpy():
-    return T * T.numpy().sum()  # refused
-
-
-def _nonzero():
-    return T.nonzero()  # refused
-
-
-def _mask_index():
-    return T[T > 1]  # refused
-
-
-def _unique():
-    return torch.unique(T)  # refused
+    return T * (T.sum().item())
 
 
 def _python_table():
-    return T + torch.tensor([1.0, 2.0, 3.0])  # refused
-
-
-def _new_tensor():
-    return T + T.new_tensor([1.0, 2.0, 3.0])  # refused
-
-
-def _from_numpy():
-    return T + torch.from_numpy(np.ones(3, dtype=np.float32))  # refused
+    return T + torch.tensor([1.0, 2.0, 3.0])
 
 
 def _get_rng_state():
-    return T * torch.get_rng_state().float().sum()  # refused
-
-
-def _set_rng_state():
-    torch.set_rng_state(torch.default_generator.get_state())  # refused
-    return T * 2
+    return T * torch.get_rng_state().float().sum()
 
 
 def _manual_seed():
-    torch.manual_seed(0)  # refused
+    torch.manual_seed(0)
     return T * 2
-
-
-def _preserved_checkpoint():
-    x = T.clone().requires_grad_()
-    y = checkpoint(lambda a: F.dropout(a, 0.5, True) * 2, x, use_reentrant=False)  # refused (preserves the RNG state)
-    y.sum().backward()  # refused (the recomputation sets it back)
-    return x.grad
-
-
-REFUSED = [
-    (_item, "device-to-host read"), (_float, "device-to-host read"), (_bool, "device-to-host read"),
-    (_tolist, "Tensor.tolist"), (_numpy, "Tensor.numpy"), (_nonzero, "nonzero"), (_mask_index, "boolean-mask"),
-    (_unique, "unique"), (_python_table, "host-to-device copy of Python data"),
-    (_new_tensor, "host-to-device copy of Python data"), (_from_numpy, "host-to-device copy"),
-    (_get_rng_state, "random-number-generator state"), (_set_rng_state, "random-number-generator state"),
-    (_manual_seed, "random-number-generator state"), (_preserved_checkpoint, "random-number-generator state"),
-]
-
-
-@pytest.mark.parametrize("fn, what", REFUSED, ids=[f.__name__.strip("_") for f, _ in REFUSED])
-def test_each_refused_operation_raises_at_its_line(fn, what):
-    fn()  # runs eagerly: only the capture refuses it
-    with pytest.raises(CaptureRefused, match=what) as info:
-        record(fn)
-    path, _, rest = info.value.where.partition(":")
-    line, _, name = rest.partition(" ")
-    assert path == "tests/compilation/test_emulated_capture.py" and name == f"({fn.__name__})", info.value.where
-    assert int(line) in _refused_lines(fn), info.value.where
 
 
 def test_the_refusals_are_undone_after_a_capture():

@@ -309,3 +309,32 @@ def test_real_whole_step_graphs_match_eager(precision, parallel_evoformer):
     assert graphs.stats.graphed == len(counts) - 1 and graphs.stats.eager_swa_copy == 1
     if parallel_evoformer:
         assert [g.device.type for g in graphed.generators()] == ["cuda", "cuda"]
+
+
+def test_the_step_down_its_cuda_code_paths_replays_bit_identically():
+    """The step forced down the branches it takes on a GPU (``device_path.as_cuda``: dropout's one
+    ``native_dropout`` kernel, the optimizer's device staging chunks, the one-reduction gradient norm) is
+    recorded and replayed as on the CPU's own: with dropout and activation checkpointing on, every recycling
+    count replayed with new seeds, rates and batches, bit-identical to the same steps run eagerly on those
+    paths; the graphs hold the CUDA branch's operators."""
+    from scalefold.kernels import device_path
+    from scalefold.model.dropout import SharedDropout
+
+    cfg = TrainConfig.from_preset("tiny", env={}, overrides={"activation_checkpointing": "on"})
+    with device_path.as_cuda():
+        graphed, eager = TrainingStep.build(cfg), TrainingStep.build(cfg)
+        for step in (graphed, eager):  # the tiny preset's rates are 0: the demo's, so masks are drawn
+            for module in step.model.modules():
+                if isinstance(module, SharedDropout):
+                    module.p = 0.25
+        backend = EmulatedGraphBackend()
+        graphs = graphed.use_whole_step_graphs(log=lambda line: None, backend=backend)
+        assert graphs.active, graphs.reason
+        counts = [0] + list(range(graphed.num_ensembles))
+        for i, n, outcomes in _paired_steps(graphed, eager, counts, seed=2000):
+            assert outcomes[0] == outcomes[1], (i, n)
+            for a, b in zip(_state(graphed), _state(eager)):
+                assert torch.equal(a, b), (i, n)
+    assert graphs.stats.graphed == len(counts) - 1
+    recorded = {str(func) for g in backend.graphs for func, *_ in g.nodes}
+    assert "aten.native_dropout.default" in recorded and "aten.bernoulli_.float" not in recorded
