@@ -204,10 +204,27 @@ OPM_CONFIGS = {
         {"BI": 16, "BJ": 4, "BS": 32, "num_warps": 4, "num_stages": 1},
     ],
     "opm_dx": [
+        {"BP": 16, "BQ": 2, "BS": 128, "num_warps": 8, "num_stages": 1},
         {"BP": 16, "BQ": 2, "BS": 128, "num_warps": 4, "num_stages": 1},
         {"BP": 32, "BQ": 2, "BS": 128, "num_warps": 8, "num_stages": 1},
-        {"BP": 16, "BQ": 4, "BS": 64, "num_warps": 4, "num_stages": 1},
-        {"BP": 16, "BQ": 2, "BS": 256, "num_warps": 8, "num_stages": 1},
+        {"BP": 16, "BQ": 2, "BS": 64, "num_warps": 4, "num_stages": 1},
+    ],
+}
+# Exact fp32/fp64 dots (CUDA cores: each thread holds more of the operand tiles) have their own tuners
+# ("<kernel>_exact"), as the attention and triangle-multiplication kernels do
+OPM_EXACT_CONFIGS = {
+    "opm_fwd": [
+        {"BI": 64, "BJ": 2, "BS": 32, "num_warps": 8, "num_stages": 1},
+        {"BI": 32, "BJ": 2, "BS": 16, "num_warps": 4, "num_stages": 1},
+    ],
+    "opm_dw": [
+        {"BI": 16, "BJ": 2, "BS": 16, "num_warps": 4, "num_stages": 1},
+        {"BI": 32, "BJ": 2, "BS": 32, "num_warps": 8, "num_stages": 1},
+    ],
+    "opm_dx": [
+        {"BP": 16, "BQ": 1, "BS": 64, "num_warps": 8, "num_stages": 1},
+        {"BP": 16, "BQ": 2, "BS": 64, "num_warps": 8, "num_stages": 1},
+        {"BP": 16, "BQ": 2, "BS": 32, "num_warps": 4, "num_stages": 1},
     ],
 }
 # Interpreter (CPU): few, small programs (16 is a dot's least extent)
@@ -243,7 +260,10 @@ def shape_key(cz: int, c: int, s: int, n: int) -> dict:
 def _launch(name: str, key: dict, like: torch.Tensor, launch) -> dict:
     precision = dot_precision(like.dtype)
     label = "tf32" if like.dtype == torch.float32 and precision == "tf32" else None
-    tuner = autotune.get_tuner(name, OPM_CONFIGS[name], INTERPRETER_CONFIGS[name])
+    if precision == "ieee":
+        tuner = autotune.get_tuner(f"{name}_exact", OPM_EXACT_CONFIGS[name], INTERPRETER_CONFIGS[name])
+    else:
+        tuner = autotune.get_tuner(name, OPM_CONFIGS[name], INTERPRETER_CONFIGS[name])
     return tuner.run(autotune.make_key(key, like, label), launch)
 
 
