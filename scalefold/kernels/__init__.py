@@ -378,7 +378,19 @@ def linear_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, backe
     return fused_linear.linear_relu_reference(x, weight, bias)
 
 
+def projections(
+    x: torch.Tensor, layers: Sequence[tuple[torch.Tensor, torch.Tensor | None]], backend: str = "auto"
+) -> list[torch.Tensor]:
+    """``[F.linear(x, weight, bias) for weight, bias in layers]``: on the fast path one product with the weights
+    concatenated (:func:`scalefold.kernels.fused_linear.projections`: the input read, and under autocast cast, once
+    instead of once per layer; its gradient one product instead of a product, a cast and a sum per layer),
+    else the layers one by one (the reference's operators)."""
+    if len(layers) > 1 and resolve_backend(backend, x) == "triton":
+        return fused_linear.projections(x, list(layers))
+    return [F.linear(x, weight, bias) for weight, bias in layers]
+
+
 __all__ = [
     "adam_swa_", "attention", "dropout_add", "elementwise", "gated_projection", "layer_norm", "linear_relu",
-    "outer_product_mean", "reference", "resolve_backend", "sigmoid_gate", "triangle_multiplication",
+    "outer_product_mean", "projections", "reference", "resolve_backend", "sigmoid_gate", "triangle_multiplication",
 ]  # fmt: skip

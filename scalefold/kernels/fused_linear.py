@@ -10,6 +10,9 @@ output, then the product's two matrix gradients and the bias sum): the same kern
 The values are the reference's: the epilogue applies the ReLU to the product before it is rounded to the
 output dtype, and ReLU commutes with rounding (it keeps the sign and zeroes the rest), so the output is
 bit for bit ``relu(linear(x))`` for the same product (tests/kernels/test_fused_linear.py).
+
+:func:`projections`: several Linear layers of one input (an attention's queries, keys, values and gate) as one
+product with the weights concatenated.
 """
 
 from __future__ import annotations
@@ -54,4 +57,16 @@ def linear_relu_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return torch.relu(F.linear(x, weight, bias))
 
 
-__all__ = ["linear_relu", "linear_relu_reference"]
+def projections(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
+    """``[F.linear(x, w, b) for w, b in layers]`` as one product: the weights (and biases, zeros where a layer
+    has none) concatenated, the output split into views. Under autocast the input is cast once (not once per
+    layer); in backward the outputs' gradients are concatenated (``split``'s backward) and the input's gradient is
+    one product accumulated in fp32 (not one product per layer, cast back and summed in the input's dtype)."""
+    weight = torch.cat([w for w, _ in layers])
+    bias = None
+    if any(b is not None for _, b in layers):
+        bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in layers])
+    return list(F.linear(x, weight, bias).split([w.shape[0] for w, _ in layers], dim=-1))
+
+
+__all__ = ["linear_relu", "linear_relu_reference", "projections"]

@@ -276,10 +276,17 @@ class Attention(nn.Module):
         """``input_q`` ``[*, Q, c_q]``, ``input_kv`` ``[*, K, c_k]``; ``mask`` broadcastable to
         ``[*, H, Q, K]`` (1 = attend); ``bias`` broadcastable to ``[*, H, Q, K]``.
         Returns ``[*, Q, c_q]``."""
-        q = self._heads(self.linear_q(input_q))
-        k = self._heads(self.linear_k(input_kv))
-        v = self._heads(self.linear_v(input_kv))
-        gate = self._heads(self.linear_g(input_q)) if self.linear_g is not None else None
+        if input_q is input_kv:  # self-attention: the projections of one input (one product on the fast path)
+            layers = [lin.params(input_q.device.type) for lin in (self.linear_q, self.linear_k, self.linear_v)]
+            if self.linear_g is not None:
+                layers.append(self.linear_g.params(input_q.device.type))
+            q, k, v, *g = (self._heads(t) for t in kernels.projections(input_q, layers))
+            gate = g[0] if g else None
+        else:
+            q = self._heads(self.linear_q(input_q))
+            k = self._heads(self.linear_k(input_kv))
+            v = self._heads(self.linear_v(input_kv))
+            gate = self._heads(self.linear_g(input_q)) if self.linear_g is not None else None
         o = kernels.attention(q, k, v, bias=bias, mask=mask, gate=gate, inf=self.inf)
         # o: [*, H, Q, C] -> [*, Q, H * C]
         o = o.transpose(-2, -3)
