@@ -57,16 +57,51 @@ def linear_relu_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return torch.relu(F.linear(x, weight, bias))
 
 
+class _Projections(torch.autograd.Function):
+    """``x @ weight.T`` plus the biases on their column spans (zeros elsewhere), for 2-D ``x``; backward: the
+    input's and the weight's gradient one product each, each bias's gradient the sum of its own columns only."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, spans: tuple, *biases: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.spans = spans
+        if not biases:
+            return x.mm(weight.t())
+        full = weight.new_zeros(weight.shape[0])
+        for (start, stop), bias in zip(spans, biases):
+            full[start:stop] = bias
+        return torch.addmm(full, x, weight.t())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        gx = grad.mm(weight) if ctx.needs_input_grad[0] else None
+        gw = grad.t().mm(x) if ctx.needs_input_grad[1] else None
+        return (gx, gw, None, *(grad[:, start:stop].sum(0) for start, stop in ctx.spans))
+
+
 def projections(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
-    """``[F.linear(x, w, b) for w, b in layers]`` as one product: the weights (and biases, zeros where a layer
-    has none) concatenated, the output split into views. Under autocast the input is cast once (not once per
-    layer); in backward the outputs' gradients are concatenated (``split``'s backward) and the input's gradient is
-    one product accumulated in fp32 (not one product per layer, cast back and summed in the input's dtype)."""
+    """``[F.linear(x, w, b) for w, b in layers]`` as one product: the weights concatenated (and cast once where
+    autocast would cast them), the output split into views. Under autocast the input is cast once (not once per
+    layer); in backward the outputs' gradients are concatenated (``split``'s backward) and the input's gradient
+    is one product accumulated in fp32 (not one product per layer, cast back and summed in the input's dtype);
+    a bias's gradient sums its own columns only."""
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    sizes = [w.shape[0] for w, _ in layers]
     weight = torch.cat([w for w, _ in layers])
-    bias = None
-    if any(b is not None for _, b in layers):
-        bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in layers])
-    return list(F.linear(x, weight, bias).split([w.shape[0] for w, _ in layers], dim=-1))
+    weight = weight if weight.dtype == dtype else weight.to(dtype)
+    spans, biases, start = [], [], 0
+    for size, (_, b) in zip(sizes, layers):
+        if b is not None:
+            spans.append((start, start + size))
+            biases.append(b if b.dtype == dtype else b.to(dtype))
+        start += size
+    lead = x.shape[:-1]
+    x2 = (x if x.dtype == dtype else x.to(dtype)).reshape(-1, x.shape[-1])
+    with torch.autocast(device_type=device, enabled=False):
+        out = _Projections.apply(x2, weight, tuple(spans), *biases)
+    return list(out.view(*lead, out.shape[-1]).split(sizes, dim=-1))
 
 
 __all__ = ["linear_relu", "linear_relu_reference", "projections"]

@@ -151,6 +151,10 @@ class TriangleAttention(nn.Module):
         # Row i is a batch of queries z_ij attending over keys z_ik.
         mask = mask[..., :, None, None, :]
         # mask: [*, N_i, 1, 1, N_k]
+        if plane is None and self.chunk_size is None:  # the bias projected with the queries, keys, values, gate
+            q, k, v, gate, bias = self.mha.project(z, extra=self.linear)
+            z = self.mha.attend(q, k, v, gate, mask, bias.movedim(-1, -3).unsqueeze(-4))
+            return z if self.starting else z.transpose(-2, -3)
         bias = gather_rows(self.linear(z), plane).movedim(-1, -3).unsqueeze(-4)
         # bias: [*, 1, H, N_j, N_k] (shared by every row i)
 

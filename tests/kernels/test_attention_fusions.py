@@ -74,3 +74,19 @@ def test_pytorch_path_is_the_layers_one_by_one(monkeypatch):
     o = reference.attention(q, k, v, gate=mha._heads(mha.linear_g(x)), inf=mha.inf)
     expected = mha.linear_o(o.transpose(-2, -3).reshape(1, N, N, -1))
     assert torch.equal(mha(x, x), expected)
+
+
+@pytest.mark.parametrize("cls", [TriangleAttentionStartingNode, TriangleAttentionEndingNode], ids=["start", "end"])
+def test_triangle_bias_projected_with_the_heads_is_bit_identical_on_the_pytorch_path(cls, monkeypatch):
+    """Without DAP and chunking the triangle attention projects its pair bias with the queries, keys, values and
+    gate (``Attention.project``); on the PyTorch path the output is bit for bit the chunked path's (the code
+    before), output and gradients."""
+    monkeypatch.setenv("SCALEFOLD_KERNELS", "torch")
+    module = cls(C, 4, 2)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn_like(p) * 0.5)
+    z, mask = torch.randn(1, N, N, C), (torch.rand(1, N, N) > 0.2).float()
+    fused = _run(module, (z, mask))
+    module.chunk_size = N  # one chunk: the path with the bias projected on its own
+    assert all(torch.equal(a, r) for a, r in zip(fused, _run(module, (z, mask))))
