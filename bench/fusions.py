@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -36,6 +35,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from kernels import timeit  # noqa: E402  (bench/kernels.py: median of CUDA-event timings)
 from scalefold.model.msa_attention import MSAColumnAttention, MSARowAttentionWithPairBias  # noqa: E402
 from scalefold.model.outer_product_mean import OuterProductMean  # noqa: E402
 from scalefold.model.triangle import TriangleAttentionEndingNode, TriangleAttentionStartingNode  # noqa: E402
@@ -64,16 +64,6 @@ def modules(shape: str, device: str) -> dict:
         "tri_start": (TriangleAttentionStartingNode(cz, hid, heads // 2), (z,), (pair_mask,)),
         "tri_end": (TriangleAttentionEndingNode(cz, hid, heads // 2), (z,), (pair_mask,)),
     }
-
-
-def timeit(fn, iters: int) -> float:
-    if not CUDA:
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=max(5, iters // 4), rep=max(25, iters), return_mode="median")
 
 
 def run(module, inputs, masks, dtype, path: str):

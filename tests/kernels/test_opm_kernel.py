@@ -110,10 +110,12 @@ def test_module_through_the_dispatch_point(device, monkeypatch):
     for x, r in zip(results["triton"], results["torch"]):
         assert (x - r).abs().max() <= 1e-10 * max(1.0, r.abs().max().item())
     monkeypatch.setenv("SCALEFOLD_KERNELS", "torch")
-    expected = _before_dispatch(module, m, mask)
-    assert torch.equal(results["torch"][0], expected)
-    module.chunk_size = 2
-    assert torch.equal(module(m, mask), _before_dispatch(module, m, mask))
+    for chunk_size in (None, 2):
+        module.chunk_size = chunk_size
+        for fn in (module, lambda m_, mask_: _before_dispatch(module, m_, mask_)):
+            out = fn(m, mask)
+            results[fn] = (out, *torch.autograd.grad(out.square().sum(), [m, *module.parameters()]))
+        assert all(torch.equal(x, r) for x, r in zip(*list(results.values())[-2:]))
 
 
 def _before_dispatch(module, m, mask):
