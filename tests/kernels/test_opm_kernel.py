@@ -221,3 +221,22 @@ def test_bf16_on_gpu():
         scale = exact.abs().max().item()
         err, ref_err = (fused - exact).abs().max().item(), (ref_bf16 - exact).abs().max().item()
         assert err <= 2 * ref_err + 1e-2 * scale, f"{name}: {err} vs the PyTorch path's {ref_err} (scale {scale})"
+
+
+@requires_cuda
+def test_bf16_autocast_module_on_gpu(monkeypatch):
+    """The module under bf16 autocast (the model's bf16 training) with fp32 parameters: the fused path's output is
+    bf16 like the PyTorch path's, within bf16 rounding of it, and the parameters' gradients come back in fp32."""
+    module = _module(256, 128, 32, torch.float32, "cuda")
+    m = torch.randn(1, 32, 64, 256, device="cuda", requires_grad=True)
+    mask = (torch.rand(1, 32, 64, device="cuda") > 0.1).float()
+    outs = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("SCALEFOLD_KERNELS", backend)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            outs[backend] = module(m, mask)
+    assert outs["triton"].dtype == outs["torch"].dtype == torch.bfloat16
+    ref = outs["torch"].float()
+    assert (outs["triton"].float() - ref).abs().max() <= 2e-2 * max(1.0, ref.abs().max().item())
+    grads = torch.autograd.grad(outs["triton"].float().sum(), [m, *module.parameters()])
+    assert all(g.dtype == torch.float32 for g in grads)
