@@ -57,6 +57,15 @@ def linear_relu_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return torch.relu(F.linear(x, weight, bias))
 
 
+def _autocast_dtype(device: str) -> torch.dtype | None:
+    """Autocast's dtype on ``device`` where it is on, else None (a device autocast does not know, e.g. ``meta``
+    under the ahead-of-time check's launch capture: off)."""
+    try:
+        return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    except RuntimeError:
+        return None
+
+
 class _Projections(torch.autograd.Function):
     """``x @ weight.T`` plus the biases on their column spans (zeros elsewhere), for 2-D ``x``; backward: the
     input's and the weight's gradient one product each, each bias's gradient the sum of its own columns only."""
@@ -87,7 +96,7 @@ def projections(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor |
     is one product accumulated in fp32 (not one product per layer, cast back and summed in the input's dtype);
     a bias's gradient sums its own columns only."""
     device = x.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    dtype = _autocast_dtype(device) or x.dtype
     sizes = [w.shape[0] for w, _ in layers]
     weight = torch.cat([w for w, _ in layers])
     weight = weight if weight.dtype == dtype else weight.to(dtype)
