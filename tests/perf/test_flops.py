@@ -162,7 +162,7 @@ def test_the_step_adds_up_by_module_also_with_checkpointing(tiny_step):
     # multiplication's projections run inside its dispatch point (kernels.triangle_multiplication), so its
     # products count on the triangle module itself, which keeps the same rule
     # Likewise an attention's projections of one input (kernels.projections, called by Attention.project: on the
-    # attention module, the triangle attention's pair bias on the triangle module) and the outer product mean's
+    # attention module) and the outer product mean's
     # output projection (kernels.outer_product_mean): their products count on those modules, whose own
     # products keep the rule -- but for the outer product mean's normaliser, an einsum of the masks (no grad)
     linears = [n for n, mod in step_model_linears() if ".blocks." in n]
@@ -171,7 +171,8 @@ def test_the_step_adds_up_by_module_also_with_checkpointing(tiny_step):
     inside = {n for n in linears if n.endswith((".mha.linear_q", ".mha.linear_k", ".mha.linear_v", ".mha.linear_g",
                                                 ".outer_product_mean.linear_out")) or n.endswith("tri_att_start.linear")
               or n.endswith("tri_att_end.linear")}  # fmt: skip
-    parents = {n.rsplit(".", 1)[0] for n in inside}
+    # (the triangle attentions call their attention's project / attend themselves: all on the triangle module)
+    parents = {n.rsplit(".", 1)[0].removesuffix(".mha") if ".tri_att_" in n else n.rsplit(".", 1)[0] for n in inside}
     for name in [n for n in linears if n.rsplit(".", 1)[0] not in trimuls and n not in inside] + sorted(trimuls | parents):
         fwd = sum(step.parts["forward"].get(name, [0] * 6)[i] for i in MM)
         bwd = sum(step.parts["backward"].get(name, [0] * 6)[i] for i in MM)
