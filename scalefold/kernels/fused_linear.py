@@ -17,6 +17,8 @@ product with the weights concatenated.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -96,7 +98,8 @@ def projections(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor |
     is one product accumulated in fp32 (not one product per layer, cast back and summed in the input's dtype);
     a bias's gradient sums its own columns only."""
     device = x.device.type
-    dtype = _autocast_dtype(device) or x.dtype
+    autocast = _autocast_dtype(device)
+    dtype = autocast or x.dtype
     sizes = [w.shape[0] for w, _ in layers]
     weight = torch.cat([w for w, _ in layers])
     weight = weight if weight.dtype == dtype else weight.to(dtype)
@@ -108,7 +111,7 @@ def projections(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor |
         start += size
     lead = x.shape[:-1]
     x2 = (x if x.dtype == dtype else x.to(dtype)).reshape(-1, x.shape[-1])
-    with torch.autocast(device_type=device, enabled=False):
+    with torch.autocast(device_type=device, enabled=False) if autocast else contextlib.nullcontext():
         out = _Projections.apply(x2, weight, tuple(spans), *biases)
     return list(out.view(*lead, out.shape[-1]).split(sizes, dim=-1))
 
