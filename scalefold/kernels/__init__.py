@@ -17,7 +17,8 @@ The environment variable ``SCALEFOLD_KERNELS`` (``auto``/``triton``/``torch``) o
 
 Kernels (``scalefold.kernels.triton_ops`` registers them as ``torch.ops.scalefold.*`` custom ops):
 :func:`attention` (``attention_triton``), :func:`layer_norm` (``layer_norm_triton``),
-:func:`adam_swa_` (``adam_swa_triton``) and :func:`triangle_multiplication` (``trimul_triton``). Their
+:func:`adam_swa_` (``adam_swa_triton``), :func:`triangle_multiplication` (``trimul_triton``) and
+:func:`outer_product_mean` (``opm_triton``). Their
 launch configs come from the table shipped in the package (``launch_table``: per GPU architecture,
 kernel, dtype and shape class; no autotuning at start-up), timed only with ``SCALEFOLD_AUTOTUNE=1``
 (``autotune``); ``scalefold tune-kernels`` times the candidates on a GPU and writes the table. The flat
@@ -265,6 +266,48 @@ def triangle_multiplication(
     return sigmoid_gate(x, F.linear(z, w.g_w, w.g_b))
 
 
+def outer_product_mean(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    mask_a: torch.Tensor,
+    mask_b: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    chunk_size: int | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The outer product mean after its projections (Supplementary Alg. 10 lines 3-4): ``a`` ``[*, S, N1, C]``,
+    ``b`` ``[*, S, N2, C]`` (the masked projections), ``mask_a`` ``[*, S, N1, 1]``, ``mask_b`` ``[*, S, N2, 1]``
+    (0/1), ``weight`` ``[c_z, C * C]``, ``bias`` ``[c_z]`` ->
+    ``out_ij = (weight flatten(sum_s a_si (x) b_sj) + bias) / (sum_s mask_a_si mask_b_sj + eps)``.
+
+    ``"triton"``: the fused kernels (``opm_triton``: the outer product and its projection in one kernel, no
+    ``[N1, N2, C, C]`` tensor and no transposed copy, forward and backward; the masks get no gradient). Operands
+    they do not take (``opm_triton.unsupported``: a dtype, ``C`` above 64, ``c_z`` above 256) take the PyTorch
+    path, with one line on stderr naming the limit (once per reason); fp64 under ``"auto"`` too where Triton has
+    no fp64 ``tl.dot``. ``"torch"``: the reference's operators (``chunk_size`` slices the first residue axis).
+    """
+    if resolve_backend(backend, a, b, weight) == "triton" and not _fp64_attention_falls_back(backend, a.dtype):
+        ops = _triton_module()
+        why = ops.outer_product_unsupported(a, b, weight)
+        if why is None:
+            return ops.outer_product_mean(a, b, mask_a, mask_b, weight, bias, eps)
+        _refuse_once("outer product mean", why)
+    return reference.outer_product_mean(a, b, mask_a, mask_b, weight, bias, eps, chunk_size)
+
+
+_refused: set[str] = set()
+
+
+def _refuse_once(kernel: str, why: str) -> None:
+    """One line on stderr (once per kernel and reason): a fused kernel refused its operands."""
+    line = f"scalefold.kernels: fused {kernel}: {why}; using the PyTorch reference"
+    if line not in _refused:
+        _refused.add(line)
+        print(line, file=sys.stderr, flush=True)
+
+
 def dropout_add(x: torch.Tensor, update: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """The residual update ``x + update * mask`` (``mask``: a drawn dropout mask, scaled; None: ``x + update``)."""
     if mask is None:  # one op: nothing to fuse
@@ -348,7 +391,19 @@ def linear_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, backe
     return fused_linear.linear_relu_reference(x, weight, bias)
 
 
+def projections(
+    x: torch.Tensor, layers: Sequence[tuple[torch.Tensor, torch.Tensor | None]], backend: str = "auto"
+) -> list[torch.Tensor]:
+    """``[F.linear(x, weight, bias) for weight, bias in layers]``: on the fast path one product with the weights
+    concatenated (:func:`scalefold.kernels.fused_linear.projections`: the input read, and under autocast cast, once
+    instead of once per layer; its gradient one product instead of a product, a cast and a sum per layer),
+    else the layers one by one (the reference's operators)."""
+    if len(layers) > 1 and resolve_backend(backend, x) == "triton":
+        return fused_linear.projections(x, list(layers))
+    return [F.linear(x, weight, bias) for weight, bias in layers]
+
+
 __all__ = [
     "adam_swa_", "attention", "dropout_add", "elementwise", "gated_projection", "layer_norm", "linear_relu",
-    "reference", "resolve_backend", "sigmoid_gate", "triangle_multiplication",
+    "outer_product_mean", "projections", "reference", "resolve_backend", "sigmoid_gate", "triangle_multiplication",
 ]  # fmt: skip

@@ -10,9 +10,14 @@ output, then the product's two matrix gradients and the bias sum): the same kern
 The values are the reference's: the epilogue applies the ReLU to the product before it is rounded to the
 output dtype, and ReLU commutes with rounding (it keeps the sign and zeroes the rest), so the output is
 bit for bit ``relu(linear(x))`` for the same product (tests/kernels/test_fused_linear.py).
+
+:func:`projections`: several Linear layers of one input (an attention's queries, keys, values and gate) as one
+product with the weights concatenated.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -54,4 +59,61 @@ def linear_relu_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return torch.relu(F.linear(x, weight, bias))
 
 
-__all__ = ["linear_relu", "linear_relu_reference"]
+def _autocast_dtype(device: str) -> torch.dtype | None:
+    """Autocast's dtype on ``device`` where it is on, else None (a device autocast does not know, e.g. ``meta``
+    under the ahead-of-time check's launch capture: off)."""
+    try:
+        return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    except RuntimeError:
+        return None
+
+
+class _Projections(torch.autograd.Function):
+    """``x @ weight.T`` plus the biases on their column spans (zeros elsewhere), for 2-D ``x``; backward: the
+    input's and the weight's gradient one product each, each bias's gradient the sum of its own columns only."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, spans: tuple, *biases: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.spans = spans
+        if not biases:
+            return x.mm(weight.t())
+        full = weight.new_zeros(weight.shape[0])
+        for (start, stop), bias in zip(spans, biases):
+            full[start:stop] = bias
+        return torch.addmm(full, x, weight.t())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        gx = grad.mm(weight) if ctx.needs_input_grad[0] else None
+        gw = grad.t().mm(x) if ctx.needs_input_grad[1] else None
+        return (gx, gw, None, *(grad[:, start:stop].sum(0) for start, stop in ctx.spans))
+
+
+def projections(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
+    """``[F.linear(x, w, b) for w, b in layers]`` as one product: the weights concatenated (and cast once where
+    autocast would cast them), the output split into views. Under autocast the input is cast once (not once per
+    layer); in backward the outputs' gradients are concatenated (``split``'s backward) and the input's gradient
+    is one product accumulated in fp32 (not one product per layer, cast back and summed in the input's dtype);
+    a bias's gradient sums its own columns only."""
+    device = x.device.type
+    autocast = _autocast_dtype(device)
+    dtype = autocast or x.dtype
+    sizes = [w.shape[0] for w, _ in layers]
+    weight = torch.cat([w for w, _ in layers])
+    weight = weight if weight.dtype == dtype else weight.to(dtype)
+    spans, biases, start = [], [], 0
+    for size, (_, b) in zip(sizes, layers):
+        if b is not None:
+            spans.append((start, start + size))
+            biases.append(b if b.dtype == dtype else b.to(dtype))
+        start += size
+    lead = x.shape[:-1]
+    x2 = (x if x.dtype == dtype else x.to(dtype)).reshape(-1, x.shape[-1])
+    with torch.autocast(device_type=device, enabled=False) if autocast else contextlib.nullcontext():
+        out = _Projections.apply(x2, weight, tuple(spans), *biases)
+    return list(out.view(*lead, out.shape[-1]).split(sizes, dim=-1))
+
+
+__all__ = ["linear_relu", "linear_relu_reference", "projections"]

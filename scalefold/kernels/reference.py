@@ -266,3 +266,40 @@ def triangle_multiplication(
     x = triangle_product(a, b, outgoing)
     x = F.linear(layer_norm(x, w.ln_out_w, w.ln_out_b, eps_out), w.z_w, w.z_b)
     return sigmoid_gate(x, F.linear(z, w.g_w, w.g_b))
+
+
+def outer_product_mean(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    mask_a: torch.Tensor,
+    mask_b: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Reference outer product mean (Alg. 10 after the projections); see
+    :func:`scalefold.kernels.outer_product_mean`. ``a`` ``[*, S, N1, C]``, ``b`` ``[*, S, N2, C]`` (masked),
+    ``mask_a`` ``[*, S, N1, 1]``, ``mask_b`` ``[*, S, N2, 1]``, ``weight`` ``[c_z, C * C]`` -> ``[*, N1, N2, c_z]``.
+    ``chunk_size`` slices the first residue axis (the outer product is made one slice at a time)."""
+    a = a.transpose(-2, -3)
+    b = b.transpose(-2, -3)
+    # a, b: [*, N_res, N_seq, C]
+    if chunk_size is None:
+        outer = _project_outer(a, b, weight, bias)
+    else:
+        n = a.shape[-3]
+        slices = [a.narrow(-3, start, min(chunk_size, n - start)) for start in range(0, n, chunk_size)]
+        outer = torch.cat([_project_outer(a_, b, weight, bias) for a_ in slices], dim=-3)
+    # outer: [*, N_res, N_res, c_z]
+    norm = torch.einsum("...abc,...adc->...bdc", mask_a, mask_b)
+    # norm: [*, N_res, N_res, 1] -- number of rows valid at both i and j
+    return outer / (norm + eps)
+
+
+def _project_outer(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    # a: [*, I, N_seq, C], b: [*, J, N_seq, C]
+    outer = torch.einsum("...bac,...dae->...bdce", a, b)
+    # outer: [*, I, J, C, C]
+    return F.linear(outer.reshape(outer.shape[:-2] + (a.shape[-1] * b.shape[-1],)), weight, bias)
+    # [*, I, J, c_z]

@@ -10,7 +10,8 @@ Ops (canonical layouts, see each kernel module):
 * ``scalefold::attention_fwd`` / ``attention_bwd`` -- ``attention_triton``;
 * ``scalefold::layer_norm_fwd`` / ``layer_norm_bwd`` -- ``layer_norm_triton``;
 * ``scalefold::adam_swa_`` (in place) -- ``adam_swa_triton``;
-* ``scalefold::trimul_fwd`` / ``trimul_bwd`` -- ``trimul_triton`` (the fused triangle multiplication).
+* ``scalefold::trimul_fwd`` / ``trimul_bwd`` -- ``trimul_triton`` (the fused triangle multiplication);
+* ``scalefold::opm_fwd`` / ``opm_bwd`` -- ``opm_triton`` (the fused outer product mean).
 
 Without CUDA the kernels run in Triton's interpreter: ``TRITON_INTERPRET=1`` is set here, before
 any kernel is defined, unless the environment already says otherwise.
@@ -28,7 +29,7 @@ from torch.utils.flop_counter import register_flop_formula
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from scalefold.kernels import adam_swa_triton, attention_triton, layer_norm_triton, trimul_triton  # noqa: E402
+from scalefold.kernels import adam_swa_triton, attention_triton, layer_norm_triton, opm_triton, trimul_triton  # noqa: E402
 from scalefold.kernels.reference import TrimulWeights, adam_step_scalars  # noqa: E402
 
 _EMPTY = (0,)  # placeholder output for an absent gradient (custom ops cannot return None)
@@ -491,4 +492,113 @@ def triangle_multiplication(
     return out.reshape(lead + (n, n, cz))
 
 
-__all__ = ["adam_swa_update_", "attention", "layer_norm", "triangle_multiplication"]
+# ----------------------------------------------------------------------------------------------
+# Outer product mean
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("scalefold::opm_fwd", mutates_args=())
+def opm_fwd(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    mask_a: torch.Tensor,
+    mask_b: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a`` ``[B, S, N1, C]``, ``b`` ``[B, S, N2, C]``, masks ``[B, S, N*]`` -> ``(out [B, N1, N2, c_z],
+    den [B, N1, N2])`` (``den``: the mean's normaliser plus eps, kept for the backward)."""
+    return opm_triton.forward(a, b, mask_a, mask_b, weight, bias, eps)
+
+
+@opm_fwd.register_fake
+def _(a, b, mask_a, mask_b, weight, bias, eps):
+    acc = torch.float64 if a.dtype == torch.float64 else torch.float32
+    shape = (a.shape[0], a.shape[2], b.shape[2])
+    return a.new_empty(shape + (weight.shape[0],)), a.new_empty(shape, dtype=acc)
+
+
+@torch.library.custom_op("scalefold::opm_bwd", mutates_args=())
+def opm_bwd(
+    dout: torch.Tensor, a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, den: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(da, db, dweight, dbias)``: two launches of the input-gradient kernel and the weight's."""
+    return opm_triton.backward(dout.contiguous(), a, b, weight, den)
+
+
+@opm_bwd.register_fake
+def _(dout, a, b, weight, den):
+    return a.new_empty(a.shape), b.new_empty(b.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape[:1])
+
+
+def _opm_setup_context(ctx, inputs, output):
+    a, b, _mask_a, _mask_b, weight, _bias, _eps = inputs
+    ctx.save_for_backward(a, b, weight, output[1])
+    _auxiliary_outputs(ctx, output[1])
+
+
+def _opm_backward(ctx, dout, _d_den):
+    if dout is None:
+        return (None,) * 7
+    da, db, dweight, dbias = opm_bwd(dout, *ctx.saved_tensors)
+    return da, db, None, None, dweight, dbias, None
+
+
+torch.library.register_autograd("scalefold::opm_fwd", _opm_backward, setup_context=_opm_setup_context)
+
+
+def _opm_model_flops(a_shape, b_shape, weight_shape) -> int:
+    """Matrix FLOPs of an outer product mean's forward as the PyTorch path runs them: the outer product (an
+    einsum over the MSA rows) and the output projection (the normaliser's small einsum left out)."""
+    nb, s, n1, c = a_shape
+    n2, cz = b_shape[2], weight_shape[0]
+    return 2 * nb * n1 * n2 * c * c * (s + cz)
+
+
+# Forward: the model's products; backward: twice those (each product's two gradients). The backward's kernels
+# also recompute the outer product (for the weight's gradient) and its gradient (once per block of 128 MSA
+# rows, in each of the two input-gradient launches): recomputation, not counted here.
+@register_flop_formula(torch.ops.scalefold.opm_fwd)
+def _(a, b, mask_a, mask_b, weight, *args, out_shape=None, **kwargs) -> int:
+    return _opm_model_flops(a, b, weight)
+
+
+@register_flop_formula(torch.ops.scalefold.opm_bwd)
+def _(dout, a, b, weight, den, *args, out_shape=None, **kwargs) -> int:
+    return 2 * _opm_model_flops(a, b, weight)
+
+
+def outer_product_unsupported(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """Why :func:`outer_product_mean` does not take these operands (one line naming the limit), or None."""
+    return opm_triton.unsupported(a, b, weight, _compute_dtype(a))
+
+
+def outer_product_mean(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    mask_a: torch.Tensor,
+    mask_b: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """Fused outer product mean; semantics of :func:`scalefold.kernels.outer_product_mean` (the masks get no
+    gradient)."""
+    *lead, s, n1, c = a.shape
+    lead = tuple(lead)
+    n2 = b.shape[-2]
+    dtype = _compute_dtype(a)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+
+    def flat(t: torch.Tensor, n: int, tail: tuple[int, ...]) -> torch.Tensor:
+        return t.expand(lead + (s, n) + tail).reshape((-1, s, n) + tail)
+
+    a4, b4 = flat(a.to(dtype), n1, (c,)), flat(b.to(dtype), n2, (c,))
+    ma = flat(mask_a.detach().to(acc).reshape(mask_a.shape[:-1]), n1, ()).contiguous()
+    mb = flat(mask_b.detach().to(acc).reshape(mask_b.shape[:-1]), n2, ()).contiguous()
+    out, _ = opm_fwd(a4, b4, ma, mb, weight.to(dtype).contiguous(), bias.to(dtype), float(eps))
+    return out.reshape(lead + out.shape[1:])
+
+
+__all__ = ["adam_swa_update_", "attention", "layer_norm", "outer_product_mean", "triangle_multiplication"]

@@ -163,6 +163,7 @@ KERNEL_NAMES = {
         "_out_bwd": "trimul:out_bwd",
         "_gates_bwd": "trimul:gates_bwd",
     },
+    "opm_triton": {"_opm_fwd": "opm:fwd", "_opm_dw": "opm:dw", "_opm_dx": "opm:dx"},
 }
 
 
@@ -186,12 +187,13 @@ def kernel_modules():
     os.environ.setdefault("TRITON_INTERPRET", "0")  # triton_ops would switch the interpreter on
     from triton.runtime.jit import JITFunction
 
-    from scalefold.kernels import adam_swa_triton, attention_triton, layer_norm_triton, trimul_triton, triton_ops
+    from scalefold.kernels import adam_swa_triton, attention_triton, layer_norm_triton, opm_triton, trimul_triton, triton_ops
 
     if not isinstance(attention_triton._attn_fwd, JITFunction):
         raise RuntimeError("the Triton kernels were imported in interpreter mode; run the AOT check in its own process")
     return {"attention_triton": attention_triton, "layer_norm_triton": layer_norm_triton,
-            "adam_swa_triton": adam_swa_triton, "trimul_triton": trimul_triton, "triton_ops": triton_ops}  # fmt: skip
+            "adam_swa_triton": adam_swa_triton, "trimul_triton": trimul_triton, "opm_triton": opm_triton,
+            "triton_ops": triton_ops}  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -406,14 +408,30 @@ def trimul_sites() -> dict[str, Callable[..., None]]:
     return {f"trimul_{name}": run(batch, n, cz, c) for name, batch, n, cz, c in trimul_triton.MLPERF_SITES}
 
 
+def opm_sites() -> dict[str, Callable[..., None]]:
+    """The fused outer product mean at the MLPerf model's MSA shapes
+    (:data:`scalefold.kernels.opm_triton.MLPERF_SITES`: the Evoformer's 128 MSA rows and the extra-MSA stack's
+    1,024 sequences, N 256, C 32, c_z 128): its kernels launched as one call's forward and backward do."""
+    from scalefold.kernels import opm_triton
+
+    def run(s, n, c, cz):
+        def go(dtype, device="meta"):
+            with torch.device(device):
+                opm_triton.run_site(s, n, c, cz, dtype)
+
+        return go
+
+    return {f"opm_{name}": run(s, n, c, cz) for name, s, n, c, cz in opm_triton.MLPERF_SITES}
+
+
 def dot_sites() -> set[str]:
-    """The sites whose kernels use ``tl.dot`` (attention, triangle multiplication): the only ones
-    ``tf32`` (fp32 under ``allow_tf32``) changes."""
-    return set(attention_sites()) | set(trimul_sites())
+    """The sites whose kernels use ``tl.dot`` (attention, triangle multiplication, outer product mean): the
+    only ones ``tf32`` (fp32 under ``allow_tf32``) changes."""
+    return set(attention_sites()) | set(trimul_sites()) | set(opm_sites())
 
 
 #: the kernels (record-name prefixes) whose dots ``tf32`` changes; their tf32 launches are kept
-DOT_KERNELS = ("attention", "trimul")
+DOT_KERNELS = ("attention", "trimul", "opm")
 
 
 def all_sites(kernels: Sequence[str] = KERNELS) -> dict[str, Callable[[torch.dtype], None]]:
@@ -427,6 +445,8 @@ def all_sites(kernels: Sequence[str] = KERNELS) -> dict[str, Callable[[torch.dty
         sites.update(adam_sites())
     if "trimul" in kernels:
         sites.update(trimul_sites())
+    if "opm" in kernels:
+        sites.update(opm_sites())
     return sites
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from scalefold.model.memory import chunked
+from scalefold import kernels
 from scalefold.model.parallel import Plane, gather_cols_async, mask_cols
 from scalefold.model.primitives import LayerNorm, Linear
 
@@ -58,24 +58,10 @@ class OuterProductMean(nn.Module):
         a = self.linear_1(m) * mask
         b = b.wait()
         # a, b: [*, N_seq, N_res, C]
-        a = a.transpose(-2, -3)
-        b = b.transpose(-2, -3)
-        # a, b: [*, N_res, N_seq, C]
-
-        outer = chunked(lambda a_: self._project_outer(a_, b), self.chunk_size, [a], dims=[-3], out_dim=-3)
-        # outer: [*, N_res, N_res, c_z]
-
-        norm = torch.einsum("...abc,...adc->...bdc", mask, mask_all)
-        # norm: [*, N_res, N_res, 1] -- number of rows valid at both i and j
-        return outer / (norm + self.eps)
-
-    def _project_outer(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        # a: [*, I, N_seq, C], b: [*, J, N_seq, C]
-        outer = torch.einsum("...bac,...dae->...bdce", a, b)
-        # outer: [*, I, J, C, C]
-        outer = outer.reshape(outer.shape[:-2] + (self.c_hidden * self.c_hidden,))
-        return self.linear_out(outer)
-        # [*, I, J, c_z]
+        weight, bias = self.linear_out.params(m.device.type)
+        # the outer product, its projection and the mean (the fused kernel or the reference's operators)
+        return kernels.outer_product_mean(a, b, mask, mask_all, weight, bias, self.eps, self.chunk_size)
+        # [*, N_res, N_res, c_z]
 
 
 __all__ = ["OuterProductMean"]

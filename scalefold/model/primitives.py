@@ -276,10 +276,41 @@ class Attention(nn.Module):
         """``input_q`` ``[*, Q, c_q]``, ``input_kv`` ``[*, K, c_k]``; ``mask`` broadcastable to
         ``[*, H, Q, K]`` (1 = attend); ``bias`` broadcastable to ``[*, H, Q, K]``.
         Returns ``[*, Q, c_q]``."""
-        q = self._heads(self.linear_q(input_q))
-        k = self._heads(self.linear_k(input_kv))
-        v = self._heads(self.linear_v(input_kv))
-        gate = self._heads(self.linear_g(input_q)) if self.linear_g is not None else None
+        if input_q is input_kv:  # self-attention: the projections of one input (one product on the fast path)
+            q, k, v, gate, _ = self.project(input_q)
+        else:
+            q = self._heads(self.linear_q(input_q))
+            k = self._heads(self.linear_k(input_kv))
+            v = self._heads(self.linear_v(input_kv))
+            gate = self._heads(self.linear_g(input_q)) if self.linear_g is not None else None
+        return self.attend(q, k, v, gate, mask, bias)
+
+    def project(
+        self, x: torch.Tensor, extra: Linear | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Self-attention's projections of ``x`` ``[*, N, c]``: ``(q, k, v, gate, extra(x))`` with the heads
+        ``[*, H, N, C]`` (``gate`` None without gating; ``extra``: one more Linear of ``x``, e.g. the triangle
+        attention's pair bias, else None), through :func:`scalefold.kernels.projections` (one product on the
+        fast path, the layers one by one on the PyTorch path)."""
+        # ``extra`` first: on the PyTorch path the layers run in the order the callers ran them before (the pair
+        # bias first), so autograd sums the input's gradients in the same order (bit for bit the same gradients)
+        lins = [lin for lin in (extra, self.linear_q, self.linear_k, self.linear_v, self.linear_g) if lin is not None]
+        outs = kernels.projections(x, [lin.params(x.device.type) for lin in lins])
+        first = outs.pop(0) if extra is not None else None
+        q, k, v = (self._heads(t) for t in outs[:3])
+        gate = self._heads(outs[3]) if self.linear_g is not None else None
+        return q, k, v, gate, first
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        gate: torch.Tensor | None,
+        mask: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The attention of projected heads (``[*, H, N, C]``) and the output projection: ``[*, Q, c_q]``."""
         o = kernels.attention(q, k, v, bias=bias, mask=mask, gate=gate, inf=self.inf)
         # o: [*, H, Q, C] -> [*, Q, H * C]
         o = o.transpose(-2, -3)

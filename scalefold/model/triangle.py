@@ -143,6 +143,8 @@ class TriangleAttention(nn.Module):
         Under DAP (``plane`` given) ``z`` and ``mask`` are row-sharded around the starting node and
         column-sharded around the ending node; the bias is all-gathered over its first axis."""
         mask = _pair_mask(mask, z)
+        if plane is None and self.chunk_size is None and kernels.resolve_backend("auto", z) == "triton":
+            return self._fused(z, mask)
         if not self.starting:
             z = z.transpose(-2, -3)
             mask = mask.transpose(-1, -2)
@@ -151,6 +153,10 @@ class TriangleAttention(nn.Module):
         # Row i is a batch of queries z_ij attending over keys z_ik.
         mask = mask[..., :, None, None, :]
         # mask: [*, N_i, 1, 1, N_k]
+        if plane is None and self.chunk_size is None:  # the bias projected with the queries, keys, values, gate
+            q, k, v, gate, bias = self.mha.project(z, extra=self.linear)
+            z = self.mha.attend(q, k, v, gate, mask, bias.movedim(-1, -3).unsqueeze(-4))
+            return z if self.starting else z.transpose(-2, -3)
         bias = gather_rows(self.linear(z), plane).movedim(-1, -3).unsqueeze(-4)
         # bias: [*, 1, H, N_j, N_k] (shared by every row i)
 
@@ -166,6 +172,18 @@ class TriangleAttention(nn.Module):
         if not self.starting:
             z = z.transpose(-2, -3)
         return z
+
+
+    def _fused(self, z: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The fast path (no DAP, no chunking): the LayerNorm and the projections (pair bias, queries, keys, values,
+        gate: one product) in ``z``'s own layout; around the ending node the heads and the bias are then the
+        transposed views (the attention kernel reads any strides), so the transposed pair is never copied."""
+        q, k, v, gate, bias = self.mha.project(self.layer_norm(z), extra=self.linear)
+        if not self.starting:
+            q, k, v, gate = (t.transpose(-2, -4) for t in (q, k, v, gate))  # [*, j, H, i, C]: row j over the i
+            bias, mask = bias.transpose(-2, -3), mask.transpose(-1, -2)
+        z = self.mha.attend(q, k, v, gate, mask[..., :, None, None, :], bias.movedim(-1, -3).unsqueeze(-4))
+        return z if self.starting else z.transpose(-2, -3)
 
 
 class TriangleAttentionStartingNode(TriangleAttention):

@@ -85,8 +85,10 @@ LAUNCHES = 6
 #: and the two bias casts -- ``kernels.triton_ops.trimul_fwd`` / ``trimul_bwd``). An operator not named here
 #: is one launch. Bytes stay at the operator's boundary: the fused triangle multiplication's ``a``, ``b`` and
 #: ``x`` are its outputs (saved for backward), so their writes count; the product's and the output
-#: kernel's reads of them inside the operator do not (an undercount of about 3 planes per call).
-TRITON_LAUNCHES = {"attention_bwd": 4, "layer_norm_bwd": 2, "trimul_fwd": 3, "trimul_bwd": 12}
+#: kernel's reads of them inside the operator do not (an undercount of about 3 planes per call). The fused outer
+#: product mean (``opm_fwd`` / ``opm_bwd``): one kernel forward; backward the input-gradient kernel twice, the
+#: weight-gradient kernel, the two partial-sum reductions and their two casts to the weight's dtype.
+TRITON_LAUNCHES = {"attention_bwd": 4, "layer_norm_bwd": 2, "trimul_fwd": 3, "trimul_bwd": 12, "opm_bwd": 7}
 MM = (0, 1, 2)
 _MM_FIELD = {torch.bfloat16: 0, torch.float16: 0, torch.float32: 1, torch.float64: 2}
 CATEGORIES = ("recycling", "forward", "loss", "recompute", "backward", "optimizer")

@@ -31,14 +31,15 @@ ROOT = Path(__file__).resolve().parents[2]
 # the fp32 buffer, dbias reduced in the kernel, D = 32), head size 8 -> 16-wide tiles with a
 # stride-0 key head and no gate (global column attention), LayerNorm at a power-of-two width (the
 # pair, 128) and at 384 (the single representation, masked to 512), both Adam+SWA variants, the fused
-# triangle multiplication's four programs at the Evoformer pair (c_z 128, C 128: the larger tiles).
+# triangle multiplication's four programs at the Evoformer pair (c_z 128, C 128: the larger tiles), the fused
+# outer product mean's three at the Evoformer's MSA (128 rows, N 256, C 32, c_z 128).
 # Every site: the command.
 CI_SITES = ("msa_row", "extra_msa_col_global", "layer_norm_pair", "layer_norm_single", "adam_swa_average",
-            "adam_swa_first", "trimul_pair")  # fmt: skip
+            "adam_swa_first", "trimul_pair", "opm_evoformer")  # fmt: skip
 PROGRAMS = {
     "attention_fwd", "attention_bwd:preprocess", "attention_bwd:dkdv", "attention_bwd:dq_dbias",
     "layer_norm_fwd", "layer_norm_bwd:dx", "layer_norm_bwd:dwdb", "adam_swa",
-    "trimul:in_fwd", "trimul:out_fwd", "trimul:out_bwd", "trimul:gates_bwd",
+    "trimul:in_fwd", "trimul:out_fwd", "trimul:out_bwd", "trimul:gates_bwd", "opm:fwd", "opm:dw", "opm:dx",
 }  # fmt: skip
 
 
@@ -131,7 +132,8 @@ def test_launch_table_entries_compile_without_spills(triton_cache):
     assert {(r["arch"], r["dtype"]) for r in records} == set(TABLE_SAMPLE)
     served = {k[0] for r in records for k in r["keys"]}  # the tuners whose table entries were compiled
     assert {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq", "layer_norm_fwd", "layer_norm_bwd",
-            "adam_swa", "trimul_in_fwd", "trimul_out_fwd", "trimul_out_bwd", "trimul_gates_bwd"} == served  # fmt: skip
+            "adam_swa", "trimul_in_fwd", "trimul_out_fwd", "trimul_out_bwd", "trimul_gates_bwd", "opm_fwd", "opm_dw",
+            "opm_dx"} == served  # fmt: skip
     for r in records:
         where = f"{r['kernel']} {r['dtype']} {r['arch']} {r['config']} at {r['sites']}"
         assert r["ok"] and r["error"] is None and r["spill_bytes"] == 0, where

@@ -63,3 +63,58 @@ def test_the_transition_launches_one_kernel_less_on_the_fast_path(monkeypatch):
     assert sum(fast_ops.values()) == sum(torch_ops.values()) - 1
     assert flops["triton"] == flops["torch"] == 2 * 25 * 8 * 32 + 2 * 25 * 32 * 8  # the epilogue's product is addmm's
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+
+
+def _layers(dtype):
+    """Four layers of one input (queries, keys, values without bias; a gate with one), as an attention has."""
+    return [(torch.randn(12, 8, dtype=dtype), None), (torch.randn(12, 8, dtype=dtype), None),
+            (torch.randn(12, 8, dtype=dtype), None), (torch.randn(12, 8, dtype=dtype), torch.randn(12, dtype=dtype))]  # fmt: skip
+
+
+def test_projections_one_product_equals_the_layers():
+    """``kernels.projections``: the fast path's one product (weights concatenated, zeros for the missing biases)
+    gives the layers' outputs and every gradient (input, weights, the bias) to rounding (fp64); the PyTorch path
+    is the layers one by one, bit for bit."""
+    torch.manual_seed(3)
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    layers = _layers(torch.float64)
+    leaves = [x] + [t for w, b in layers for t in (w, b) if t is not None]
+    results = {}
+    for backend in ("torch", "triton"):
+        inputs = [t.detach().clone().requires_grad_(True) for t in leaves]
+        it = iter(inputs[1:])
+        pairs = [(next(it), next(it) if b is not None else None) for _, b in layers]
+        outs = kernels.projections(inputs[0], pairs, backend=backend)
+        loss = sum((o * torch.linspace(-1, 1, o.numel(), dtype=o.dtype).view_as(o) * (i + 1)).sum() for i, o in enumerate(outs))
+        loss.backward()
+        results[backend] = ([o.detach() for o in outs], [t.grad for t in inputs])
+    (outs, grads), (ref, ref_grads) = results["triton"], results["torch"]
+    for i, (w, b) in enumerate(layers):
+        assert torch.equal(ref[i], torch.nn.functional.linear(x, w, b))
+    assert [o.shape for o in outs] == [o.shape for o in ref]
+    for a, r in zip(outs + grads, ref + ref_grads):
+        torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12)
+
+
+def test_projections_under_autocast_cast_the_input_once():
+    """Under bf16 autocast the one product casts the input once (the layers one by one: once each), and the
+    input's gradient is one product (one by one: a product per layer, then sums)."""
+    torch.manual_seed(4)
+    x = torch.randn(3, 8, requires_grad=True)
+    layers = _layers(torch.float32)
+    ops = {}
+    for backend in ("torch", "triton"):
+        with OpCounter({}) as counter:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                outs = kernels.projections(x, layers, backend=backend)
+            sum(o.sum() for o in outs).backward()
+        ops[backend] = {}
+        for (category, op), k in counter.ops.items():  # an autograd.Function's forward runs without grad
+            key = ("backward" if category == "backward" else "forward", op)
+            ops[backend][key] = ops[backend].get(key, 0) + k
+    fused, ref = ops["triton"], ops["torch"]
+    assert fused[("forward", "addmm")] == 1 and ("forward", "mm") not in fused and ref[("forward", "mm")] == 3
+    assert fused[("forward", "_to_copy")] <= ref[("forward", "_to_copy")] - 3  # x cast once, not four times
+    assert fused[("backward", "mm")] == 1 and ref[("backward", "mm")] == 4  # x's gradient (weights need none)
+    assert ("backward", "add") not in fused and ref[("backward", "add")] == 3
+    assert fused[("backward", "sum")] == 1  # the gate's bias: its own 12 columns

@@ -206,11 +206,12 @@ def test_table_round_trip_one_config_per_line(tmp_path):
 
 def _candidate_lists() -> dict:
     """Tuner name -> candidate list per architecture, from the kernel modules."""
-    from scalefold.kernels import adam_swa_triton, attention_triton, layer_norm_triton, trimul_triton
+    from scalefold.kernels import adam_swa_triton, attention_triton, layer_norm_triton, opm_triton, trimul_triton
 
     lists = {"adam_swa": adam_swa_triton.ADAM_CONFIGS, "layer_norm_fwd": layer_norm_triton.LAYER_NORM_CONFIGS,
              "layer_norm_bwd": layer_norm_triton.LAYER_NORM_CONFIGS, **trimul_triton.TRIMUL_CONFIGS}  # fmt: skip
     lists.update({f"{name}_exact": configs for name, configs in trimul_triton.TRIMUL_EXACT_CONFIGS.items()})
+    lists.update({**opm_triton.OPM_CONFIGS, **{f"{n}_exact": c for n, c in opm_triton.OPM_EXACT_CONFIGS.items()}})
     for name in attention_triton.ATTENTION_CONFIGS:
         lists[name] = attention_triton.ATTENTION_CONFIGS[name]
         lists[f"{name}_exact"] = attention_triton.ATTENTION_EXACT_CONFIGS[name]
