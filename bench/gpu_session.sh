@@ -518,6 +518,7 @@ part bench_layernorm bench 30 "$PY" bench/kernels.py --kernel layernorm --shape 
 part bench_adam bench 30 "$PY" bench/kernels.py --kernel adam --shape mlperf --dtype bf16 --iters 50
 part bench_trimul bench 60 "$PY" bench/kernels.py --kernel trimul --shape mlperf --dtype bf16 --iters 50
 part bench_anchor bench 90 "$PY" bench/anchor_kernels.py --crop 256 --dtype bf16 --iters 50
+part bench_fusions bench 120 "$PY" bench/fusions.py --iters 50
 part bench_cuda_graphs bench 35 "$PY" bench/cuda_graphs.py --preset "$BENCH_CUDA_GRAPHS_PRESET" --precision bf16 --steps 3
 DAP_SIZES="1"
 for d in 2 4 8; do [ "${NGPU:-0}" -ge "$d" ] && DAP_SIZES="$DAP_SIZES $d"; done
