@@ -30,6 +30,8 @@ from scalefold.model.factory import build_model, build_model_config
 from scalefold.train.step import forward_seed, recycling_count
 from scalefold.train.training_data import sample_pairs, split_chains
 
+pytestmark = pytest.mark.distributed  # two torchrun ranks
+
 WORLD = 2
 ANNOUNCE = re.compile(r"scalefold: rank (\d+)/(\d+) backend (\w+) role (train|eval)\n")
 

@@ -211,6 +211,7 @@ def test_resume_refuses_a_checkpoint_of_another_preset(tmp_path, store):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.distributed
 def test_preemption_with_an_eval_rank_checkpoints_and_both_ranks_exit_0(tmp_path, store):
     """1 training + 1 evaluation rank launched the way srun does (SLURM_PROCID / SLURM_NTASKS, no torchrun);
     Slurm pre-emption signals every process of every task, so SIGUSR1 goes to each task's whole process
