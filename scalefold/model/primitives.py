@@ -108,15 +108,18 @@ class WeightCasts:
 
     def group(self, modules: Iterable[nn.Module]) -> None:
         """Cast the float32 weights and biases of the ``Linear`` layers among ``modules`` together whenever one of
-        them is asked for (a block's). Found anew at each :meth:`begin`: the parameters may be replaced."""
-        self._units.append([m for m in modules if isinstance(m, Linear)])
+        them is asked for (a block's); the ``LayerNorm`` layers' (never cast) form a group of their own for the
+        gradient slots. Found anew at each :meth:`begin`: the parameters may be replaced."""
+        self._units.append([m for m in modules if isinstance(m, (Linear, LayerNorm))])
 
     def _regroup(self) -> None:
         self._groups = {}
         for unit in self._units:
-            members = tuple(p for m in unit for p in (m.weight, m.bias) if p is not None and p.is_floating_point())
-            for p in members:
-                self._groups[id(p)] = members
+            for kind in (Linear, LayerNorm):
+                members = tuple(p for m in unit if isinstance(m, kind) for p in (m.weight, m.bias)
+                                if p is not None and p.is_floating_point())  # fmt: skip
+                for p in members:
+                    self._groups[id(p)] = members
 
     def begin(self) -> None:
         """A new forward: forget the previous step's copies (the weights may have changed since)."""
@@ -145,11 +148,11 @@ class WeightCasts:
         """The weights and biases of the grouped ``Linear`` layers (those :attr:`slots` can write)."""
         return [p for unit in self._units for m in unit for p in (m.weight, m.bias) if p is not None]
 
-    def dtype_for(self, weight: torch.Tensor, device_type: str) -> torch.dtype | None:
+    def dtype_for(self, weight: torch.Tensor, device_type: str, cast: bool = True) -> torch.dtype | None:
         """The dtype :meth:`get` takes ``weight`` in here: autocast's reduced dtype (fp32 weights,
-        :meth:`dtype`), or the weight's own where its gradient has a slot (:attr:`slots`) and this forward or
-        recomputation records a graph; None: the weight as it is."""
-        if weight.dtype == torch.float32:
+        :meth:`dtype`, where ``cast``), or the weight's own where its gradient has a slot (:attr:`slots`) and this
+        forward or recomputation records a graph; None: the weight as it is."""
+        if cast and weight.dtype == torch.float32:
             dtype = self.dtype(device_type)
             if dtype is not None:
                 return dtype
@@ -270,8 +273,19 @@ class LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(in_channels))
         self.bias = nn.Parameter(torch.zeros(in_channels))
 
+    weight_casts: WeightCasts | None = None
+
+    def params(self, device_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weight, bias)`` as this layer's forward on ``device_type`` uses them: never cast, but taken through
+        their group's node where the owning model writes the gradients into their slots
+        (:attr:`WeightCasts.slots`), else the parameters."""
+        casts = self.weight_casts
+        if device_type is not None and casts is not None and casts.dtype_for(self.weight, device_type, cast=False):
+            return casts.get(self.weight, self.weight.dtype), casts.get(self.bias, self.bias.dtype)
+        return self.weight, self.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.layer_norm(x, self.weight, self.bias, self.eps)
+        return kernels.layer_norm(x, *self.params(x.device.type), self.eps)
 
 
 class Attention(nn.Module):

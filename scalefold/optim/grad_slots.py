@@ -7,7 +7,7 @@ parameter.
 step (5,047 of the MLPerf step's launches), reading and writing every gradient once more. The model already
 takes each block's ``Linear`` weights through one autograd node
 (:class:`scalefold.model.primitives.WeightCasts`: the block's weights cast to bf16 together under autocast, or,
-without a cast, handed through as they are). With :func:`attach_grad_slots` that node's backward writes the
+without a cast, handed through as they are), and its ``LayerNorm`` weights through another (never cast). With :func:`attach_grad_slots` that node's backward writes the
 block's gradients into the buffer itself: the gradients in buffer order, with zeros over the gaps between them
 (alignment padding, a LayerNorm's slots: adding zero leaves them as they are), concatenated and added into the
 buffer's span in **one** ``add_`` per run of nearby slots (the cast back to fp32 fused into the add), and hands
@@ -19,7 +19,8 @@ bit for bit what ``AccumulateGrad`` wrote (``tests/optim/test_grad_slots.py``: f
 autocast; with DDP and the flat reducer). A group falls back to autograd's accumulation (the slow path) where
 a member is not in the flat buffer (a parameter the optimizer does not hold, a module added later), carries a
 tensor hook (the DAP/BP gradient factors of ``--grad-reduce ddp``), or its ``.grad`` is no longer the buffer's
-view; parameters outside the model's ``Linear`` groups (LayerNorm weights, a user's own module) always take it.
+view; parameters outside the model's groups (a user's own module, the few that are neither a ``Linear``'s nor a
+``LayerNorm``'s) always take it.
 :func:`attach_grad_slots` says so in one line.
 """
 
@@ -111,11 +112,12 @@ class GradSlots:
         return tuple((self._buffers[g][start:end], tuple(pieces)) for g, start, end, pieces in runs)
 
     def zeros(self, like: torch.Tensor, n: int) -> torch.Tensor:
-        """``n`` zeros of ``like``'s dtype and device (one buffer, kept and grown: no fill per gap)."""
+        """``n`` (<= :data:`MAX_GAP_NUMEL`) zeros of ``like``'s dtype and device: one buffer per dtype and device,
+        made once (no fill per gap)."""
         key = (like.dtype, like.device, type(like))
         z = self._zeros.get(key)
-        if z is None or z.numel() < n:
-            z = self._zeros[key] = torch.zeros(max(n, 1024), dtype=like.dtype, device=like.device)
+        if z is None:
+            z = self._zeros[key] = torch.zeros(MAX_GAP_NUMEL, dtype=like.dtype, device=like.device)
         return z[:n]
 
 
