@@ -147,7 +147,7 @@ def attach_grad_slots(model: nn.Module, opt: object, report: Callable[[str], Non
         line = (f"gradients: {total - len(slow):,} of {total:,} parameters written into the flat buffer by their "
                 f"block's backward")  # fmt: skip
         if slow:
-            line += (f"; {len(slow):,} take autograd's accumulation (the slow path: one add_ each), e.g. "
+            line += (f"; {len(slow):,} take{'s' if len(slow) == 1 else ''} autograd's accumulation (the slow path: one add_ each), e.g. "
                      f"{', '.join(slow[:3])}")  # fmt: skip
         report(line)
     return slots if sets else None

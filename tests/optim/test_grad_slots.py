@@ -4,6 +4,7 @@ the slow path where a group cannot take it, said in one line."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import Counter
 
@@ -42,19 +43,19 @@ class _Ops(TorchDispatchMode):
 
 
 def _tiny_step(slots: bool, dtype: torch.dtype, autocast: bool) -> tuple[torch.Tensor, Counter, list[str]]:
-    """One step of the tiny model (two Evoformer blocks, a no-grad recycling pass, checkpointing, dropout):
-    the flat gradient buffer, the operators dispatched and the slots' report."""
+    """One step of the tiny model (one Evoformer block, a no-grad recycling pass, checkpointing, dropout):
+    the flat gradient buffer, the operators dispatched (with the slots) and the slots' report."""
     torch.manual_seed(0)
-    cfg = AlphaFoldConfig.from_preset("tiny", overrides={"evoformer_stack_config": {"num_blocks": 2}})
+    cfg = AlphaFoldConfig.from_preset("tiny", overrides={"evoformer_stack_config": {"num_blocks": 1}})
     model = AlphaFold(cfg, activation_checkpointing=True).train().to(dtype)
     opt = FlatAdamSWA(list(model.named_parameters()))
     lines: list[str] = []
     if slots:
         attach_grad_slots(model, opt, lines.append)
-    batch = make_synthetic_batch(12, 4, 6, 2, num_recycling_iters=1, seed=1)
+    batch = make_synthetic_batch(8, 3, 4, 2, num_recycling_iters=1, seed=1)
     batch = {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
     torch.manual_seed(1)
-    with _Ops() as counter:
+    with _Ops() if slots else contextlib.nullcontext(_Ops()) as counter:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             out = model(batch)
             loss = sum(v.float().square().mean() for k, v in out.items() if k.endswith("logits"))
@@ -66,18 +67,15 @@ def _tiny_step(slots: bool, dtype: torch.dtype, autocast: bool) -> tuple[torch.T
 @pytest.mark.parametrize(("dtype", "autocast"), [(torch.float32, False), (torch.float64, False), (torch.float32, True)],
                          ids=["fp32", "fp64", "bf16-autocast"])  # fmt: skip
 def test_the_blocks_write_their_gradients_bit_for_bit_without_an_add_per_parameter(dtype, autocast):
-    ref, ref_ops, _ = _tiny_step(False, dtype, autocast)
+    ref, _, _ = _tiny_step(False, dtype, autocast)
     got, ops, lines = _tiny_step(True, dtype, autocast)
     assert torch.equal(got.view(INT_OF[dtype]), ref.view(INT_OF[dtype]))  # bit for bit, signs of zeros included
     assert ref.abs().sum() > 0
-    # autograd's accumulation ran once per parameter before; now only for the parameters outside the groups
-    params = ref_ops["add_"] - ops["add_"]
-    assert params > 250, (ref_ops["add_"], ops["add_"])
-    groups = ops["cat"] - ref_ops["cat"]  # one concatenation per group (where no cast made one already)
-    launches, ref_launches = (sum(o.values()) - sum(o[v] for v in ("detach", "view", "slice", "_unsafe_view"))
-                              for o in (ops, ref_ops))  # fmt: skip
-    assert launches <= ref_launches - params + groups + 2, (launches, ref_launches)
-    assert len(lines) == 1 and "take autograd's accumulation (the slow path" in lines[0], lines
+    # autograd's accumulation ran once per parameter (~300) before; now for the one outside the groups (IPA's
+    # head weights) and the activations' gradients that meet in place; one add_ per group and run instead
+    assert lines == ["gradients: 335 of 336 parameters written into the flat buffer by their block's backward; 1 takes "
+                     "autograd's accumulation (the slow path: one add_ each), e.g. structure_module.ipa.head_weights"]
+    assert ops["add_"] < 70, ops["add_"]
 
 
 class _Net(nn.Module):
