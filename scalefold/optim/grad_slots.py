@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -46,6 +47,9 @@ class SlotPlan:
     members: tuple[torch.Tensor, ...]
     views: tuple[torch.Tensor, ...]  # each member's ``.grad`` as the optimizer attached it
     runs: tuple[tuple[torch.Tensor, tuple[int, ...]], ...]
+    #: several runs in one flat buffer (a block's LayerNorm weights, spread between its Linear weights): the
+    #: buffer and every member's element indices in it, in member order, for one ``index_add_`` of them all
+    scattered: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def write(self, grads: Sequence[torch.Tensor]) -> bool:
         """Add ``grads`` (the members', in member order) into their slots; False (nothing written) where the
@@ -54,6 +58,10 @@ class SlotPlan:
             if p.grad is not view or p._backward_hooks:
                 return False
         with torch.no_grad():
+            if self.scattered is not None and grads[0].dtype == self.scattered[0].dtype:
+                buffer, index = self.scattered  # each element once: the same one rounding as add_
+                buffer.index_add_(0, index, torch.cat([g.reshape(-1) for g in grads]))
+                return True
             for span, pieces in self.runs:
                 parts = [grads[k].reshape(-1) if k >= 0 else self.slots.zeros(grads[0], -k) for k in pieces]
                 span.add_(parts[0] if len(parts) == 1 else torch.cat(parts))
@@ -90,7 +98,9 @@ class GradSlots:
             return self._plans[key]
         plan = None
         if all(id(p) in self._slot and p.requires_grad for p in members):
-            plan = SlotPlan(self, tuple(members), tuple(self._views[id(p)] for p in members), self._runs(members))
+            runs = self._runs(members)
+            plan = SlotPlan(self, tuple(members), tuple(self._views[id(p)] for p in members), runs,
+                            self._scattered(members) if len(runs) > 1 else None)  # fmt: skip
         else:
             missing = next(p for p in members if id(p) not in self._slot or not p.requires_grad)
             self.fallbacks.append(self.names.get(id(missing), f"a {tuple(missing.shape)} parameter outside the optimizer"))
@@ -110,6 +120,16 @@ class GradSlots:
             else:
                 runs.append([g, offset, offset + numel, [k]])
         return tuple((self._buffers[g][start:end], tuple(pieces)) for g, start, end, pieces in runs)
+
+    def _scattered(self, members: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(buffer, index) of ``members`` in one flat buffer, or None where they span several. The index is made
+        once, from host memory (no kernel in the step that first asks for it)."""
+        groups = {self._slot[id(p)][0] for p in members}
+        if len(groups) != 1:
+            return None
+        buffer = self._buffers[groups.pop()]
+        index = np.concatenate([np.arange(o, o + n, dtype=np.int64) for _, o, n in (self._slot[id(p)] for p in members)])
+        return buffer, torch.from_numpy(index).to(buffer.device)
 
     def zeros(self, like: torch.Tensor, n: int) -> torch.Tensor:
         """``n`` (<= :data:`MAX_GAP_NUMEL`) zeros of ``like``'s dtype and device: one buffer per dtype and device,
