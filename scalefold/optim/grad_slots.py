@@ -19,7 +19,8 @@ bit for bit what ``AccumulateGrad`` wrote (``tests/optim/test_grad_slots.py``: f
 autocast; with DDP and the flat reducer). A group falls back to autograd's accumulation (the slow path) where
 a member is not in the flat buffer (a parameter the optimizer does not hold, a module added later), carries a
 tensor hook (the DAP/BP gradient factors of ``--grad-reduce ddp``), or its ``.grad`` is no longer the buffer's
-view; parameters outside the model's groups (a user's own module, the few that are neither a ``Linear``'s nor a
+view, and hands its gradients to autograd where this backward does not write ``.grad`` (``torch.autograd.grad``,
+``backward(inputs=...)`` without them); parameters outside the model's groups (a user's own module, the few that are neither a ``Linear``'s nor a
 ``LayerNorm``'s) always take it.
 :func:`attach_grad_slots` says so in one line.
 """
@@ -50,6 +51,19 @@ class SlotPlan:
     #: several runs in one flat buffer (a block's LayerNorm weights, spread between its Linear weights): the
     #: buffer and every member's element indices in it, in member order, for one ``index_add_`` of them all
     scattered: tuple[torch.Tensor, torch.Tensor] | None = None
+    accumulator: object = None  # the first member's AccumulateGrad node
+
+    def __post_init__(self) -> None:
+        with torch.enable_grad():
+            self.accumulator = self.members[0].view_as(self.members[0]).grad_fn.next_functions[0][0]
+
+    def _into_grad(self) -> bool:
+        """Whether this backward accumulates into ``.grad`` (not ``torch.autograd.grad``, which must leave it as
+        it is, nor ``backward(inputs=...)`` leaving this group out)."""
+        try:
+            return torch._C._will_engine_execute_node(self.accumulator)
+        except RuntimeError:  # asked inside torch.autograd.grad: the gradients go to its caller
+            return False
 
     def write(self, grads: Sequence[torch.Tensor]) -> bool:
         """Add ``grads`` (the members', in member order) into their slots; False (nothing written) where the
@@ -57,6 +71,8 @@ class SlotPlan:
         for p, view in zip(self.members, self.views):
             if p.grad is not view or p._backward_hooks:
                 return False
+        if not self._into_grad():
+            return False
         with torch.no_grad():
             if self.scattered is not None and grads[0].dtype == self.scattered[0].dtype:
                 buffer, index = self.scattered  # each element once: the same one rounding as add_

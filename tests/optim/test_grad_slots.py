@@ -159,6 +159,12 @@ def test_a_group_with_a_parameter_outside_the_buffer_or_a_hook_takes_the_slow_pa
     opt2.zero_grad()
     net2(x).square().sum().backward()
     assert torch.equal(twice, 2 * net2.a.weight.grad)
+    # torch.autograd.grad: the gradients go to its caller, .grad stays as it is
+    opt2.zero_grad()
+    (dw,) = torch.autograd.grad(net2(x).square().sum(), [net2.b.weight])
+    assert not any(g.grad.any() for g in opt2.groups)
+    net2(x).square().sum().backward()
+    assert torch.equal(dw, net2.b.weight.grad) and dw.abs().sum() > 0
 
 
 def test_the_training_step_attaches_the_slots():
