@@ -49,7 +49,8 @@ class SlotPlan:
     views: tuple[torch.Tensor, ...]  # each member's ``.grad`` as the optimizer attached it
     runs: tuple[tuple[torch.Tensor, tuple[int, ...]], ...]
     #: several runs in one flat buffer (a block's LayerNorm weights, spread between its Linear weights): the
-    #: buffer and every member's element indices in it, in member order, for one ``index_add_`` of them all
+    #: buffer's span from the first slot to the last and every member's element indices in it, in member order,
+    #: for one ``index_add_`` of them all
     scattered: tuple[torch.Tensor, torch.Tensor] | None = None
     accumulator: object = None  # the first member's AccumulateGrad node
 
@@ -138,14 +139,15 @@ class GradSlots:
         return tuple((self._buffers[g][start:end], tuple(pieces)) for g, start, end, pieces in runs)
 
     def _scattered(self, members: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(buffer, index) of ``members`` in one flat buffer, or None where they span several. The index is made
+        """(span, index) of ``members`` in one flat buffer, or None where they lie in several. The index is made
         once, from host memory (no kernel in the step that first asks for it)."""
-        groups = {self._slot[id(p)][0] for p in members}
-        if len(groups) != 1:
+        slots = [self._slot[id(p)] for p in members]
+        if len({g for g, _, _ in slots}) != 1:
             return None
-        buffer = self._buffers[groups.pop()]
-        index = np.concatenate([np.arange(o, o + n, dtype=np.int64) for _, o, n in (self._slot[id(p)] for p in members)])
-        return buffer, torch.from_numpy(index).to(buffer.device)
+        start, stop = min(o for _, o, _ in slots), max(o + n for _, o, n in slots)
+        span = self._buffers[slots[0][0]][start:stop]
+        index = np.concatenate([np.arange(o - start, o - start + n, dtype=np.int64) for _, o, n in slots])
+        return span, torch.from_numpy(index).to(span.device)
 
     def zeros(self, like: torch.Tensor, n: int) -> torch.Tensor:
         """``n`` (<= :data:`MAX_GAP_NUMEL`) zeros of ``like``'s dtype and device: one buffer per dtype and device,
