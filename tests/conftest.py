@@ -102,6 +102,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (its loadgroup suffixes the node ids)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The tests that start several processes (``distributed``) join one xdist group and run first: the group is
     the longest unit of work, and started first it overlaps the rest instead of trailing after it."""

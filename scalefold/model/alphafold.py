@@ -41,7 +41,7 @@ from scalefold.model.extra_msa import ExtraMSAStack
 from scalefold.model.heads import AuxiliaryHeads
 from scalefold.model.memory import CHECKPOINT_STACKS, checkpointed_blocks, stack_request
 from scalefold.model.parallel import ParallelStack
-from scalefold.model.primitives import Linear, WeightCasts
+from scalefold.model.primitives import LayerNorm, Linear, WeightCasts
 from scalefold.model.structure_module import StructureModule
 from scalefold.model.template import TemplatePairStack, TemplatePointwiseAttention
 
@@ -95,7 +95,7 @@ class AlphaFold(nn.Module):
         # each weight cast to bf16 once per forward under autocast, shared by the passes and the recomputation
         self._weight_casts = WeightCasts()
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, LayerNorm)):
                 module.weight_casts = self._weight_casts
         for unit in self._cast_units():  # a block's weights cast in one go
             self._weight_casts.group(unit)

@@ -37,20 +37,31 @@ class _GroupCast(torch.autograd.Function):
     """Weights cast together: one concatenation and one cast forward, the same two kernels backward (the
     gradients, summed per weight by autograd as for a weight's own cast, concatenated and cast back). The
     values are each weight's own ``.to(dtype)`` and its gradient's ``.to(float32)``: elementwise casts of the
-    same numbers."""
+    same numbers. ``dtype`` the weights' own: no cast, the weights handed through (for the slot write alone).
+
+    ``plan`` (:class:`scalefold.optim.grad_slots.SlotPlan`, or None): backward writes the gradients into the
+    optimizer's flat buffer itself (the cast back fused into one ``add_`` per run of slots) and hands autograd
+    none for the weights; where the plan declines, autograd accumulates them as before."""
 
     @staticmethod
-    def forward(ctx, dtype: torch.dtype, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx, dtype: torch.dtype, plan: object, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.shapes = [p.shape for p in params]
         ctx.source_dtype = params[0].dtype
+        ctx.plan = plan
+        if dtype == params[0].dtype:
+            return tuple(p.detach() for p in params)
         flat = torch.cat([p.reshape(-1) for p in params]).to(dtype)
         return tuple(v.view(shape) for v, shape in zip(flat.split([p.numel() for p in params]), ctx.shapes))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if ctx.plan is not None and ctx.plan.write(grads):
+            return (None, None, *(None for _ in grads))
+        if grads[0].dtype == ctx.source_dtype:
+            return (None, None, *grads)
         flat = torch.cat([g.reshape(-1) for g in grads]).to(ctx.source_dtype)
         sizes = [math.prod(shape) for shape in ctx.shapes]
-        return (None, *(v.view(shape) for v, shape in zip(flat.split(sizes), ctx.shapes)))
+        return (None, None, *(v.view(shape) for v, shape in zip(flat.split(sizes), ctx.shapes)))
 
 
 class WeightCasts:
@@ -77,6 +88,11 @@ class WeightCasts:
     of them is asked for (:class:`_GroupCast`: two kernels forward and two backward for the group, where each
     weight's own cast is one kernel each way), the same values; autograd then hands the group's gradients back
     when the whole block's backward is done (still block by block, for DDP's overlapping all-reduce).
+
+    **Gradient slots** (:attr:`slots`, set by :func:`scalefold.optim.grad_slots.attach_grad_slots`): the group's
+    node writes its gradients into the optimizer's flat buffer itself (no accumulation kernel per weight). Where
+    no cast is made (fp32 / fp64 weights outside autocast, the fp32 regions) the group's weights are still taken
+    through one node with grad, handed through as they are, for that write alone (:meth:`dtype_for`).
     """
 
     #: > 0 while a shared copy is being made (for the step's counter: a cast made once per step, wherever
@@ -88,18 +104,22 @@ class WeightCasts:
         self._units: list[list[nn.Module]] = []
         self._groups: dict[int, tuple[torch.Tensor, ...]] = {}
         self.active = False
+        self.slots = None  # a scalefold.optim.grad_slots.GradSlots: where the groups' gradients are written
 
     def group(self, modules: Iterable[nn.Module]) -> None:
         """Cast the float32 weights and biases of the ``Linear`` layers among ``modules`` together whenever one of
-        them is asked for (a block's). Found anew at each :meth:`begin`: the parameters may be replaced."""
-        self._units.append([m for m in modules if isinstance(m, Linear)])
+        them is asked for (a block's); the ``LayerNorm`` layers' (never cast) form a group of their own for the
+        gradient slots. Found anew at each :meth:`begin`: the parameters may be replaced."""
+        self._units.append([m for m in modules if isinstance(m, (Linear, LayerNorm))])
 
     def _regroup(self) -> None:
         self._groups = {}
         for unit in self._units:
-            members = tuple(p for m in unit for p in (m.weight, m.bias) if p is not None and p.dtype == torch.float32)
-            for p in members:
-                self._groups[id(p)] = members
+            for kind in (Linear, LayerNorm):
+                members = tuple(p for m in unit if isinstance(m, kind) for p in (m.weight, m.bias)
+                                if p is not None and p.is_floating_point())  # fmt: skip
+                for p in members:
+                    self._groups[id(p)] = members
 
     def begin(self) -> None:
         """A new forward: forget the previous step's copies (the weights may have changed since)."""
@@ -124,8 +144,27 @@ class WeightCasts:
             return None
         return dtype
 
+    def grouped_parameters(self) -> list[torch.Tensor]:
+        """The weights and biases of the grouped ``Linear`` layers (those :attr:`slots` can write)."""
+        return [p for unit in self._units for m in unit for p in (m.weight, m.bias) if p is not None]
+
+    def dtype_for(self, weight: torch.Tensor, device_type: str, cast: bool = True) -> torch.dtype | None:
+        """The dtype :meth:`get` takes ``weight`` in here: autocast's reduced dtype (fp32 weights,
+        :meth:`dtype`, where ``cast``), or the weight's own where its gradient has a slot (:attr:`slots`) and this
+        forward or recomputation records a graph; None: the weight as it is."""
+        if cast and weight.dtype == torch.float32:
+            dtype = self.dtype(device_type)
+            if dtype is not None:
+                return dtype
+        if self.slots is None or not weight.requires_grad or torch.compiler.is_compiling():
+            return None
+        if not ((self.active and torch.is_grad_enabled()) or torch._C._current_autograd_node() is not None):
+            return None
+        return weight.dtype if self.slots.holds(weight) else None
+
     def get(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``weight`` cast to ``dtype``, made once (with grad where the weight requires it)."""
+        """``weight`` cast to ``dtype`` (or, its own dtype, handed through one node whose backward writes the
+        gradients into their slots), made once (with grad where the weight requires it)."""
         key = id(weight)
         hit = self._casts.get(key)
         if hit is not None and hit[0] is weight and hit[1] == weight._version and hit[2].dtype == dtype:
@@ -133,10 +172,15 @@ class WeightCasts:
         members = self._groups.get(key, (weight,))
         if not any(p is weight for p in members):  # a stale id (the tensor was replaced): cast it alone
             members = (weight,)
+        members = tuple(p for p in members if p.dtype == weight.dtype)
+        plan = self.slots.plan(members) if self.slots is not None else None
+        if plan is None and dtype == weight.dtype:
+            return weight
         WeightCasts.casting += 1
         try:
             with torch.enable_grad():
-                casts = _GroupCast.apply(dtype, *members) if len(members) > 1 else (weight.to(dtype),)
+                grouped = len(members) > 1 or plan is not None
+                casts = _GroupCast.apply(dtype, plan, *members) if grouped else (weight.to(dtype),)
         finally:
             WeightCasts.casting -= 1
         keys = [id(p) for p in members]
@@ -201,8 +245,8 @@ class Linear(nn.Linear):
         copies where the owning model shares its casts and autocast would cast, else the parameters (for a
         caller that applies the weights itself, e.g. the fused triangle multiplication's dispatch point)."""
         casts = self.weight_casts
-        if device_type is not None and casts is not None and self.weight.dtype == torch.float32:
-            dtype = casts.dtype(device_type)
+        if device_type is not None and casts is not None:
+            dtype = casts.dtype_for(self.weight, device_type)
             if dtype is not None:
                 return casts.get(self.weight, dtype), None if self.bias is None else casts.get(self.bias, dtype)
         return self.weight, self.bias
@@ -229,8 +273,19 @@ class LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(in_channels))
         self.bias = nn.Parameter(torch.zeros(in_channels))
 
+    weight_casts: WeightCasts | None = None
+
+    def params(self, device_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weight, bias)`` as this layer's forward on ``device_type`` uses them: never cast, but taken through
+        their group's node where the owning model writes the gradients into their slots
+        (:attr:`WeightCasts.slots`), else the parameters."""
+        casts = self.weight_casts
+        if device_type is not None and casts is not None and casts.dtype_for(self.weight, device_type, cast=False):
+            return casts.get(self.weight, self.weight.dtype), casts.get(self.bias, self.bias.dtype)
+        return self.weight, self.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.layer_norm(x, self.weight, self.bias, self.eps)
+        return kernels.layer_norm(x, *self.params(x.device.type), self.eps)
 
 
 class Attention(nn.Module):

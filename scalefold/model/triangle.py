@@ -83,11 +83,12 @@ class TriangleMultiplicativeUpdate(nn.Module):
     def weights(self, device_type: str | None = None) -> kernels.reference.TrimulWeights:
         """The parameters in the order of :class:`scalefold.kernels.reference.TrimulWeights`; with
         ``device_type``, the linear layers' weights as their forward there would use them (the model's shared
-        weight casts under autocast: :meth:`scalefold.model.primitives.Linear.params`)."""
+        weight casts under autocast: :meth:`scalefold.model.primitives.Linear.params`; the layer norms' through
+        their gradient slots' node, :meth:`scalefold.model.primitives.LayerNorm.params`)."""
         mods = (self.layer_norm_in, self.linear_a_p, self.linear_a_g, self.linear_b_p, self.linear_b_g,
                 self.linear_g, self.layer_norm_out, self.linear_z)  # fmt: skip
         return kernels.reference.TrimulWeights(
-            *(t for m in mods for t in (m.params(device_type) if isinstance(m, Linear) else (m.weight, m.bias)))
+            *(t for m in mods for t in m.params(device_type))
         )
 
     @staticmethod

@@ -44,6 +44,7 @@ from scalefold.model.factory import build_model, build_model_config
 from scalefold.model.precision import MASTER_DTYPES, float_outputs, keep_fp32_regions
 from scalefold.optim.adam_swa import FlatAdamSWA
 from scalefold.optim.clipping import GradClipper
+from scalefold.optim.grad_slots import attach_grad_slots
 
 SEED_MODULUS = 2**63 - 1
 
@@ -73,9 +74,13 @@ def nonfinite_terms_to_nan(loss: torch.Tensor, terms: Mapping[str, torch.Tensor]
     return torch.where(finite, loss, torch.full_like(loss, float("nan")))
 
 
-def make_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> FlatAdamSWA:
-    """Adam + SWA over flat buffers of ``model``'s parameters, as the run configures it."""
-    return FlatAdamSWA(list(model.named_parameters()), lr=cfg.lr, eps=1e-6, swa_decay=cfg.swa_decay)
+def make_optimizer(cfg: TrainConfig, model: torch.nn.Module, report: Callable[[str], None] | None = None) -> FlatAdamSWA:
+    """Adam + SWA over flat buffers of ``model``'s parameters, as the run configures it; the model's weight groups
+    write their gradients into the flat buffer themselves (:func:`scalefold.optim.grad_slots.attach_grad_slots`;
+    ``report``: its one line on the parameters that take the slow path)."""
+    opt = FlatAdamSWA(list(model.named_parameters()), lr=cfg.lr, eps=1e-6, swa_decay=cfg.swa_decay)
+    attach_grad_slots(model, opt, report)
+    return opt
 
 
 def training_model(cfg: TrainConfig, model_cfg: Any, device: torch.device | str = "cpu") -> torch.nn.Module:

@@ -304,7 +304,7 @@ class Trainer:
                                         grad_hooks=self.grad_reduce != "flat")  # DAP/BP (+ grad factors)
         self.eval_model = build_model(cfg, self.model_cfg, self.device, self.dtype, training=False) if main else None
         self.loss_fn = AlphaFoldLoss(self.model_cfg.loss_config)
-        self.opt = make_optimizer(cfg, self.model)
+        self.opt = make_optimizer(cfg, self.model, report=partial(print, flush=True) if main else None)
         if self.eval_model is not None:
             self.opt.bind_module_to_swa(self.eval_model)  # zero-copy: evaluation reads the SWA buffer
         if self.autocast:  # bf16 compute; the structure module and the heads stay fp32
