@@ -35,9 +35,10 @@ if _XDIST_WORKERS > 1:
     torch.set_num_threads(_THREADS)
     os.environ["OMP_NUM_THREADS"] = str(_THREADS)
 
-#: The xdist group of the tests that start several processes (the ``distributed`` marker: torchrun, mp.spawn,
-#: mpirun, a real Slurm): one worker runs them one after another while the other workers take the rest, so
-#: two multi-rank launches never share the cores (and ranks that wait on each other never starve).
+#: The unit of work (pytest-xdist scope) of the test files that start several processes (the ``distributed``
+#: marker: torchrun, mp.spawn, mpirun, a real Slurm): one worker runs them one after another while the other
+#: workers take the rest, so two multi-rank launches never share the cores (and ranks that wait on each other
+#: never starve). See :func:`pytest_xdist_make_scheduler`.
 PROCESSES_GROUP = "processes"
 #: The budget of the suite's CPU time, seconds: the CPU seconds of every test's setup + call + teardown, its own
 #: process's and those of the processes it started and waited for (torchrun ranks, CLI runs) -- the serial cost
@@ -102,22 +103,31 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (its loadgroup suffixes the node ids)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The tests that start several processes (``distributed``) join one xdist group and run first: the group is
-    the longest unit of work, and started first it overlaps the rest instead of trailing after it."""
-    grouped = []
-    for item in items:
-        if item.get_closest_marker("distributed") is not None:
-            item.add_marker(pytest.mark.xdist_group(PROCESSES_GROUP))
-            grouped.append(item)
-    if grouped and _running_xdist(config):
-        rest = [item for item in items if item.get_closest_marker("distributed") is None]
-        items[:] = grouped + rest
+def multi_process_files(root: Path) -> frozenset[str]:
+    """The test files (paths relative to ``root``, as in node ids) holding a test that starts several processes:
+    those that carry the ``distributed`` mark (tests/test_suite_layout.py checks that every such file does)."""
+    return frozenset(str(path.relative_to(root)) for path in (root / "tests").rglob("test_*.py")
+                     if "mark.distributed" in path.read_text())  # fmt: skip
 
 
-def _running_xdist(config: pytest.Config) -> bool:
-    return bool(getattr(config.option, "numprocesses", None)) or _XDIST_WORKERS > 1
+def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 -- pytest-xdist's scheduler
+    """``--dist loadgroup`` (``make test``): a test file is one unit of work (its module fixtures built once, on one
+    worker), and the files that start several processes are one unit together, the largest, sent first: one
+    worker runs them one after another while the others take the rest, so two multi-rank launches never fight
+    for the cores. (pytest-xdist's own ``xdist_group`` is not used: it rewrites node ids in a way pytest 9.2 no
+    longer reads.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    grouped = multi_process_files(config.rootpath)
+
+    class FilesAndProcesses(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return PROCESSES_GROUP if path in grouped else path
+
+    return FilesAndProcesses(config, log)
 
 
 _SUITE = {"start": time.time(), "serial_s": 0.0, "cpu_s": 0.0, "tests": 0, "by_file": {}}

@@ -1,6 +1,7 @@
 """The suite's own rules (issue 45): `make test` runs it on every core, and the tests that start several processes
-are marked ``distributed`` so that tests/conftest.py puts them in one xdist group (one multi-rank launch at a time,
-never two fighting for the cores) -- a new multi-process test without the mark would break that silently."""
+are marked ``distributed`` so that tests/conftest.py's scheduler sends their files as one unit of work (one
+multi-rank launch at a time, never two fighting for the cores) -- a new multi-process test file without the
+mark would break that silently."""
 
 from __future__ import annotations
 
@@ -23,31 +24,34 @@ def test_every_multi_process_test_file_is_marked_distributed():
     assert unmarked == [], f"start several processes but carry no pytest.mark.distributed: {unmarked}"
 
 
-def test_the_distributed_tests_share_one_xdist_group_and_run_first(request):
-    """The hook itself, on three fake items: the distributed one is grouped and moved to the front."""
+def test_the_multi_process_files_are_one_unit_of_work_and_every_other_file_its_own(request):
+    """The scheduler ``make test`` gets (``--dist loadgroup``): node ids of the multi-process files map to the one
+    group, any other test to its file; another ``--dist`` keeps pytest-xdist's own scheduler."""
+    xdist = pytest.importorskip("xdist")
     conftest = next(p for p in request.config.pluginmanager.get_plugins()
                     if getattr(p, "__file__", None) and Path(p.__file__) == TESTS / "conftest.py")  # fmt: skip
-
-    class Item:
-        def __init__(self, name: str, distributed: bool) -> None:
-            self.name, self.marks = name, ([pytest.mark.distributed.mark] if distributed else [])
-
-        def get_closest_marker(self, name: str):
-            return next((m for m in self.marks if m.name == name), None)
-
-        def add_marker(self, marker) -> None:
-            self.marks.append(marker.mark)
+    grouped = conftest.multi_process_files(REPO)
+    assert "tests/train/test_ddp_train.py" in grouped and "tests/test_lddt.py" not in grouped
 
     class Config:
-        class option:  # noqa: N801 -- pytest's config.option namespace
-            numprocesses = 2
+        rootpath = REPO
 
-    items = [Item("a", False), Item("b", True), Item("c", False)]
-    conftest.pytest_collection_modifyitems(Config(), items)
-    assert [i.name for i in items] == ["b", "a", "c"]
-    group = items[0].get_closest_marker("xdist_group")
-    assert group is not None and group.args == (conftest.PROCESSES_GROUP,)
-    assert items[1].get_closest_marker("xdist_group") is None
+        def __init__(self, dist: str) -> None:
+            self.dist = dist
+            self.option = request.config.option
+
+        def getvalue(self, name: str):
+            return {"dist": self.dist, "tx": ["2*popen"]}.get(name)
+
+    class Log:
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+
+    scheduler = conftest.pytest_xdist_make_scheduler(Config("loadgroup"), Log())
+    assert isinstance(scheduler, xdist.scheduler.LoadScopeScheduling)
+    assert scheduler._split_scope("tests/train/test_ddp_train.py::test_every_rank_announces_itself") == conftest.PROCESSES_GROUP
+    assert scheduler._split_scope("tests/test_lddt.py::test_x[a::b]") == "tests/test_lddt.py"
+    assert conftest.pytest_xdist_make_scheduler(Config("load"), Log()) is None
 
 
 def test_make_test_runs_the_suite_on_every_core_with_the_guard():
