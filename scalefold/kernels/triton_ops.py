@@ -549,19 +549,27 @@ torch.library.register_autograd("scalefold::opm_fwd", _opm_backward, setup_conte
 
 
 def _opm_model_flops(a_shape, b_shape, weight_shape) -> int:
-    """Matrix FLOPs of an outer product mean's forward as the PyTorch path runs them: the outer product (an
-    einsum over the MSA rows) and the output projection (the normaliser's small einsum left out)."""
+    """Matrix FLOPs of an outer product mean's forward as the PyTorch path runs them, less the normaliser: the
+    outer product (an einsum over the MSA rows) and the output projection (what has a gradient)."""
     nb, s, n1, c = a_shape
     n2, cz = b_shape[2], weight_shape[0]
     return 2 * nb * n1 * n2 * c * c * (s + cz)
 
 
-# Forward: the model's products; backward: twice those (each product's two gradients). The backward's kernels
-# also recompute the outer product (for the weight's gradient) and its gradient (once per block of 128 MSA
-# rows, in each of the two input-gradient launches): recomputation, not counted here.
+def _opm_norm_flops(a_shape, b_shape) -> int:
+    """The mean's normaliser ``sum_s mask_si mask_sj``: the PyTorch path's einsum of the masks (a batched
+    matmul, ``2 B N1 N2 S``); the kernel's epilogue does the same multiply-adds. Forward only (no gradient)."""
+    nb, s, n1, _ = a_shape
+    return 2 * nb * n1 * b_shape[2] * s
+
+
+# Forward: the model's products (the normaliser's included, so that model FLOPs are the same on both kernel
+# paths); backward: twice the products with a gradient (each product's two gradients; the masks have none).
+# The backward's kernels also recompute the outer product (for the weight's gradient) and its gradient (once
+# per block of 128 MSA rows, in each of the two input-gradient launches): recomputation, not counted here.
 @register_flop_formula(torch.ops.scalefold.opm_fwd)
 def _(a, b, mask_a, mask_b, weight, *args, out_shape=None, **kwargs) -> int:
-    return _opm_model_flops(a, b, weight)
+    return _opm_model_flops(a, b, weight) + _opm_norm_flops(a, b)
 
 
 @register_flop_formula(torch.ops.scalefold.opm_bwd)
