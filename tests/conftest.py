@@ -110,6 +110,7 @@ def multi_process_files(root: Path) -> frozenset[str]:
                      if "mark.distributed" in path.read_text())  # fmt: skip
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: the suite also runs without it (serially)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 -- pytest-xdist's scheduler
     """``--dist loadgroup`` (``make test``): a test file is one unit of work (its module fixtures built once, on one
     worker), and the files that start several processes are one unit together, the largest, sent first: one
