@@ -95,6 +95,8 @@
 #   bench_anchor          90  bench/anchor_kernels.py: cuEquivariance's triangle multiplication / attention beside
 #                             ScaleFold's Triton kernels and the PyTorch reference (crop 256, bf16, fwd+bwd; each
 #                             checked against the float32 reference first); cuEquivariance from carried wheels
+#   bench_fusions        120  bench/fusions.py: the fused outer product mean and the Evoformer attentions beside their
+#                             PyTorch paths (MLPerf shapes, bf16, fwd+bwd; expected 80 s is an estimate, never run)
 #                             ($WHEELS, pip --no-index, like gemmi) -- where it is missing, one line says so
 #   bench_cuda_graphs     35  bench/cuda_graphs.py --preset demo --precision bf16 --steps 3
 #   bench_dap             30  bench/dap.py --cuda --dap 1 [2 4 8: as many GPUs as there are]
@@ -167,7 +169,7 @@ HEADLINE_ESTIMATE_CAP=${HEADLINE_ESTIMATE_CAP:-}     # seconds each estimate may
 # headline call's parts (env, install, capture_real, train_step_*, pack) are bench/headline_plan.py's CALL_PARTS, below
 declare -A EXPECT=([env]=20 [install]=3 [capture_real]=90 [tests_kernels]=60 [probe_attention_grid]=20 [tests_graphs]=110 [headline]=425 [tune_kernels]=240 [policy_on]=120 [policy_22]=120 [policy_off]=120
                    [train_bf16]=60 [train_graphs]=45 [bench_attention]=35 [bench_layernorm]=20 [bench_adam]=20 [bench_trimul]=40
-                   [bench_cuda_graphs]=25 [bench_dap]=20 [bench_anchor]=60)
+                   [bench_cuda_graphs]=25 [bench_dap]=20 [bench_anchor]=60 [bench_fusions]=80)
 if [ "$#" -gt 0 ]; then PARTS="$*"; fi
 PARTS=${PARTS:-"tests headline train bench"}
 
