@@ -95,9 +95,9 @@
 #   bench_anchor          90  bench/anchor_kernels.py: cuEquivariance's triangle multiplication / attention beside
 #                             ScaleFold's Triton kernels and the PyTorch reference (crop 256, bf16, fwd+bwd; each
 #                             checked against the float32 reference first); cuEquivariance from carried wheels
+#                             ($WHEELS, pip --no-index, like gemmi) -- where it is missing, one line says so
 #   bench_fusions        120  bench/fusions.py: the fused outer product mean and the Evoformer attentions beside their
 #                             PyTorch paths (MLPerf shapes, bf16, fwd+bwd; expected 80 s is an estimate, never run)
-#                             ($WHEELS, pip --no-index, like gemmi) -- where it is missing, one line says so
 #   bench_cuda_graphs     35  bench/cuda_graphs.py --preset demo --precision bf16 --steps 3
 #   bench_dap             30  bench/dap.py --cuda --dap 1 [2 4 8: as many GPUs as there are]
 #                   total 1270 s of limits: more than one call, and a window's device time is 15 minutes,
