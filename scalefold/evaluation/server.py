@@ -180,7 +180,7 @@ def _report_setup_failure(runtime: Runtime, inbox: _Inbox | None, error: str) ->
         inbox.receive()
         inbox.reply(encode_reply(FAILED, inbox.step, inbox.epoch, message=error))
     ended = inbox is not None and int(inbox.header[0]) == SENTINEL  # that request was the sentinel
-    _await_end_of_training(runtime, None if ended else inbox)
+    _await_end_of_training(runtime, inbox, sentinel_seen=ended)
     raise RuntimeError(f"asynchronous evaluation failed: {error}")
 
 
@@ -284,17 +284,25 @@ class _Inbox:
             pass
 
 
-def _await_end_of_training(runtime: Runtime, inbox: _Inbox | None) -> None:
+def _await_end_of_training(runtime: Runtime, inbox: _Inbox | None, sentinel_seen: bool = False) -> None:
     """After a failure the whole evaluation group knows: drop training's requests until its
-    end-of-training sentinel, then release the other evaluation ranks.
+    end-of-training sentinel, then wait for the main training process to end, then release the
+    other evaluation ranks.
 
     So no evaluation process exits (which makes a launcher such as torchrun tear the job down)
-    before training has seen the failure, ended its run and logged ``run_stop status=aborted``.
-    Best effort: if training or a peer is gone, there is nothing left to wait for.
+    before training has seen the failure, ended its run, logged ``run_stop status=aborted`` and
+    printed its report and its ``scalefold train: aborted`` line: after its sentinel training sends
+    nothing more on the bridge, so the last receive ends when its process exits and gloo closes the
+    bridge ("Connection closed by peer"). Best effort: if training or a peer is gone, there is
+    nothing left to wait for.
     """
     try:
         if inbox is not None:
-            while int(inbox.receive()[0]) != SENTINEL:
+            while not sentinel_seen:
+                sentinel_seen = int(inbox.receive()[0]) == SENTINEL
+            try:
+                inbox.receive()  # returns (raises) when the main training process has ended
+            except Exception:  # noqa: BLE001, S110 -- the expected end: training closed the bridge
                 pass
         dist.barrier(group=runtime.parallel.eval_group)
     except Exception:  # noqa: BLE001 -- the caller raises the failure anyway
