@@ -113,22 +113,56 @@ def multi_process_files(root: Path) -> frozenset[str]:
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: the suite also runs without it (serially)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 -- pytest-xdist's scheduler
     """``--dist loadgroup`` (``make test``): a test file is one unit of work (its module fixtures built once, on one
-    worker), and the files that start several processes are one unit together, the largest, sent first: one
-    worker runs them one after another while the others take the rest, so two multi-rank launches never fight
-    for the cores. (pytest-xdist's own ``xdist_group`` is not used: it rewrites node ids in a way pytest 9.2 no
-    longer reads.)"""
+    worker), and the files that start several processes are one unit together: one worker runs them one after
+    another while the others take the rest, so two multi-rank launches never fight for the cores. A worker that
+    asks for work gets the costliest unit left (the CPU seconds recorded in :data:`SUITE_COSTS`), so the long
+    units start first and the short ones fill the end. (pytest-xdist's own ``xdist_group`` is not used: it
+    rewrites node ids in a way pytest 9.2 no longer reads; its ``loadscope`` orders by test count, not cost.)"""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
     grouped = multi_process_files(config.rootpath)
+    costs = recorded_costs(config.rootpath / SUITE_COSTS)
 
     class FilesAndProcesses(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
             return PROCESSES_GROUP if path in grouped else path
 
+        def _assign_work_unit(self, node) -> None:  # noqa: ANN001 -- pytest-xdist's WorkerController
+            """Longest first (LPT): the costliest unit left goes to the worker that asks, so that no long file is
+            left for the end while the other workers idle."""
+            scope = max(self.workqueue, key=lambda unit: unit_cost(self.workqueue[unit], costs))
+            self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
+
     return FilesAndProcesses(config, log)
+
+
+#: The suite's recorded CPU seconds per test file (``SCALEFOLD_SUITE_TIMES=tests/suite_costs.json make test``
+#: refreshes it): the scheduler's order, costliest unit first. A file it does not know costs
+#: :data:`UNKNOWN_TEST_COST_S` a test.
+SUITE_COSTS = "tests/suite_costs.json"
+UNKNOWN_TEST_COST_S = 1.0
+
+
+def recorded_costs(path: Path) -> dict[str, float]:
+    """``{test file: CPU seconds}`` from a ``SCALEFOLD_SUITE_TIMES`` JSON (empty when absent or unreadable)."""
+    try:
+        return {str(k): float(v) for k, v in json.loads(path.read_text())["cpu_s_by_file"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def unit_cost(nodeids: dict[str, bool], costs: dict[str, float]) -> float:
+    """A unit of work's expected CPU seconds: the recorded costs of the files its tests are in (the multi-process
+    group: several files), a file without a record :data:`UNKNOWN_TEST_COST_S` per test."""
+    counts: dict[str, int] = {}
+    for nodeid in nodeids:
+        path = nodeid.split("::", 1)[0]
+        counts[path] = counts.get(path, 0) + 1
+    return sum(costs.get(path, UNKNOWN_TEST_COST_S * n) for path, n in counts.items())
 
 
 _SUITE = {"start": time.time(), "serial_s": 0.0, "cpu_s": 0.0, "tests": 0, "by_file": {}}

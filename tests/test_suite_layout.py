@@ -54,6 +54,47 @@ def test_the_multi_process_files_are_one_unit_of_work_and_every_other_file_its_o
     assert conftest.pytest_xdist_make_scheduler(Config("load"), Log()) is None
 
 
+def test_the_costliest_unit_left_goes_to_the_worker_that_asks(request, monkeypatch):
+    """Longest processing time first: the order follows the recorded CPU seconds (the multi-process group: its
+    files' sum; a file without a record: one second a test), not the collection order or the test count."""
+    pytest.importorskip("xdist")
+    conftest = next(p for p in request.config.pluginmanager.get_plugins()
+                    if getattr(p, "__file__", None) and Path(p.__file__) == TESTS / "conftest.py")  # fmt: skip
+    multi = next(iter(sorted(conftest.multi_process_files(REPO))))
+    monkeypatch.setattr(conftest, "recorded_costs", lambda path: {"tests/a.py": 10.0, multi: 30.0})
+
+    class Config:
+        rootpath = REPO
+        option = request.config.option
+
+        def getvalue(self, name: str):
+            return {"dist": "loadgroup", "tx": ["2*popen"]}.get(name)
+
+    class Log:
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+
+    class Node:
+        shutting_down = False
+        sent: list[list[int]] = []
+
+        def send_runtest_some(self, indices):
+            self.sent.append(indices)
+
+    nodeids = ["tests/a.py::t1", "tests/a.py::t2", "tests/d.py::t1", *(f"tests/e.py::t{i}" for i in range(12)),
+               f"{multi}::t1"]  # fmt: skip
+    scheduler = conftest.pytest_xdist_make_scheduler(Config(), Log())
+    node = Node()
+    scheduler.registered_collections[node] = nodeids
+    for nodeid in nodeids:
+        scheduler.workqueue.setdefault(scheduler._split_scope(nodeid), {})[nodeid] = False
+    for _ in range(4):
+        scheduler._assign_work_unit(node)
+    order = [sorted({nodeids[i].split("::")[0] for i in sent}) for sent in node.sent]
+    assert order == [[multi], ["tests/e.py"], ["tests/a.py"], ["tests/d.py"]]
+    assert conftest.unit_cost({"tests/d.py::t1": False, "tests/d.py::t2": False}, {}) == 2 * conftest.UNKNOWN_TEST_COST_S
+
+
 def test_make_test_runs_the_suite_on_every_core_with_the_guard():
     makefile = (REPO / "Makefile").read_text()
     assert "TEST_WORKERS ?= auto" in makefile and "--dist loadgroup" in makefile
