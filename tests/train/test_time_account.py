@@ -286,6 +286,6 @@ def test_the_last_lines_of_the_output_are_the_account(reached):
     assert f"time account: {out / 'time_account.png'}" in console  # listed with the run's files
 
 
-# The asynchronous run's account (1 training + 1 evaluation rank under torch.distributed.run) is checked on the
-# end-to-end run of tests/evaluation/test_async_eval.py (test_an_asynchronous_runs_account_ends_at_the_evaluation_
-# ranks_run_stop): one launch serves both files' assertions.
+# The asynchronous run's account (1 training + 1 evaluation rank, launched by torchrun) is checked on the end-to-end
+# run of tests/evaluation/test_async_eval.py (test_an_asynchronous_runs_account_ends_at_the_evaluation_ranks_run_stop):
+# one launch serves both files' assertions.
