@@ -51,6 +51,15 @@ class StopRequest:
     def _handle(self, signum: int, frame: object) -> None:
         self.signum = signum
 
+    def ignore_after_exit(self) -> None:
+        """Leave the signals ignored, not the previous handlers back, when the outermost ``with`` ends: the run
+        failed (a peer died, or this rank's own error) and the launcher ends the other ranks at once (torchrun
+        SIGTERMs every survivor as soon as one worker died); between this ``with``'s exit and the fault's
+        handling a default handler would end this rank silently, without the line that names the rank at
+        fault."""
+        for sig in self._previous:
+            self._previous[sig] = signal.SIG_IGN
+
     def __enter__(self) -> StopRequest:
         self._depth += 1
         if self._depth > 1:

@@ -172,10 +172,15 @@ def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
     finished = False  # this rank's run returned: it meets its peers at the exit barrier (shutdown)
     try:
         with StopRequest() as stop_request:
-            if parallel.is_eval_rank:  # asynchronous evaluation ranks: serve evaluations until training ends
-                result = _evaluation_rank(cfg, runtime, stop_request, model_cfg, features)
-            else:
-                result = Trainer(cfg, runtime, stop_request, model_cfg, features, hooks, account).run()
+            try:
+                if parallel.is_eval_rank:  # asynchronous evaluation ranks: serve evaluations until training ends
+                    result = _evaluation_rank(cfg, runtime, stop_request, model_cfg, features)
+                else:
+                    result = Trainer(cfg, runtime, stop_request, model_cfg, features, hooks, account).run()
+            except Exception:  # a failed rank of a launch: the launcher's SIGTERM must not cut its line (below)
+                if runtime.distributed:
+                    stop_request.ignore_after_exit()
+                raise
         finished = True
     except TrainingAborted as exc:  # an orderly abort (its own status), unless a lost peer (an evaluation rank) caused it
         failure = runtime.heartbeat.explain(exc, claim=False)

@@ -224,10 +224,31 @@ def _rank_main(rank: int, port: int, scenario: str, out: str) -> None:
     os._exit(0)  # no teardown: a failed peer may leave gloo connections half-open
 
 
-def _launch(tmp_path: Path, scenario: str, deadline_s: float = 120, stuck: tuple[int, ...] = ()) -> dict[int, dict]:
-    """Run ``scenario`` on fresh processes; the ``stuck`` ranks are expected to hang and are killed."""
+#: what every rank imports: the forkserver imports it once, each rank is a fork of it (no import of its own)
+RANK_PRELOAD = ["torch", "numpy", "scalefold.evaluation.server", "scalefold.evaluation.client", "scalefold.model",
+                "scalefold.optim.adam_swa", "scalefold.lddt", "scalefold.mlperf.logger", "scalefold.distributed.runtime"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def rank_context():
+    """The ranks' start method: multiprocessing's forkserver with :data:`RANK_PRELOAD` imported (a fresh process
+    per rank as with ``spawn``, without each one importing torch). Stopped at the end of the module if this
+    module started it (where an earlier test started it, its preload is what it is: the ranks import the rest)."""
+    from multiprocessing import forkserver
+
+    started = forkserver._forkserver._forkserver_pid is None
+    ctx = mp.get_context("forkserver")
+    if started:
+        ctx.set_forkserver_preload(RANK_PRELOAD)
+    yield ctx
+    if started:
+        forkserver._forkserver._stop()
+
+
+def _launch(tmp_path: Path, scenario: str, ctx, deadline_s: float = 120, stuck: tuple[int, ...] = ()) -> dict[int, dict]:
+    """Run ``scenario`` on fresh processes started by ``ctx``; the ``stuck`` ranks are expected to hang and are
+    killed."""
     world = SCENARIOS[scenario][0]
-    ctx = mp.get_context("spawn")
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, port, scenario, str(tmp_path)), daemon=True) for r in range(world)]
     for p in procs:
@@ -261,11 +282,11 @@ def _mllog(path: Path) -> list[dict]:
 
 
 @pytest.mark.distributed
-def test_one_eval_rank_stops_training_at_target(tmp_path):
+def test_one_eval_rank_stops_training_at_target(tmp_path, rank_context):
     """1 training + 1 evaluation rank, target 0.0: the first evaluation reaches it; its score equals
     a synchronous evaluation of the same SWA weights exactly; the evaluation rank logs eval_* and
     run_stop success; training sees the stop flag at its next cycle and the eval rank ends cleanly."""
-    records = _launch(tmp_path, "stop_at_target")
+    records = _launch(tmp_path, "stop_at_target", rank_context)
     train, ev = records[0], records[1]
     assert train["ok"] and ev["ok"], records
     step1 = STEPS_PER_CYCLE
@@ -287,11 +308,11 @@ def test_one_eval_rank_stops_training_at_target(tmp_path):
 
 
 @pytest.mark.distributed
-def test_two_eval_ranks_split_targets_and_close_ends_them(tmp_path):
+def test_two_eval_ranks_split_targets_and_close_ends_them(tmp_path, rank_context):
     """2 training + 2 evaluation ranks, unreachable target, EvalCache shards by LPT, at most one
     pending submission: every submission is evaluated in order, each reduced score equals the
     synchronous mean; should_stop is False on both training ranks; close() ends the eval ranks."""
-    records = _launch(tmp_path, "unreachable_split")
+    records = _launch(tmp_path, "unreachable_split", rank_context)
     assert all(r["ok"] for r in records.values()), records
     train0, train1, ev2, ev3 = (records[r] for r in range(4))
     cycles = (1, 2, 3, 4)
@@ -313,10 +334,10 @@ def test_two_eval_ranks_split_targets_and_close_ends_them(tmp_path):
 
 
 @pytest.mark.distributed
-def test_failing_eval_rank_is_reported_to_training(tmp_path):
+def test_failing_eval_rank_is_reported_to_training(tmp_path, rank_context):
     """1 training + 2 evaluation ranks; scoring raises on the second evaluation rank: both evaluation
     ranks raise, and training gets a RuntimeError naming the rank and the error, within seconds."""
-    records = _launch(tmp_path, "eval_rank_raises", deadline_s=90)
+    records = _launch(tmp_path, "eval_rank_raises", rank_context, deadline_s=90)
     train = records[0]
     assert train["ok"], train
     assert train["error"] and "evaluation rank 2" in train["error"] and "boom on purpose" in train["error"]
@@ -328,10 +349,10 @@ def test_failing_eval_rank_is_reported_to_training(tmp_path):
 
 
 @pytest.mark.distributed
-def test_dead_eval_rank_is_reported_not_a_hang(tmp_path):
+def test_dead_eval_rank_is_reported_not_a_hang(tmp_path, rank_context):
     """The evaluation process dies mid-evaluation (no exception, no reply): the training side reports
     the lost evaluation rank with a RuntimeError instead of hanging."""
-    records = _launch(tmp_path, "eval_rank_dies", deadline_s=90)
+    records = _launch(tmp_path, "eval_rank_dies", rank_context, deadline_s=90)
     train = records[0]
     assert train["ok"], train
     assert train["error"] and "evaluation" in train["error"]
@@ -340,10 +361,10 @@ def test_dead_eval_rank_is_reported_not_a_hang(tmp_path):
 
 
 @pytest.mark.distributed
-def test_stuck_eval_rank_times_out(tmp_path):
+def test_stuck_eval_rank_times_out(tmp_path, rank_context):
     """The evaluation process stays alive but never answers: after timeout_s (3 s) without progress
     the training side raises instead of waiting forever."""
-    records = _launch(tmp_path, "eval_rank_hangs", deadline_s=90, stuck=(1,))
+    records = _launch(tmp_path, "eval_rank_hangs", rank_context, deadline_s=90, stuck=(1,))
     train = records[0]
     assert train["ok"], train
     assert train["error"] and "no reply from evaluation rank 1 for 3 s" in train["error"]
@@ -351,14 +372,14 @@ def test_stuck_eval_rank_times_out(tmp_path):
 
 
 @pytest.mark.distributed
-def test_eval_setup_error_is_reported_at_the_first_submission(tmp_path):
+def test_eval_setup_error_is_reported_at_the_first_submission(tmp_path, rank_context):
     """A misconfigured evaluation rank (callable eval_batches without target_lengths) answers the
     first submission (step 2) with the error; both sides raise it.
 
     Training never waits for evaluation, so the cycles that ran before the reply arrived answered
     ``should_stop() == False`` (how many depends on timing); the error names the first submission,
     and no result was ever produced."""
-    records = _launch(tmp_path, "eval_misconfigured", deadline_s=90)
+    records = _launch(tmp_path, "eval_misconfigured", rank_context, deadline_s=90)
     train, ev = records[0], records[1]
     assert train["ok"] and train["error"] and "needs target_lengths" in train["error"]
     assert f"reply to the SWA weights of step {STEPS_PER_CYCLE}" in train["error"]  # the first submission
@@ -369,10 +390,10 @@ def test_eval_setup_error_is_reported_at_the_first_submission(tmp_path):
 
 
 @pytest.mark.distributed
-def test_eval_setup_error_without_submissions_is_raised_by_close(tmp_path):
+def test_eval_setup_error_without_submissions_is_raised_by_close(tmp_path, rank_context):
     """Training ends before its first submission: the misconfigured evaluation rank answers the
     end-of-training sentinel with its error, close() raises it, and both processes end."""
-    records = _launch(tmp_path, "eval_misconfigured_no_submission", deadline_s=90)
+    records = _launch(tmp_path, "eval_misconfigured_no_submission", rank_context, deadline_s=90)
     train, ev = records[0], records[1]
     assert not train["ok"] and "needs target_lengths" in train["exception"], train
     assert "(reply to the end of training)" in train["exception"]
@@ -431,19 +452,28 @@ def e2e_store(tmp_path_factory) -> Path:
     return store
 
 
+@pytest.fixture(scope="module")
+def target_run(tmp_path_factory, e2e_store) -> tuple[Path, subprocess.CompletedProcess, int]:
+    """``torch.distributed.run --nproc-per-node 2 -m scalefold train --preset tiny --num-async-eval-ranks 1
+    --target-lddt 0.01``, run once: (its run directory, the process, its --max-steps)."""
+    root = tmp_path_factory.mktemp("target_run")
+    out, max_steps = root / "run", 40
+    proc = _scalefold_train(
+        root, 2, "--preset", "tiny", "--out", str(out), "--store", str(e2e_store), "--num-async-eval-ranks", "1",
+        "--target-lddt", "0.01", "--max-steps", str(max_steps), "--eval-every", str(E2E_EVAL_EVERY),
+        "--checkpoint-every", "0", "--lr", E2E_LR,
+    )  # fmt: skip
+    return out, proc, max_steps
+
+
 @pytest.mark.distributed
-def test_train_cli_with_one_eval_rank_stops_at_the_target(tmp_path, e2e_store):
+def test_train_cli_with_one_eval_rank_stops_at_the_target(target_run):
     """``torch.distributed.run --nproc-per-node 2 -m scalefold train --preset tiny --num-async-eval-ranks 1
     --target-lddt 0.01``: rank 1 evaluates, the first evaluation (step 2) reaches the target, rank 1
     logs eval_* and run_stop success (once, nothing evaluated after it), training sees the stop flag
     at a later cycle and ends long before --max-steps; the log passes the compliance checker except
     the small-run rules."""
-    out, max_steps = tmp_path / "run", 40
-    proc = _scalefold_train(
-        tmp_path, 2, "--preset", "tiny", "--out", str(out), "--store", str(e2e_store), "--num-async-eval-ranks", "1",
-        "--target-lddt", "0.01", "--max-steps", str(max_steps), "--eval-every", str(E2E_EVAL_EVERY),
-        "--checkpoint-every", "0", "--lr", E2E_LR,
-    )  # fmt: skip
+    out, proc, max_steps = target_run
     console = proc.stdout + proc.stderr
     assert "scalefold: rank 1/2 backend gloo role eval" in console
     assert "scalefold: evaluation rank 1: 2 of 2 validation targets" in console
@@ -471,6 +501,21 @@ def test_train_cli_with_one_eval_rank_stops_at_the_target(tmp_path, e2e_store):
     report = check_log(next(out.glob("*.log")))
     assert not report.ok and report.failed_rules == TINY_ASYNC_RUN_FAILURES, report.output[-4000:]
     assert report.warnings == []
+
+
+@pytest.mark.distributed
+def test_an_asynchronous_runs_account_ends_at_the_evaluation_ranks_run_stop(target_run):
+    """(Issue 41, the time account; the run of the test above.) The evaluation rank logs run_stop after scoring
+    step 2; training learns of it later. Training's account ends at that run_stop (the wall time of the reply),
+    with the latency from step 2 and the steps after run_stop apart."""
+    out, _, _ = target_run
+    info = json.loads((out / "time_account.json").read_text())
+    assert info["run_stop_logged_by"] == "first evaluation rank" and info["evaluation"] == "asynchronous (1 ranks)"
+    assert info["to_run_stop_from"] == "the end of step 2, whose evaluation reached the target"
+    assert info["sum_of_parts_s"] == pytest.approx(info["run_start_to_run_stop_s"], abs=1e-6)
+    assert info["steps"] > 2 and info["after_run_stop_s"]["total"] > 0  # training went on until it learnt
+    run_stop = next(e for e in _mllog(out / "mlperf.log") if e["key"] == "run_stop")
+    assert run_stop["metadata"]["file"].endswith("evaluation/server.py")
 
 
 @pytest.mark.distributed

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from scalefold.distributed.heartbeat import EXIT_RANK_FAILED, Heartbeat, connect_store
-from scalefold.distributed.launch import run_processes
+from scalefold.distributed.launch import _entry, free_port
 from scalefold.distributed.runtime import RankInfo, nccl_fault_environment, resume_command
 
 pytestmark = pytest.mark.distributed
@@ -71,26 +72,45 @@ def _stuck(rank: int, world: int, out: str) -> None:
     os._exit(3)  # never reached
 
 
+@pytest.fixture(scope="module")
+def run_ranks():
+    """``run_ranks(fn, world, *args)``: :func:`~scalefold.distributed.launch.run_processes` (its entry: a gloo
+    default group, ``fn``, the exit) with the ranks forked by multiprocessing's forkserver, which imported torch
+    and the heartbeat once, instead of spawned (each importing them); stopped at the end if started here."""
+    from multiprocessing import forkserver
+
+    started = forkserver._forkserver._forkserver_pid is None
+    if started:
+        forkserver.set_forkserver_preload(["torch", "scalefold.distributed.heartbeat", "scalefold.distributed.runtime"])
+
+    def run(fn, world: int, *args) -> None:
+        mp.start_processes(_entry, args=(fn, world, free_port(), 1, args), nprocs=world, start_method="forkserver")
+
+    yield run
+    if started:
+        forkserver._forkserver._stop()
+
+
 def _results(out: Path, world: int) -> dict[int, dict]:
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(world) if (out / f"rank{r}.json").exists()}
 
 
-def test_a_rank_that_raises_is_named_with_its_error(tmp_path):
-    run_processes(_raises, 3, str(tmp_path))  # every rank leaves by os._exit(0) after writing its result
+def test_a_rank_that_raises_is_named_with_its_error(tmp_path, run_ranks):
+    run_ranks(_raises, 3, str(tmp_path))  # every rank leaves by os._exit(0) after writing its result
     results = _results(tmp_path, 3)
     assert sorted(results) == [0, 1, 2], results
     for rank in (0, 2):
         line = results[rank]["line"]
         assert results[rank]["status"] == EXIT_RANK_FAILED
-        assert line.startswith(f"scalefold train: rank 1 (host ") and "failed (ValueError: a bad batch) at step 1" in line
+        assert line.startswith("scalefold train: rank 1 (host ") and "failed (ValueError: a bad batch) at step 1" in line
         assert f"rank {rank} stops" in line and line.endswith("resume: scalefold train --resume")
         assert (tmp_path / "faults" / f"rank{rank}.txt").exists()
 
 
-def test_a_stuck_main_thread_is_found_behind_its_peers(tmp_path):
+def test_a_stuck_main_thread_is_found_behind_its_peers(tmp_path, run_ranks):
     t0 = time.monotonic()
     try:
-        run_processes(_stuck, 3, str(tmp_path))
+        run_ranks(_stuck, 3, str(tmp_path))
     except Exception:  # noqa: BLE001 -- the ranks are ended by their heartbeats (os._exit after writing their line)
         pass
     elapsed = time.monotonic() - t0

@@ -51,15 +51,9 @@ def _mllog(path: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    """A tiny synthetic store (created once by a short run)."""
-    root = tmp_path_factory.mktemp("faults")
-    path = root / "store.h5"
-    cfg = TrainConfig.from_preset(
-        "tiny", overrides={"out": str(root / "warm"), "store": str(path), "max_steps": 1, "eval_every": 0}, env={}
-    )
-    train(cfg)
-    return path
+def store(tiny_store):
+    """The tiny synthetic store (tests/train/conftest.py: synthesised once per session)."""
+    return tiny_store
 
 
 def _clean_env() -> dict[str, str]:
@@ -355,3 +349,26 @@ def test_stop_request_is_reentrant_and_restores_the_handlers():
             assert request.requested and request.signal_name == "SIGUSR1"
         assert signal.getsignal(signal.SIGUSR1) == request._handle
     assert signal.getsignal(signal.SIGUSR1) == before
+
+
+def test_a_failed_runs_stop_request_leaves_the_signals_ignored():
+    """A rank of a launch whose run failed (train() calls StopRequest.ignore_after_exit) leaves SIGTERM / SIGUSR1
+    ignored when the ``with`` ends, not the previous (default) handlers back: the launcher's SIGTERM to the
+    survivors of a dead rank cannot end one before it has named the rank at fault."""
+    from scalefold.train.stopping import StopRequest
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        request = StopRequest()
+        with request:
+            try:
+                raise RuntimeError("Connection reset by peer")  # what a dead peer's collective raises
+            except RuntimeError:
+                request.ignore_after_exit()
+        assert {sig: signal.getsignal(sig) for sig in before} == {sig: signal.SIG_IGN for sig in before}
+        os.kill(os.getpid(), signal.SIGUSR1)  # ignored: this process lives on
+        time.sleep(0.01)
+        assert not request.requested  # the flag's handler is gone too
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)

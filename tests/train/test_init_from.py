@@ -25,7 +25,6 @@ from scalefold.model import AlphaFold, AlphaFoldConfig
 from scalefold.model.factory import build_model, build_model_config
 from scalefold.optim.adam_swa import FlatAdamSWA
 from scalefold.train.run_checkpoints import init_from_checkpoint
-from scalefold.train.trainer import train
 
 ITERATION = 7
 
@@ -103,14 +102,6 @@ def test_training_run_from_a_reference_checkpoint_logs_its_sha256(tmp_path, tiny
     assert logged == hashlib.sha256(path.read_bytes()).hexdigest()
     ckpt = torch.load(out / "checkpoints" / "checkpoint_00000001.pt", weights_only=True)
     assert float(ckpt["optimizer_state_dict"]["state"][0]["step"]) == 4.0  # 3 reference steps + 1
-
-
-@pytest.fixture(scope="module")
-def tiny_store(tmp_path_factory):
-    root = tmp_path_factory.mktemp("init_from")
-    store = root / "store.h5"
-    train(_tiny_cfg(out=str(root / "warm"), store=str(store), max_steps=1, eval_every=0, checkpoint_every=0))
-    return store
 
 
 def _refused(path: Path) -> str:
