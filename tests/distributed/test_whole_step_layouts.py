@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from scalefold.checkpoint.files import load_checkpoint
+from scalefold.config.training import TrainConfig
+from scalefold.data.synthetic import synthesize
 from scalefold.distributed.launch import free_port
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -44,10 +46,6 @@ def _train_eager_then_graphed(root: Path, store: Path, nproc: int, *extra: str) 
     proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
-
-
-#: the demo test's store: the demo preset's lengths (40-80 residues), the tiny preset's count
-DEMO_STORE = ("--synth-num-chains", "20", "--synth-num-families", "2")
 
 
 def _metrics(path) -> list[dict]:
@@ -88,12 +86,13 @@ def test_whole_step_graphs_at_bp2xdap2_equal_eager(tmp_path, tiny_store):
 
 def test_whole_step_graphs_at_bp2_on_the_demo_preset_with_dropout_equal_eager(tmp_path):
     """BP-2 on demo (tiny has no dropout): the two branches' masks drawn inside the replay from their own
-    generators, bit-identical to eager. The demo preset's store is synthesised by the eager run (rank 0, the
-    others waiting), with the demo's chain lengths but 20 chains (its 320 take ~20 CPU s; the claim is the
-    model's dropout, not the store's size)."""
-    extra = ("--preset", "demo", "--bp", "2", "--parallel-evoformer", *DEMO_STORE)
-    proc = _train_eager_then_graphed(tmp_path, tmp_path / "demo-store.h5", 2, *extra)
-    assert "synthesising 20 chains" in proc.stdout, proc.stdout[-2000:]
+    generators, bit-identical to eager. Its store: the demo preset's chain lengths and seed, but 20 chains (its
+    320 take ~20 CPU s to synthesise; the claim is the model's dropout, not the store's size)."""
+    cfg = TrainConfig.from_preset("demo", env={})
+    store = tmp_path / "demo-store.h5"
+    synthesize(store, num_chains=20, num_families=2, length_range=tuple(cfg.synth_length_range), seed=cfg.synth_seed)
+    extra = ("--preset", "demo", "--bp", "2", "--parallel-evoformer")
+    proc = _train_eager_then_graphed(tmp_path, store, 2, *extra)
     assert f"cuda graphs (whole step): {STEPS - 1} step(s) graphed" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
     _assert_same_run(tmp_path)
 
