@@ -2,6 +2,7 @@
 
 * :func:`setup_precision` -- the run's master/compute dtype and whether bf16 autocast is on (sets the
   TF32 switches and, for ``--deterministic``, deterministic algorithms);
+* :func:`set_deterministic_algorithms` -- ``torch.use_deterministic_algorithms`` without importing inductor;
 * :func:`keep_fp32_regions` / :func:`run_in_fp32` -- the structure module and the heads compute in fp32
   inside a bf16 autocast region (ScaleFold / the MLPerf reference);
 * :func:`float_outputs` -- the loss runs in fp32 under bf16 autocast.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from collections.abc import Mapping, MutableMapping, Sequence
 
 import torch
@@ -31,6 +33,25 @@ def deterministic_environment(env: MutableMapping[str, str] | None = None) -> No
         env["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE_CONFIG
 
 
+#: inductor's switch of its deterministic mode, read when ``torch._inductor.config`` is imported
+INDUCTOR_DETERMINISTIC_ENV = "TORCHINDUCTOR_DETERMINISTIC"
+
+
+def set_deterministic_algorithms(mode: bool) -> None:
+    """``torch.use_deterministic_algorithms(mode)`` with the same effect, without its import of
+    ``torch._inductor`` (dynamo, sympy: ~3 CPU s of the start of every process of a ``--deterministic`` run
+    that compiles nothing). Inductor's ``deterministic`` follows ``mode`` as torch's call sets it: on its
+    config where inductor is loaded, through :data:`INDUCTOR_DETERMINISTIC_ENV` (read when it loads) where not."""
+    torch._C._set_deterministic_algorithms(mode)
+    config = sys.modules.get("torch._inductor.config")
+    if config is not None:
+        config.deterministic = mode
+    if mode:
+        os.environ[INDUCTOR_DETERMINISTIC_ENV] = "1"
+    elif os.environ.get(INDUCTOR_DETERMINISTIC_ENV) == "1":
+        del os.environ[INDUCTOR_DETERMINISTIC_ENV]
+
+
 def setup_precision(precision: str, deterministic: bool) -> tuple[torch.dtype, bool]:
     """(master/compute dtype of the model, whether bf16 autocast is on); sets the TF32 switches.
 
@@ -44,7 +65,7 @@ def setup_precision(precision: str, deterministic: bool) -> tuple[torch.dtype, b
     torch.backends.cudnn.allow_tf32 = tf32
     if deterministic:
         deterministic_environment()  # before use_deterministic_algorithms: cuBLAS needs its workspace config
-        torch.use_deterministic_algorithms(True)
+        set_deterministic_algorithms(True)
     return MASTER_DTYPES[precision], precision == "bf16"
 
 
@@ -102,5 +123,5 @@ def keep_fp32_regions(model: torch.nn.Module, regions: Sequence[str] = FP32_REGI
 
 __all__ = [
     "CUBLAS_WORKSPACE_CONFIG", "FP32_REGIONS", "MASTER_DTYPES", "deterministic_environment", "float_outputs",
-    "keep_fp32_regions", "run_in_fp32", "setup_precision",
+    "INDUCTOR_DETERMINISTIC_ENV", "keep_fp32_regions", "run_in_fp32", "set_deterministic_algorithms", "setup_precision",
 ]  # fmt: skip

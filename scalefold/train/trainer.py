@@ -72,7 +72,12 @@ from scalefold.mlperf.cycles import MLPerfCycles, mlperf_log_path, run_info
 from scalefold.mlperf.provenance import write_provenance
 from scalefold.model import AlphaFold, AlphaFoldConfig
 from scalefold.model.factory import build_model, build_model_config
-from scalefold.model.precision import deterministic_environment, keep_fp32_regions, setup_precision
+from scalefold.model.precision import (
+    deterministic_environment,
+    keep_fp32_regions,
+    set_deterministic_algorithms,
+    setup_precision,
+)
 from scalefold.optim.clipping import GradClipper
 from scalefold.optim.flat_reduce import FlatGradReducer, graphed_reduce_line, resolve_grad_reduce
 from scalefold.optim.lr_schedule import WarmupConstantLR
@@ -195,7 +200,7 @@ def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
     finally:  # process-wide switches go back to what the caller had
         if cfg.compile:
             elementwise.disable()  # the compiled elementwise chains (compile_blocks' default region)
-        torch.use_deterministic_algorithms(numerics[0])
+        set_deterministic_algorithms(numerics[0])
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = numerics[1:]
         shutdown(runtime, clean=finished)
     if result.unsaved_checkpoint is not None:  # a full disk took the last checkpoint: the run fails, after its peers

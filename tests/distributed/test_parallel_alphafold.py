@@ -6,6 +6,7 @@ are the ones the training loop uses."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -47,15 +48,26 @@ def _step(model, loss_fn, batch, seed: int = 1234):
     return out, loss.detach()
 
 
-def _check(rank: int, world: int, dap: int, bp: int, parallel: bool) -> None:
+@functools.lru_cache(maxsize=None)
+def _reference(parallel: bool):
+    """(the untrained model, the single-rank model after its step, loss, batch, outputs, loss value) of the
+    serial model: computed once per process for each ``parallel`` (every case of a launch on the same model,
+    batch and dropout seed reuses it; each case wraps its own copy of the untrained model)."""
     model, loss_fn = _model(parallel)
     reference = copy.deepcopy(model)
     batch = make_synthetic_batch(N_RES, N_CLUST, N_EXTRA, N_TEMPL, num_recycling_iters=1, dtype=torch.float64, seed=3)
     ref_out, ref_loss = _step(reference, loss_fn, batch)
+    return model, reference, loss_fn, batch, ref_out, ref_loss
+
+
+def _check(rank: int, world: int, dap: int, bp: int, parallel: bool) -> None:
+    untrained, reference, loss_fn, batch, ref_out, ref_loss = _reference(parallel)
+    model = copy.deepcopy(untrained)
 
     ctx = setup_model_parallel(dap=dap, bp=bp, parallel_evoformer=parallel)
     assert ctx.layout.dp == world // (dap * bp)
     ctx.wrap(model)
+    batch = {k: v.clone() for k, v in batch.items()}  # the cached batch stays as the reference saw it
     local = ctx.broadcast_batch(batch if ctx.is_loader_rank else None)
     out, loss = _step(model, loss_fn, local)
     ctx.sync_grads(model)
