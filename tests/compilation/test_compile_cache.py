@@ -153,30 +153,38 @@ def test_compile_with_rebuild_never_rebuilds_on_an_oom_a_capture_error_or_a_bug(
     assert not cc.is_cache_error(exc, c)
 
 
-@pytest.mark.parametrize("damage", ["kernels", "everything"])
-def test_corrupt_files_in_a_real_inductor_cache_do_not_crash(tmp_path, damage):
-    """The end-to-end case: compile with inductor into the cache, overwrite the compiled kernels (``.so``:
-    without :func:`compile_with_rebuild` this fails the compilation) or every cached file with garbage,
-    compile again in a fresh process: it computes the right numbers (kernels: after one line, rebuilt)."""
-    script = textwrap.dedent(f"""
+def test_corrupt_files_in_a_real_inductor_cache_do_not_crash(tmp_path):
+    """The end-to-end case: compile with inductor into the cache (one cold compile, then the folder copied), in
+    one copy overwrite the compiled kernels (``.so``: without :func:`compile_with_rebuild` this fails the
+    compilation), in the other every cached file, with garbage; compile again from each in a fresh process: it
+    computes the right numbers (kernels: after one line, rebuilt)."""
+    import shutil
+
+    script = textwrap.dedent("""
         import sys, torch
         from scalefold.compilation.cache import compile_with_rebuild, configure_compile_cache
-        configure_compile_cache({str(tmp_path)!r})
+        configure_compile_cache(sys.argv[1])
         f = torch.compile(lambda x: torch.sigmoid(x) * x + 1.0, dynamic=True)
         x = torch.linspace(-1, 1, 8)
         y = compile_with_rebuild(lambda: f(x))
         assert torch.allclose(y, torch.sigmoid(x) * x + 1.0)
         print("ok")
     """)  # fmt: skip
-    run = lambda: subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900)  # noqa: E731
-    first = run()
+
+    def run(root):
+        return subprocess.run([sys.executable, "-c", script, str(root)], capture_output=True, text=True, timeout=900)
+
+    kernels, everything = tmp_path / "kernels", tmp_path / "everything"
+    first = run(kernels)  # the kernels' copy stays where it was compiled: its entries point at its own files
     assert first.returncode == 0 and "ok" in first.stdout, first.stderr[-2000:]
-    files = [p for p in tmp_path.rglob("*") if p.is_file() and p.name != cc.MANIFEST and "locks" not in p.parts]
-    assert any(p.suffix == ".so" for p in files), files
-    for p in files:
-        if damage == "everything" or p.suffix == ".so":
-            p.write_bytes(b"garbage")
-    second = run()
-    assert second.returncode == 0 and "ok" in second.stdout, second.stderr[-2000:]
-    if damage == "kernels":
-        assert "compiling from it failed" in second.stderr and "rebuilding it" in second.stderr, second.stderr[-2000:]
+    shutil.copytree(kernels, everything)
+    for root, damage in ((kernels, "kernels"), (everything, "everything")):
+        files = [p for p in root.rglob("*") if p.is_file() and p.name != cc.MANIFEST and "locks" not in p.parts]
+        assert any(p.suffix == ".so" for p in files), files
+        for p in files:
+            if damage == "everything" or p.suffix == ".so":
+                p.write_bytes(b"garbage")
+        second = run(root)
+        assert second.returncode == 0 and "ok" in second.stdout, (damage, second.stderr[-2000:])
+        if damage == "kernels":
+            assert "compiling from it failed" in second.stderr and "rebuilding it" in second.stderr, second.stderr[-2000:]

@@ -86,25 +86,35 @@ def test_reference_attention_is_the_glue_in_order():
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_training_step_with_compiled_chains_equals_eager(precision):
-    """One training step (a no-grad recycling pass, the grad pass, dropout on) with the chains compiled
-    (``aot_eager``: dynamo + AOTAutograd, cheap on the CPU) gives the eager step's loss and gradients: the
-    dropout masks are drawn outside the compiled functions, from the same random stream."""
+    """One training step (a no-grad recycling pass, the grad pass, dropout on) with the Evoformer's elementwise
+    chains compiled (``aot_eager``: dynamo + AOTAutograd, cheap on the CPU) gives the eager step's loss and
+    gradients: the dropout masks are drawn outside the compiled functions, from the same random stream. (The
+    structure module's geometry chains, fp32 in every precision, both grad modes: test_geometry_chains.py's
+    structure module test -- compiled here too they cost ~3/4 of this test's compile time.)"""
     from scalefold.config.training import TrainConfig
     from scalefold.model.dropout import SharedDropout
     from scalefold.train.step import TrainingStep
 
     cfg = TrainConfig.from_preset("tiny", overrides={"precision": precision}, env={})
+    chains = tuple(c for c in elementwise.CHAINS if c not in elementwise.GEOMETRY_CHAINS)
+    before = dict(elementwise._state)
+    elementwise.enable("aot_eager", chains)  # the selection mode() compiles
+    elementwise.disable()
     results = []
-    for mode in (None, "aot_eager"):
-        step = TrainingStep.build(cfg)
-        for module in step.model.modules():  # the tiny preset has no dropout: switch it on
-            if isinstance(module, SharedDropout):
-                module.p = 0.2
-        torch.manual_seed(3)
-        with elementwise.mode(mode):
-            loss, _ = step.forward_loss(step.sliced(1))
-            step.backward(loss)
-        results.append((loss.detach(), step.opt.grad_buffers()))
+    try:
+        for mode in (None, "aot_eager"):
+            step = TrainingStep.build(cfg)
+            for module in step.model.modules():  # the tiny preset has no dropout: switch it on
+                if isinstance(module, SharedDropout):
+                    module.p = 0.2
+            torch.manual_seed(3)
+            with elementwise.mode(mode):
+                assert elementwise.chain("gated_projection") is not reference.gated_projection or mode is None
+                loss, _ = step.forward_loss(step.sliced(1))
+                step.backward(loss)
+            results.append((loss.detach(), step.opt.grad_buffers()))
+    finally:
+        elementwise._state.update(before)
     (loss_e, grads_e), (loss_c, grads_c) = results
     tol = {"rtol": 1e-5, "atol": 1e-6} if precision == "fp32" else {"rtol": 2e-2, "atol": 1e-3}
     torch.testing.assert_close(loss_c, loss_e, **tol)

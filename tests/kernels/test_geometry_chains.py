@@ -198,22 +198,29 @@ def _structure_module_step(dtype):
     with torch.no_grad():
         for p in module.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    s, z = torch.randn(1, 6, 16, dtype=dtype), torch.randn(1, 6, 6, 8, dtype=dtype)
+    # the trunk's outputs require grad in a training step: so do these (the chains' inputs' requires_grad as there)
+    s = torch.randn(1, 6, 16, dtype=dtype, requires_grad=True)
+    z = torch.randn(1, 6, 6, 8, dtype=dtype, requires_grad=True)
     mask, aatype = torch.ones(1, 6, dtype=dtype), torch.randint(0, 21, (1, 6))
+    with torch.no_grad():  # a recycling pass's grad mode: graphs of its own
+        recycled = module(s, z, mask, aatype)
     out = module(s, z, mask, aatype)
     loss = sum((v * torch.linspace(-1, 1, v.numel(), dtype=dtype).view(v.shape)).sum() for v in out.values())
     loss.backward()
-    return out, [p.grad for p in module.parameters()]
+    return out, [p.grad for p in module.parameters()], recycled
 
 
 def test_structure_module_with_compiled_geometry_equals_eager():
-    """The whole structure module (two blocks, forward and backward) with its geometry chains traced and run
-    through AOT autograd (``aot_eager``: the graphs inductor compiles, each chain checked under inductor above)."""
+    """The whole structure module (two blocks: a no-grad pass as in recycling, then forward and backward) with its
+    geometry chains traced and run through AOT autograd (``aot_eager``: the graphs inductor compiles, each chain
+    checked under inductor above). (The training step's test in test_elementwise.py compiles only the Evoformer's
+    chains: the geometry chains' both grad modes are checked here.)"""
     want = _structure_module_step(torch.float32)
     elementwise.enable("aot_eager", elementwise.GEOMETRY_CHAINS)
     assert all(elementwise.chain(n) is not getattr(geometry, n) for n in elementwise.GEOMETRY_CHAINS)
     got = _structure_module_step(torch.float32)
     for key in want[0]:
         torch.testing.assert_close(got[0][key], want[0][key], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got[2][key], want[2][key], rtol=1e-4, atol=1e-4)
     for g, w in zip(got[1], want[1]):
         torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-4)
