@@ -128,15 +128,15 @@ def test_plan_predicts_and_ranks_layouts_on_a_small_preset(capsys, tmp_path, mon
     assert step["graphed"]["step_s"] == pytest.approx(p["breakdown"]["step_s"])
     assert step["eager"]["step_s"] > step["graphed"]["step_s"] > step["graphed"]["compute_s"] > 0
     assert step["graphed"]["dap_s"] > 0 and step["graphed"]["allreduce_s"] > 0
-    # two cards: DAP 1 and 2 (2 found in the cache the first plan filled: one fake step less than 4 cards' 1, 2, 4)
-    assert main(["plan", "--preset", "tiny", "--crop", "24", "--card", "b200", "--count", "2", "--top", "3", "--json"]) == 0
+    # four cards: DAP 1, 2 and 4 (2 found in the cache the first plan filled: two fake steps, not three)
+    assert main(["plan", "--preset", "tiny", "--crop", "24", "--card", "b200", "--count", "4", "--top", "3", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     ranked = out["best_layouts"]
     assert 1 <= len(ranked) <= 3 and out["ttt_minutes"] == ranked[0]["ttt_minutes"]
     assert [q["ttt_minutes"] for q in ranked] == sorted(q["ttt_minutes"] for q in ranked)
-    assert all(q["layout"]["cards"] <= 2 for q in ranked)
-    assert {q["layout"]["dap"] for q in ranked} <= {1, 2}
-    assert len(list(tmp_path.glob("plan/*.json"))) == 2  # one count per DAP size that fits 2 cards (1, 2), kept
+    assert all(q["layout"]["cards"] <= 4 for q in ranked)
+    assert {q["layout"]["dap"] for q in ranked} <= {1, 2, 4}
+    assert len(list(tmp_path.glob("plan/*.json"))) == 3  # one count per DAP size that fits 4 cards (1, 2, 4), kept
 
 
 def test_branch_parallel_plans_need_a_measured_step(capsys):
