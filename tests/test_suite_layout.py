@@ -49,7 +49,10 @@ def test_the_multi_process_files_are_one_unit_of_work_and_every_other_file_its_o
 
     scheduler = conftest.pytest_xdist_make_scheduler(Config("loadgroup"), Log())
     assert isinstance(scheduler, xdist.scheduler.LoadScopeScheduling)
-    assert scheduler._split_scope("tests/train/test_ddp_train.py::test_every_rank_announces_itself") == conftest.PROCESSES_GROUP
+    assert (
+        scheduler._split_scope("tests/train/test_ddp_train.py::test_every_rank_announces_itself")
+        == conftest.PROCESSES_GROUP
+    )
     assert scheduler._split_scope("tests/test_lddt.py::test_x[a::b]") == "tests/test_lddt.py"
     assert conftest.pytest_xdist_make_scheduler(Config("load"), Log()) is None
 
@@ -92,7 +95,9 @@ def test_the_costliest_unit_left_goes_to_the_worker_that_asks(request, monkeypat
         scheduler._assign_work_unit(node)
     order = [sorted({nodeids[i].split("::")[0] for i in sent}) for sent in node.sent]
     assert order == [[multi], ["tests/e.py"], ["tests/a.py"], ["tests/d.py"]]
-    assert conftest.unit_cost({"tests/d.py::t1": False, "tests/d.py::t2": False}, {}) == 2 * conftest.UNKNOWN_TEST_COST_S
+    assert (
+        conftest.unit_cost({"tests/d.py::t1": False, "tests/d.py::t2": False}, {}) == 2 * conftest.UNKNOWN_TEST_COST_S
+    )
 
 
 def test_make_test_runs_the_suite_on_every_core_with_the_guard():
