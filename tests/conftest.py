@@ -93,6 +93,17 @@ def data_dir(shared_dir: Path) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The store ``scalefold train --preset tiny`` synthesises when it has none (its own ``ensure_store``), once per
+    worker: the tests that take it only read it (a test that corrupts a store corrupts a copy)."""
+    from scalefold.config.training import TrainConfig
+    from scalefold.train.run_directory import ensure_store
+
+    path = tmp_path_factory.mktemp("tiny_store") / "store.h5"
+    return ensure_store(TrainConfig.from_preset("tiny", overrides={"store": str(path)}, env={}))
+
+
 @pytest.fixture
 def one_thread():
     """Tiny tensors: one intra-op thread (two spin-waiting threads on a shared 2-core box are ~10x slower); a

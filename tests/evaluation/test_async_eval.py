@@ -245,7 +245,9 @@ def rank_context():
         forkserver._forkserver._stop()
 
 
-def _launch(tmp_path: Path, scenario: str, ctx, deadline_s: float = 120, stuck: tuple[int, ...] = ()) -> dict[int, dict]:
+def _launch(
+    tmp_path: Path, scenario: str, ctx, deadline_s: float = 120, stuck: tuple[int, ...] = ()
+) -> dict[int, dict]:
     """Run ``scenario`` on fresh processes started by ``ctx``; the ``stuck`` ranks are expected to hang and are
     killed."""
     world = SCENARIOS[scenario][0]
@@ -440,16 +442,9 @@ def _run_records(out: Path) -> tuple[list[dict], list[dict], list[dict]]:
 
 
 @pytest.fixture(scope="module")
-def e2e_store(tmp_path_factory) -> Path:
-    """The tiny preset's synthetic store, synthesised once for the end-to-end runs."""
-    from scalefold.config.training import TrainConfig
-    from scalefold.data.synthetic import synthesize
-
-    cfg = TrainConfig.from_preset("tiny", env={})
-    store = tmp_path_factory.mktemp("e2e_store") / "store.h5"
-    synthesize(store, num_chains=cfg.synth_num_chains, num_families=cfg.synth_num_families,
-               length_range=tuple(cfg.synth_length_range), seed=cfg.synth_seed)  # fmt: skip
-    return store
+def e2e_store(tiny_store) -> Path:
+    """The tiny preset's synthetic store of the end-to-end runs (the session's, tests/conftest.py)."""
+    return tiny_store
 
 
 @pytest.fixture(scope="module")
