@@ -44,7 +44,7 @@ def set_deterministic_algorithms(mode: bool) -> None:
     config where inductor is loaded, through :data:`INDUCTOR_DETERMINISTIC_ENV` (read when it loads) where not."""
     torch._C._set_deterministic_algorithms(mode)
     config = sys.modules.get("torch._inductor.config")
-    if config is not None:
+    if config is not None and hasattr(config, "deterministic"):  # torch < 2.7's inductor has no such mode
         config.deterministic = mode
     if mode:
         os.environ[INDUCTOR_DETERMINISTIC_ENV] = "1"
