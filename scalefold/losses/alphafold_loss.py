@@ -22,7 +22,7 @@ from scalefold.losses.masked_msa import masked_msa_loss
 from scalefold.losses.plddt import plddt_loss
 from scalefold.losses.renaming import compute_renamed_ground_truth
 from scalefold.losses.tm import tm_loss
-from scalefold.losses.violations import find_structural_violations, violation_loss
+from scalefold.losses.violations import find_structural_violations, prepare_dists_bounds, violation_loss
 
 #: Loss terms in the order they are summed (and reported).
 LOSS_TERMS = (
@@ -96,6 +96,10 @@ class AlphaFoldLoss(nn.Module):
         self.tm_enabled = bool(self.cfg["tm"].get("enabled", False))
         self.crop_size = crop_size
         self.batch_has_recycling_dim = batch_has_recycling_dim
+        viol_cfg = self.cfg["violation"]
+        if "clash_overlap_tolerance" in viol_cfg and "violation_tolerance_factor" in viol_cfg:
+            # the violation term's constant tables built here, eagerly: never traced into a compiled loss
+            prepare_dists_bounds(viol_cfg["clash_overlap_tolerance"], viol_cfg["violation_tolerance_factor"])
 
     def weight(self, term: str) -> float:
         return float(self.cfg[term]["weight"])

@@ -13,7 +13,6 @@ Reference quirk kept for equivalence: the CA–C–N angle term uses the C–N *
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -309,11 +308,26 @@ def _bounds_table(which: str, bounds: dict[str, np.ndarray], tolerances: tuple[f
     return device_table(f"atom14_dists_{which}:{tolerances}", device, dtype, lambda: bounds[which])
 
 
-@functools.cache
+#: ``make_atom14_dists_bounds`` per ``(overlap_tolerance, bond_length_tolerance_factor)``: a plain dict, built
+#: outside any compiled region (the model config's tolerances at import, others by :func:`prepare_dists_bounds`),
+#: because ``torch.compile`` ignores ``functools.cache`` and would trace its thousands of NumPy assignments into
+#: the loss's graph (minutes of compile time for a constant table); a compiled loss reads the arrays found here.
+_DISTS_BOUNDS: dict[tuple[float, float], dict[str, np.ndarray]] = {}
+
+
+def prepare_dists_bounds(overlap_tolerance: float, bond_length_tolerance_factor: float) -> dict[str, np.ndarray]:
+    """The intra-residue distance bounds for these tolerances, built once (call it outside compiled code)."""
+    key = (float(overlap_tolerance), float(bond_length_tolerance_factor))
+    bounds = _DISTS_BOUNDS.get(key)
+    if bounds is None:
+        bounds = _DISTS_BOUNDS[key] = rc.make_atom14_dists_bounds(
+            overlap_tolerance=overlap_tolerance, bond_length_tolerance_factor=bond_length_tolerance_factor
+        )
+    return bounds
+
+
 def _atom14_dists_bounds(overlap_tolerance: float, bond_length_tolerance_factor: float) -> dict[str, np.ndarray]:
-    return rc.make_atom14_dists_bounds(
-        overlap_tolerance=overlap_tolerance, bond_length_tolerance_factor=bond_length_tolerance_factor
-    )
+    return prepare_dists_bounds(overlap_tolerance, bond_length_tolerance_factor)
 
 
 def atom37_van_der_waals_radius() -> np.ndarray:

@@ -145,17 +145,25 @@ def test_module_region_and_fp32_region_compile_their_inner_forward():
 # fp32 (the tiny preset's precision): the same regions, strict, backend and recycling counts are
 # tests/perf/test_step_bench.py::test_bench_step_json_counts_breaks_and_recompiles (through the command)
 @pytest.mark.parametrize("precision", ["bf16"])
-def test_tiny_training_step_compiles_without_breaks_or_recompiles(precision):
+def test_tiny_training_step_compiles_without_breaks_or_recompiles(precision, monkeypatch):
+    """... and the loss's constant tables are not traced into its graph: the violation term's distance bounds
+    (thousands of NumPy assignments: minutes of compile time when dynamo traces them) are built when the loss
+    module is, and the compiled step never calls their builder."""
+    from scalefold import residue_constants
     from scalefold.config.training import TrainConfig
     from scalefold.train.step import TrainingStep
 
     cfg = TrainConfig.from_preset("tiny", overrides={"precision": precision}, env={})
     step = TrainingStep.build(cfg)
+    built = []
+    make_bounds = residue_constants.make_atom14_dists_bounds
+    monkeypatch.setattr(residue_constants, "make_atom14_dists_bounds", lambda **kw: built.append(kw) or make_bounds(**kw))
     report = compile_blocks(step.model, BLOCK_REGIONS, backend="eager", strict=True, loss_fn=step.loss_fn)
     assert set(report.regions) == {"evoformer_stack", "extra_msa_stack", "template_pair_stack", "structure_module",
                                    "loss"}  # fmt: skip
     step.run(1)  # a no-grad recycling pass, the grad pass, backward, optimizer
     step.run(0)
+    assert built == []  # built with the loss module, never in (or traced into) the compiled step
     stats = report.stats()
     assert stats["graph_breaks"] == 0, report.summary()
     assert stats["recompiles"] == 0, report.summary()
