@@ -159,9 +159,12 @@ UNKNOWN_TEST_COST_S = 1.0
 
 
 def recorded_costs(path: Path) -> dict[str, float]:
-    """``{test file: CPU seconds}`` from a ``SCALEFOLD_SUITE_TIMES`` JSON (empty when absent or unreadable)."""
+    """``{test file: seconds}`` from a ``SCALEFOLD_SUITE_TIMES`` JSON (empty when absent or unreadable): the test time
+    a worker spent on the file where recorded (what the workers' balance is made of: a test that waits on a real
+    Slurm or on ranks takes a worker for longer than its CPU seconds), else its CPU seconds."""
     try:
-        return {str(k): float(v) for k, v in json.loads(path.read_text())["cpu_s_by_file"].items()}
+        data = json.loads(path.read_text())
+        return {str(k): float(v) for k, v in (data.get("test_s_by_file") or data["cpu_s_by_file"]).items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
 
@@ -176,7 +179,8 @@ def unit_cost(nodeids: dict[str, bool], costs: dict[str, float]) -> float:
     return sum(costs.get(path, UNKNOWN_TEST_COST_S * n) for path, n in counts.items())
 
 
-_SUITE = {"start": time.time(), "serial_s": 0.0, "cpu_s": 0.0, "tests": 0, "by_file": {}}
+_SUITE = {"start": time.time(), "serial_s": 0.0, "cpu_s": 0.0, "tests": 0, "by_file": {}, "wall_by_file": {}, "spans": {},
+          "by_worker": {}}
 
 
 def _cpu_seconds() -> float:
@@ -216,6 +220,12 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _SUITE["cpu_s"] += cpu
     path = report.nodeid.split("::", 1)[0]
     _SUITE["by_file"][path] = _SUITE["by_file"].get(path, 0.0) + cpu
+    _SUITE["wall_by_file"][path] = _SUITE["wall_by_file"].get(path, 0.0) + report.duration
+    end = time.time() - _SUITE["start"]  # the file's span in the run (on which worker): what the wall time waits for
+    worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", "main")
+    first, _, _ = _SUITE["spans"].get(path, (end - report.duration, end, worker))
+    _SUITE["spans"][path] = (min(first, end - report.duration), end, worker)
+    _SUITE["by_worker"][worker] = _SUITE["by_worker"].get(worker, 0.0) + report.duration
     if report.when == "call":
         _SUITE["tests"] += 1
     if report.failed and os.environ.get("SCALEFOLD_EARLY_TRACEBACKS", "0") not in ("", "0"):
@@ -241,4 +251,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if out:
         Path(out).write_text(json.dumps({"tests": _SUITE["tests"], "cpu_s": round(cpu, 1), "budget_cpu_s": SUITE_BUDGET_CPU_S,
                                          "test_s": round(_SUITE["serial_s"], 1), "wall_s": round(wall, 1),
-                                         "cpu_s_by_file": {k: round(v, 1) for k, v in costliest}}, indent=1) + "\n")  # fmt: skip
+                                         "cpu_s_by_file": {k: round(v, 1) for k, v in costliest},
+                                         "test_s_by_worker": {k: round(v, 1) for k, v in sorted(_SUITE["by_worker"].items())},
+                                         "test_s_by_file": {k: round(_SUITE["wall_by_file"][k], 1) for k, _ in costliest},
+                                         "span_by_file": {k: [round(a, 1), round(b, 1), w] for k, (a, b, w) in
+                                                          sorted(_SUITE["spans"].items(), key=lambda kv: kv[1][0])}},
+                                        indent=1) + "\n")  # fmt: skip

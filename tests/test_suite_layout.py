@@ -100,6 +100,22 @@ def test_the_costliest_unit_left_goes_to_the_worker_that_asks(request, monkeypat
     )
 
 
+def test_recorded_costs_are_the_test_time_by_file_where_recorded(request, tmp_path):
+    """The scheduler's costs: each file's test time (a worker's seconds on it: a real Slurm's jobs or waiting ranks
+    hold a worker beyond their CPU seconds) from a ``SCALEFOLD_SUITE_TIMES`` record, its CPU seconds from an older
+    record without it, nothing from an unreadable one."""
+    conftest = next(p for p in request.config.pluginmanager.get_plugins()
+                    if getattr(p, "__file__", None) and Path(p.__file__) == TESTS / "conftest.py")  # fmt: skip
+    record = tmp_path / "times.json"
+    record.write_text('{"cpu_s_by_file": {"tests/a.py": 1.5, "tests/b.py": 9}, "test_s_by_file": {"tests/a.py": 30.0}}')
+    assert conftest.recorded_costs(record) == {"tests/a.py": 30.0}
+    record.write_text('{"cpu_s_by_file": {"tests/a.py": 1.5, "tests/b.py": 9}}')
+    assert conftest.recorded_costs(record) == {"tests/a.py": 1.5, "tests/b.py": 9.0}
+    record.write_text("{not json")
+    assert conftest.recorded_costs(record) == {}
+    assert conftest.recorded_costs(REPO / conftest.SUITE_COSTS)  # the shipped record is readable
+
+
 def test_make_test_runs_the_suite_on_every_core_with_the_guard():
     makefile = (REPO / "Makefile").read_text()
     assert "TEST_WORKERS ?= auto" in makefile and "--dist loadgroup" in makefile
