@@ -3,6 +3,8 @@ the CUDA rules, and the start-up check. Small presets only (each estimate is a f
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -25,12 +27,19 @@ def _cfg(**overrides) -> TrainConfig:
                                    env={})  # fmt: skip
 
 
+@functools.cache
+def _estimate(target: str, kernels: str | None = None, **overrides) -> MemoryEstimate:
+    """The estimate of ``_cfg(**overrides)`` on ``target``, made once for the tests that read the same one (each is
+    ~10 CPU s of fake-tensor step); a test that checks what making it does (the fake group's end) makes its own."""
+    return estimate_memory(_cfg(**overrides), target=target, kernels=kernels)
+
+
 @pytest.mark.parametrize("overrides", [{}, {"precision": "fp32", "activation_checkpointing": False}],
                          ids=["bf16-checkpointing", "fp32-plain"])  # fmt: skip
 def test_prediction_matches_the_real_cpu_peak(overrides):
     cfg = _cfg(**overrides)
     measured = measure_cpu_peak(cfg)["peak_bytes"]
-    predicted = estimate_memory(cfg, target="cpu").peak_bytes
+    predicted = _estimate("cpu", **overrides).peak_bytes
     assert abs(predicted / measured - 1) < 0.02, (predicted, measured)
 
 
@@ -43,8 +52,8 @@ def test_one_recycling_pass_stands_for_all():
 
 
 def test_breakdown_and_cuda_rules():
-    cpu = estimate_memory(_cfg(), target="cpu", cuda_graphs=False)
-    cuda = estimate_memory(_cfg(), target="cuda", kernels="torch")
+    cpu = _estimate("cpu")  # no graph pool: --cuda-graphs resolves off on the CPU
+    cuda = _estimate("cuda", kernels="torch")
     assert sum(cpu.breakdown.values()) == cpu.step_peak_bytes
     assert {"parameters", "gradients", "optimizer_state", "batch"} <= set(cpu.breakdown)
     assert cpu.breakdown["optimizer_state"] == 3 * cpu.breakdown["parameters"]  # Adam moments + SWA, fp32
@@ -56,10 +65,10 @@ def test_breakdown_and_cuda_rules():
 
 
 def test_dap_runs_on_a_fake_process_group_and_shards_activations():
-    one = estimate_memory(_cfg(dap=1), target="cpu")
-    two = estimate_memory(_cfg(dap=2), target="cpu")
+    one = _estimate("cpu")  # DAP 1, the default
+    two = estimate_memory(_cfg(dap=2), target="cpu")  # made here: the fake process group it sets up is gone after
     assert not dist.is_initialized()  # the fake group is gone again
-    assert two.settings["dap"] == 2 and not two.settings["cuda_graphs"]
+    assert one.settings["dap"] == 1 and two.settings["dap"] == 2 and not two.settings["cuda_graphs"]
     assert two.breakdown["activations"] < one.breakdown["activations"]
     assert two.breakdown["parameters"] == one.breakdown["parameters"]  # DAP replicates the weights
     with pytest.raises(ValueError):
@@ -108,7 +117,7 @@ def test_recycling_bytes_live_at_the_grad_peak_do_not_grow_with_dap():
     MLPerf crop 256 DAP 2: 1.02 GiB)."""
     # the PyTorch kernels at both sizes: the fused triangle multiplication runs at DAP 1 only (DAP keeps the
     # module's path, whose linear layers hold the shared weight casts into the grad pass)
-    one = estimate_memory(_cfg(dap=1), target="cuda", kernels="torch")
+    one = _estimate("cuda", kernels="torch")  # DAP 1, the default
     two = estimate_memory(_cfg(dap=2), target="cuda", kernels="torch")
     none = estimate_memory(_cfg(dap=2), target="cuda", kernels="torch", recycling=0)
     assert "recycling" not in none.breakdown and "recycling" not in none.phase_peaks
@@ -132,11 +141,12 @@ def _capacity(usable: int) -> int:
 def test_check_fits_names_the_dap_size_that_fits():
     # the real tiny estimates: DAP 2 needs less per rank than DAP 1; a device between the two
     cfg = _cfg()
-    one = estimate_memory(cfg, target="cuda").peak_bytes
-    two = estimate_memory(_cfg(dap=2), target="cuda").peak_bytes
+    one = _estimate("cuda", dap=1).peak_bytes
+    two = _estimate("cuda", dap=2).peak_bytes
     assert two < one
-    assert check_fits(cfg, capacity_bytes=_capacity(one)) is None
-    message = check_fits(cfg, capacity_bytes=_capacity((one + two) // 2))
+    assert check_fits(cfg, capacity_bytes=_capacity(one)) is None  # its own (default) estimate
+    # the same real estimates, each made once: DAP 1 does not fit, DAP 2 does
+    message = check_fits(cfg, capacity_bytes=_capacity((one + two) // 2), estimate=lambda c: _estimate("cuda", dap=c.dap))
     assert message is not None and "--dap 2" in message and "exceeds" in message
 
 
