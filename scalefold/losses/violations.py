@@ -308,8 +308,8 @@ def _bounds_table(which: str, bounds: dict[str, np.ndarray], tolerances: tuple[f
     return device_table(f"atom14_dists_{which}:{tolerances}", device, dtype, lambda: bounds[which])
 
 
-#: ``make_atom14_dists_bounds`` per ``(overlap_tolerance, bond_length_tolerance_factor)``: a plain dict, built
-#: outside any compiled region (the model config's tolerances at import, others by :func:`prepare_dists_bounds`),
+#: ``make_atom14_dists_bounds`` per ``(overlap_tolerance, bond_length_tolerance_factor)``: a plain dict, filled
+#: outside any compiled region (:class:`scalefold.losses.AlphaFoldLoss` fills its tolerances' entry when it is built),
 #: because ``torch.compile`` ignores ``functools.cache`` and would trace its thousands of NumPy assignments into
 #: the loss's graph (minutes of compile time for a constant table); a compiled loss reads the arrays found here.
 _DISTS_BOUNDS: dict[tuple[float, float], dict[str, np.ndarray]] = {}
@@ -324,10 +324,6 @@ def prepare_dists_bounds(overlap_tolerance: float, bond_length_tolerance_factor:
             overlap_tolerance=overlap_tolerance, bond_length_tolerance_factor=bond_length_tolerance_factor
         )
     return bounds
-
-
-def _atom14_dists_bounds(overlap_tolerance: float, bond_length_tolerance_factor: float) -> dict[str, np.ndarray]:
-    return prepare_dists_bounds(overlap_tolerance, bond_length_tolerance_factor)
 
 
 def atom37_van_der_waals_radius() -> np.ndarray:
@@ -374,7 +370,7 @@ def find_structural_violations(
     )
 
     tolerances = (clash_overlap_tolerance, violation_tolerance_factor)
-    bounds = _atom14_dists_bounds(*tolerances)
+    bounds = prepare_dists_bounds(*tolerances)
     residue_violations = within_residue_violations(
         atom14_pred_positions=atom14_pred_positions,
         atom14_atom_exists=atom14_atom_exists,
