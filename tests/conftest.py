@@ -8,6 +8,7 @@ the more specific ones) and are skipped with a clear reason when it is absent.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import resource
 import time
@@ -35,6 +36,30 @@ if _XDIST_WORKERS > 1:
     torch.set_num_threads(_THREADS)
     os.environ["OMP_NUM_THREADS"] = str(_THREADS)
 
+
+
+def _keep_pytest_out_of_torchs_trace_log() -> None:
+    """pytest's log capture attaches its handlers to every logger that does not propagate, torch's structured-trace
+    logger (``torch._logging._internal.trace_log``, always at DEBUG) among them. torch builds a structured-trace
+    record only when that logger has a handler, so under pytest every ``torch.compile`` built them all (the call
+    stack of each symbol and guard, graph dumps) for pytest to store: about a tenth of a compile's CPU. Outside
+    pytest the logger has no handler (torch's own lazy one removes itself when no trace folder is set, and with
+    ``TORCH_TRACE`` set it is torch's, not pytest's, and stays). tests/test_suite_layout.py checks this."""
+    internal = getattr(getattr(torch, "_logging", None), "_internal", None)
+    trace_log = getattr(internal, "trace_log", None)
+    if trace_log is None or getattr(trace_log, "_scalefold_no_pytest", False):
+        return
+    add = trace_log.addHandler
+
+    def add_unless_pytests(handler: logging.Handler) -> None:
+        if not type(handler).__module__.startswith("_pytest"):
+            add(handler)
+
+    trace_log.addHandler = add_unless_pytests
+    trace_log._scalefold_no_pytest = True
+
+
+_keep_pytest_out_of_torchs_trace_log()
 #: The unit of work (pytest-xdist scope) of the test files that start several processes (the ``distributed``
 #: marker: torchrun, mp.spawn, mpirun, a real Slurm): one worker runs them one after another while the other
 #: workers take the rest, so two multi-rank launches never share the cores (and ranks that wait on each other

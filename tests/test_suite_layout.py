@@ -5,6 +5,7 @@ mark would break that silently."""
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
@@ -114,6 +115,23 @@ def test_recorded_costs_are_the_test_time_by_file_where_recorded(request, tmp_pa
     record.write_text("{not json")
     assert conftest.recorded_costs(record) == {}
     assert conftest.recorded_costs(REPO / conftest.SUITE_COSTS)  # the shipped record is readable
+
+
+#: a logger that does not propagate, made before the tests run: pytest's log capture attaches its handlers to it
+_NON_PROPAGATING = logging.getLogger("scalefold.tests.non_propagating")
+_NON_PROPAGATING.propagate = False
+
+
+def test_pytests_log_capture_stays_out_of_torchs_structured_trace():
+    """tests/conftest.py keeps pytest's handlers off torch's structured-trace logger (with a handler there every
+    ``torch.compile`` builds its trace records for pytest to store), while pytest still captures the other loggers
+    that do not propagate."""
+    import torch
+    from torch._logging import _internal
+
+    assert any(type(h).__module__.startswith("_pytest") for h in _NON_PROPAGATING.handlers)  # capture is on
+    torch.compile(lambda x: x.sin() + 1, backend="eager")(torch.randn(3))
+    assert not any(type(h).__module__.startswith("_pytest") for h in _internal.trace_log.handlers)
 
 
 def test_make_test_runs_the_suite_on_every_core_with_the_guard():
