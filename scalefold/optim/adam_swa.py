@@ -40,9 +40,10 @@ Checkpoints: :meth:`FlatAdamSWA.state_dict` has the per-parameter layout of
 onto the flat buffers), and :meth:`FlatAdamSWA.swa_state_dict` the layout of the reference's
 ``AlphaFoldSWA`` module (``averaged_model.n_averaged``, ``averaged_model.module.<name>``).
 
-Gradients must stay views of the flat buffer: use :meth:`FlatAdamSWA.zero_grad` (zeroes in place,
-never sets ``None``) and, under DDP, ``gradient_as_bucket_view=False`` (DDP then copies the averaged
-bucket into the existing ``.grad`` views). Build the optimizer before wrapping the model in DDP.
+Gradients must stay in the flat buffer (each ``.grad`` its slot: a storage alias, not an autograd view, see
+:meth:`FlatAdamSWA._attach_grads`): use :meth:`FlatAdamSWA.zero_grad` (zeroes in place, never sets ``None``) and,
+under DDP, ``gradient_as_bucket_view=False`` (DDP then copies the averaged bucket into the existing ``.grad``).
+Build the optimizer before wrapping the model in DDP.
 """
 
 from __future__ import annotations
@@ -93,6 +94,22 @@ class FlatGroup:
 
     def views(self, flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
         return [flat[o : o + math.prod(s)].view(s) for o, s in zip(self.offsets, shapes)]
+
+    def aliases(self, flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+        """The memory of :meth:`views` as tensors that share ``flat``'s storage without being autograd views of it
+        (``.grad``: see :meth:`FlatAdamSWA._attach_grads`)."""
+        return [storage_alias(flat, o, s) for o, s in zip(self.offsets, shapes)]
+
+
+def storage_alias(flat: torch.Tensor, offset: int, shape: Sequence[int]) -> torch.Tensor:
+    """``flat[offset : offset + numel].view(shape)``'s elements (contiguous) as a tensor on ``flat``'s storage that
+    is not an autograd view of ``flat`` (no ``_base``): writes through either are seen by the other."""
+    shape = torch.Size(shape)
+    stride = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        stride[i] = stride[i + 1] * shape[i + 1]
+    alias = torch.empty(0, dtype=flat.dtype, device=flat.device)
+    return alias.set_(flat.untyped_storage(), flat.storage_offset() + offset, shape, stride)
 
 
 def _align(n: int, align: int) -> int:
@@ -204,11 +221,16 @@ class FlatAdamSWA:
         return groups
 
     def _attach_grads(self, groups: list[FlatGroup] | None = None) -> None:
+        """Each ``.grad`` its slot of the flat gradient buffer: a storage alias (:func:`storage_alias`), not an
+        autograd view. The memory and every write are the same; but ``torch.compile`` turns each input parameter's
+        ``.grad`` into a fake tensor, and a view's base gets a symbolic size per dimension with its guards: with
+        views the tiny model's compiled forward took 41 s to compile on the CPU, with aliases 11 s (bench/RESULTS.md,
+        "Issue 45, fourth session")."""
         holders = self._grad_holders()
         for group in groups if groups is not None else self.groups:
             shapes = [self.shapes[i] for i in group.indices]
-            for i, view in zip(group.indices, group.views(group.grad, shapes)):
-                holders[i].grad = view
+            for i, alias in zip(group.indices, group.aliases(group.grad, shapes)):
+                holders[i].grad = alias
 
     # -- training-step API ----------------------------------------------------------------------
 

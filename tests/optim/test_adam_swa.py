@@ -109,6 +109,49 @@ def test_parameters_and_grads_are_views_of_flat_buffers():
         opt.check_grads_attached()
 
 
+def test_grads_alias_the_flat_buffer_without_being_views_so_a_compile_makes_no_symbols():
+    """Each ``.grad`` is its slot of the flat gradient buffer (same memory, writes seen both ways) but not an autograd
+    view of it: ``torch.compile`` turns an input parameter's ``.grad`` into a fake tensor, and a view's base gets a
+    symbolic size per dimension (with guards and sympy work: 41 s vs 11 s to compile the tiny model's forward). Here
+    a static compile of the model makes no symbol at all; with the views it made them."""
+    from torch._guards import detect_fake_mode
+
+    from scalefold.optim.adam_swa import storage_alias
+
+    model = _model(torch.float32)
+    opt = FlatAdamSWA(model.parameters())
+    flat = opt.groups[0].grad
+    for p in model.parameters():
+        assert p.grad._base is None and not p.grad._is_view()
+    weight = model[0].weight
+    weight.grad.fill_(2.0)
+    lo = weight.grad.storage_offset() - flat.storage_offset()
+    assert torch.equal(flat[lo : lo + weight.numel()], torch.full((weight.numel(),), 2.0))
+    flat.zero_()
+    assert torch.count_nonzero(weight.grad) == 0
+    alias = storage_alias(flat, 3, (2, 4))
+    assert alias.stride() == (4, 1) and torch.equal(alias, flat[3:11].view(2, 4))
+
+    def symbols(views: bool) -> int:
+        if views:  # the .grad the optimizer attached before: views of the flat buffer
+            group = opt.groups[0]
+            for p, view in zip(model.parameters(), group.views(group.grad, [q.shape for q in model.parameters()])):
+                p.grad = view
+        seen = []
+
+        def backend(gm, example_inputs):
+            seen.append(len(detect_fake_mode(example_inputs).shape_env.var_to_val))
+            return gm.forward
+
+        torch._dynamo.reset()
+        torch.compile(model, backend=backend, dynamic=False)(torch.randn(9, 7))
+        torch._dynamo.reset()
+        return seen[0]
+
+    assert symbols(views=False) == 0
+    assert symbols(views=True) > 0  # what the aliases avoid (the check can tell)
+
+
 def test_bf16_compute_copy_groups_and_updates():
     """With a bf16 compute copy: grads are read from the compute params, master stays fp32, and the
     compute copy equals the master weights cast to bf16 after the step; mixed dtypes form two groups."""
