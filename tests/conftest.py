@@ -129,6 +129,23 @@ def tiny_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_store(TrainConfig.from_preset("tiny", overrides={"store": str(path)}, env={}))
 
 
+#: the compile caches' environment: ``configure_compile_cache`` (``--compile-cache``) sets it process-wide, as a run
+#: should; a test that runs such a command in-process would leave its temporary cache to every later test on its
+#: worker (their compiles then miss the suite's shared cache)
+COMPILE_CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+
+
+@pytest.fixture(autouse=True)
+def _compile_cache_env_restored():
+    before = {name: os.environ.get(name) for name in COMPILE_CACHE_ENV}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture
 def one_thread():
     """Tiny tensors: one intra-op thread (two spin-waiting threads on a shared 2-core box are ~10x slower); a

@@ -134,6 +134,22 @@ def test_pytests_log_capture_stays_out_of_torchs_structured_trace():
     assert not any(type(h).__module__.startswith("_pytest") for h in _internal.trace_log.handlers)
 
 
+_LEFT = "/nonexistent/left-by-the-test-before"
+
+
+def test_a_test_pointing_the_compile_cache_elsewhere():
+    """(with the next test) what ``--compile-cache`` run in-process does: the caches' environment set, not undone"""
+    import os
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ["TRITON_CACHE_DIR"] = _LEFT
+
+
+def test_does_not_leave_it_to_the_next_test():
+    import os
+
+    assert _LEFT not in (os.environ.get("TORCHINDUCTOR_CACHE_DIR"), os.environ.get("TRITON_CACHE_DIR"))
+
+
 def test_make_test_runs_the_suite_on_every_core_with_the_guard():
     makefile = (REPO / "Makefile").read_text()
     assert "TEST_WORKERS ?= auto" in makefile and "--dist loadgroup" in makefile
