@@ -118,7 +118,7 @@ def test_recorded_costs_are_the_test_time_by_file_where_recorded(request, tmp_pa
 
 
 #: a logger that does not propagate, made before the tests run: pytest's log capture attaches its handlers to it
-_NON_PROPAGATING = logging.getLogger("scalefold.tests.non_propagating")
+_NON_PROPAGATING = logging.getLogger("suite layout: a logger that does not propagate")
 _NON_PROPAGATING.propagate = False
 
 
