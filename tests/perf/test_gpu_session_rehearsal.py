@@ -181,14 +181,16 @@ def test_cpu_rehearsal_with_a_cap_mid_profile_a_raising_configuration_and_a_late
     trainer's two runs (``-train_step_off ...``: a minute more; rehearsed in bench/RESULTS.md, their comparison
     tested in test_train_step_compare.py) with the three faults at once: eager's cap lands in its profile (its row
     stands), graphs-step raises (the others stand), every estimate is late (the table comes without them, at
-    once). Caps twice the rehearsal's generous ones, no assert on how long anything took."""
+    once). The caps 1.2x the plan's (``SCALEFOLD_HEADLINE_CAP_SCALE``; the rehearsal's own default is 3x): eager's
+cap, which its hanging profile waits out, is then ~38 s for a row that comes within seconds (2 s on the idle
+box), the wait that makes most of this test's time; no assert on how long anything took."""
     out, work = tmp_path / "out", tmp_path / "work"
     env = {**os.environ, "REHEARSE": "cpu", "PARTS": "headline -train_step_off -train_step_graphs -train_step_compare",
            "OUT": str(out), "WORK": str(work),
            "PYTHON": sys.executable, "COMPILE_CACHE": str(tmp_path / "cache"), "ESTIMATES": str(tmp_path / "est"),
            "SCALEFOLD_REHEARSE_FAULT": "hang-profile:eager,raise:graphs-step,late-estimate:flops,late-estimate:torch,"
                                        "late-estimate:triton",
-           "HEADLINE_ESTIMATE_CAP": "20", "SCALEFOLD_HEADLINE_CAP_SCALE": "2", "OMP_NUM_THREADS": "1"}  # fmt: skip
+           "HEADLINE_ESTIMATE_CAP": "20", "SCALEFOLD_HEADLINE_CAP_SCALE": "1.2", "OMP_NUM_THREADS": "1"}  # fmt: skip
     run = subprocess.run(["bash", str(REPO / "bench" / "gpu_session.sh")], env=env, capture_output=True, text=True,
                          timeout=900, cwd=REPO)  # fmt: skip
     log = run.stdout + run.stderr
