@@ -142,6 +142,30 @@ def test_module_region_and_fp32_region_compile_their_inner_forward():
     assert report.stats()["graph_breaks"] == 0
 
 
+def test_a_region_compiles_with_the_garbage_collector_off_and_leaves_it_as_it_was():
+    """A compiled region's call (its first one compiles) runs with Python's cyclic collector off, and turns it back
+    on after only where it was on (the step loop keeps it off)."""
+    import gc
+
+    seen = []
+
+    def backend(gm, example_inputs):  # called while the region compiles
+        seen.append(gc.isenabled())
+        return gm.forward
+
+    model = Model()
+    compile_blocks(model, regions=("evoformer_stack",), backend=backend, strict=True)
+    assert gc.isenabled()
+    model(torch.randn(4, 8))
+    assert seen and not any(seen) and gc.isenabled()  # compiled (the three blocks share a graph) with it off
+    gc.disable()
+    try:
+        model(torch.randn(4, 8))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 # fp32 (the tiny preset's precision): the same regions, strict, backend and recycling counts are
 # tests/perf/test_step_bench.py::test_bench_step_json_counts_breaks_and_recompiles (through the command)
 @pytest.mark.parametrize("precision", ["bf16"])
