@@ -8,7 +8,6 @@ breaks, recompilations); :func:`warm_up` runs one forward and backward so compil
 
 from __future__ import annotations
 
-import gc
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -144,21 +143,12 @@ def _with_contiguous_inputs(fn):
     a region's inputs change strides with the step's recycling count (slices ``[..., it]`` of a batch
     ``[..., n + 1]``: the masks, the template features; the loss's batch ``[..., -1]``) -- one
     recompilation per recycling count without this (found by the strict test on the bf16 step). A
-    contiguous input passes as it is.
+    contiguous input passes as it is. The call runs with the cyclic garbage collector off
+    (:func:`~scalefold.kernels.elementwise.collector_off`: a first call compiles)."""
 
-    The call runs with Python's cyclic garbage collector off (as it was before, after): a region's first call
-    compiles it, and dynamo's and AOTAutograd's tracing make many objects that the collector would scan again and
-    again (~9 % of a compile's CPU on the tiny model); the step loop runs with it off anyway (``Trainer.fit``)."""
-
+    @elementwise.collector_off
     def forward(*args: object, **kwargs: object) -> object:
-        collecting = gc.isenabled()
-        if collecting:
-            gc.disable()
-        try:
-            return fn(*(_contiguous(a) for a in args), **{k: _contiguous(v) for k, v in kwargs.items()})
-        finally:
-            if collecting:
-                gc.enable()
+        return fn(*(_contiguous(a) for a in args), **{k: _contiguous(v) for k, v in kwargs.items()})
 
     return forward
 

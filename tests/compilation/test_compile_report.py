@@ -164,6 +164,18 @@ def test_a_region_compiles_with_the_garbage_collector_off_and_leaves_it_as_it_wa
         assert not gc.isenabled()
     finally:
         gc.enable()
+    # the elementwise chains, compiled functions of their own, too
+    from scalefold.kernels import elementwise
+
+    seen.clear()
+    state = dict(elementwise._state)
+    elementwise.enable(backend, ("sigmoid_gate",))
+    try:
+        elementwise.chain("sigmoid_gate")(torch.randn(4, 8), torch.randn(4, 8))
+    finally:
+        elementwise._state.update(state)
+        elementwise._compiled.pop(backend, None)
+    assert seen and not any(seen) and gc.isenabled()
 
 
 # fp32 (the tiny preset's precision): the same regions, strict, backend and recycling counts are
