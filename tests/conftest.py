@@ -68,9 +68,10 @@ PROCESSES_GROUP = "processes"
 #: The budget of the suite's CPU time, seconds: the CPU seconds of every test's setup + call + teardown, its own
 #: process's and those of the processes it started and waited for (torchrun ranks, CLI runs) -- the serial cost
 #: of the suite, much steadier than wall seconds on a busy machine. Past it the run ends with a loud line (never a
-#: failure: it still depends on the machine). 2,695 CPU s measured 2026-12-07 (third session, `.ci/run` on a fresh
-#: clone) on the 2-core dev box (bench/RESULTS.md, "Issue 45"); raise it deliberately, in the commit that needs it.
-SUITE_BUDGET_CPU_S = float(os.environ.get("SCALEFOLD_SUITE_BUDGET_CPU_S", "3000"))
+#: failure: it still depends on the machine). 1,770 CPU s measured 2026-12-08 (fourth session, `.ci/run` on a fresh
+#: clone, inductor's cache cold) on the 2-core dev box (bench/RESULTS.md, "Issue 45"); raise it deliberately, in the
+#: commit that needs it.
+SUITE_BUDGET_CPU_S = float(os.environ.get("SCALEFOLD_SUITE_BUDGET_CPU_S", "2200"))
 
 
 def _shared_root() -> Path:
