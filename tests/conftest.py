@@ -37,7 +37,6 @@ if _XDIST_WORKERS > 1:
     os.environ["OMP_NUM_THREADS"] = str(_THREADS)
 
 
-
 def _keep_pytest_out_of_torchs_trace_log() -> None:
     """pytest's log capture attaches its handlers to every logger that does not propagate, torch's structured-trace
     logger (``torch._logging._internal.trace_log``, always at DEBUG) among them. torch builds a structured-trace
@@ -60,6 +59,7 @@ def _keep_pytest_out_of_torchs_trace_log() -> None:
 
 
 _keep_pytest_out_of_torchs_trace_log()
+
 #: The unit of work (pytest-xdist scope) of the test files that start several processes (the ``distributed``
 #: marker: torchrun, mp.spawn, mpirun, a real Slurm): one worker runs them one after another while the other
 #: workers take the rest, so two multi-rank launches never share the cores (and ranks that wait on each other

@@ -96,20 +96,16 @@ class FlatGroup:
         return [flat[o : o + math.prod(s)].view(s) for o, s in zip(self.offsets, shapes)]
 
     def aliases(self, flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
-        """The memory of :meth:`views` as tensors that share ``flat``'s storage without being autograd views of it
-        (``.grad``: see :meth:`FlatAdamSWA._attach_grads`)."""
-        return [storage_alias(flat, o, s) for o, s in zip(self.offsets, shapes)]
+        """:meth:`views`' memory as tensors that are not autograd views of ``flat`` (``.grad``: see
+        :meth:`FlatAdamSWA._attach_grads`)."""
+        return [storage_alias(v) for v in self.views(flat, shapes)]
 
 
-def storage_alias(flat: torch.Tensor, offset: int, shape: Sequence[int]) -> torch.Tensor:
-    """``flat[offset : offset + numel].view(shape)``'s elements (contiguous) as a tensor on ``flat``'s storage that
-    is not an autograd view of ``flat`` (no ``_base``): writes through either are seen by the other."""
-    shape = torch.Size(shape)
-    stride = [1] * len(shape)
-    for i in range(len(shape) - 2, -1, -1):
-        stride[i] = stride[i + 1] * shape[i + 1]
-    alias = torch.empty(0, dtype=flat.dtype, device=flat.device)
-    return alias.set_(flat.untyped_storage(), flat.storage_offset() + offset, shape, stride)
+def storage_alias(view: torch.Tensor) -> torch.Tensor:
+    """A tensor on ``view``'s storage, offset, sizes and strides that is not an autograd view (no ``_base``):
+    writes through either are seen by the other."""
+    alias = torch.empty(0, dtype=view.dtype, device=view.device)
+    return alias.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
 
 
 def _align(n: int, align: int) -> int:
